@@ -1,0 +1,5 @@
+"""Adapters between mars_plugin and the WSSS / USS codebases (installed as ``mars_plugin.adapters``).
+
+Each adapter reads one upstream repository's outputs exactly as that repository writes them and
+hands the core plain tensors. They arrive with their own issues; this package is the home.
+"""

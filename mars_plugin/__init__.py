@@ -1,0 +1,35 @@
+"""mars-plugin: MARS (Jo et al., ICCV 2023), model-agnostic biased object removal for WSSS.
+
+Three calls between the pseudo-label and segmentation stages of any WSSS codebase::
+
+    V = select_centroids(zip(features, pseudo_labels), num_classes=20)      # Eq. 1-3, once
+    y_db = debias_labels(F_i, Y_i, V, classes_i, image=img_i)                # Eq. 4-5, per image
+    y_co, w = complement_labels(y_db, teacher(x).softmax(1), classes)        # Eq. 6, per step
+    loss = WCELoss()(student(x), y_co, w)                                    # Eq. 7
+"""
+from .centroids import ImageCentroids, image_centroids
+from .complement import complement_labels
+from .debias import BIASED, DebiasResult, debias_labels, debiased_similarity
+from .ema import EMATeacher
+from .kmeans import batched_kmeans, kmeans
+from .losses import WCELoss, weighted_cross_entropy
+from .selection import DebiasedCentroids, select_centroids
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BIASED",
+    "DebiasResult",
+    "DebiasedCentroids",
+    "EMATeacher",
+    "ImageCentroids",
+    "WCELoss",
+    "batched_kmeans",
+    "complement_labels",
+    "debias_labels",
+    "debiased_similarity",
+    "image_centroids",
+    "kmeans",
+    "select_centroids",
+    "weighted_cross_entropy",
+]

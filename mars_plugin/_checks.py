@@ -1,0 +1,193 @@
+"""One checked-input idiom for the whole package.
+
+Every public function converts and validates its arguments through these helpers so that
+errors always name the argument, what it got and what was expected (scikit-learn style).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+__all__ = [
+    "as_tensor",
+    "check_ndim",
+    "check_finite",
+    "check_float_tensor",
+    "check_label_tensor",
+    "check_same_spatial",
+    "check_int_param",
+    "check_fraction",
+    "describe",
+    "check_image_classes",
+]
+
+
+def describe(x: Any) -> str:
+    """Short description of a value for error messages."""
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, np.ndarray):
+        return f"array of shape {x.shape} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"[:200]
+
+
+def as_tensor(x: Any, name: str, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Convert numpy arrays (and nested sequences) to tensors; refuse anything else."""
+    if isinstance(x, torch.Tensor):
+        t = x
+    elif isinstance(x, np.ndarray):
+        if x.dtype == object:
+            raise TypeError(f"{name} must be a numeric array or tensor, got {describe(x)}")
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    elif isinstance(x, (list, tuple)):
+        try:
+            t = torch.as_tensor(np.asarray(x))
+        except (TypeError, ValueError) as e:  # ragged lists and the like
+            raise TypeError(f"{name} must be a tensor or array, got {describe(x)}") from e
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {describe(x)}")
+    if device is not None:
+        t = t.to(device)
+    return t
+
+
+def check_ndim(t: torch.Tensor, name: str, ndims: Iterable[int], layout: str) -> None:
+    ndims = tuple(ndims)
+    if t.ndim not in ndims:
+        raise ValueError(
+            f"{name} must have {' or '.join(str(n) for n in ndims)} dimensions ({layout}), "
+            f"got {describe(t)}"
+        )
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{name} contains {bad} NaN or Inf value(s); expected finite values")
+
+
+def check_float_tensor(x: Any, name: str, ndims: Iterable[int], layout: str) -> torch.Tensor:
+    """A finite floating tensor of the given rank (integers are promoted to float32)."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, ndims, layout)
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must be a real floating tensor, got {describe(t)}")
+    if not t.is_floating_point():
+        t = t.float()
+    check_finite(t, name)
+    return t
+
+
+def check_label_tensor(
+    x: Any,
+    name: str,
+    ndims: Iterable[int],
+    layout: str,
+    *,
+    ignore_index: int,
+    allow_biased: bool = False,
+    num_classes: Optional[int] = None,
+) -> torch.Tensor:
+    """An integer label map with values in {0..C}, ``ignore_index`` and optionally -1."""
+    t = as_tensor(x, name)
+    check_ndim(t, name, ndims, layout)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        if t.is_floating_point() and bool((t == t.round()).all()):
+            t = t.long()
+        else:
+            raise TypeError(f"{name} must be an integer label map, got {describe(t)}")
+    t = t.long()
+    special = t == ignore_index
+    if allow_biased:
+        special |= t == -1
+    values = t[~special]
+    if values.numel():
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0:
+            allowed = "-1 (biased), " if allow_biased else ""
+            raise ValueError(
+                f"{name} holds the negative value {lo}; expected class ids >= 0, "
+                f"{allowed}or ignore_index={ignore_index}"
+            )
+        if num_classes is not None and hi > num_classes:
+            raise ValueError(
+                f"{name} holds the class id {hi} but num_classes={num_classes}; expected ids in "
+                f"0..{num_classes} (0 = background) or ignore_index={ignore_index}"
+            )
+    return t
+
+
+def check_same_spatial(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
+    if tuple(a.shape[-2:]) != tuple(b.shape[-2:]):
+        raise ValueError(
+            f"{a_name} and {b_name} must have the same height and width, got "
+            f"{tuple(a.shape[-2:])} and {tuple(b.shape[-2:])}"
+        )
+
+
+def check_int_param(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {describe(value)}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_fraction(value: Any, name: str, *, low_open: bool = True, low: float = 0.0, high: float = 1.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a real number in ({low}, {high}], got {describe(value)}")
+    ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must lie in {bracket}{low}, {high}], got {value}")
+    return float(value)
+
+
+def check_image_classes(x: Any, name: str, num_classes: int, batch: Optional[int]) -> torch.Tensor:
+    """Image-level labels as a boolean multi-hot tensor, (C,) or (B, C) when ``batch`` is set.
+
+    Two spellings are accepted and never confused:
+
+    * a tensor or numpy array is a **multi-hot vector** over the C foreground classes
+      (index k <-> class k+1, the layout of IRNet/SEAM ``cls_labels.npy``), shape (C,) or (B, C);
+    * a Python list/tuple/set of ints is a list of **1-based class ids** (1..C); for a batch,
+      a list of such lists.
+    """
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        t = as_tensor(x, name)
+        want = (num_classes,) if batch is None else (batch, num_classes)
+        if tuple(t.shape) != want:
+            layout = "(C,)" if batch is None else "(B, C)"
+            raise ValueError(
+                f"{name} as a multi-hot tensor must have shape {layout} = {want} "
+                f"(foreground classes only, index k is class k+1), got {describe(t)}"
+            )
+        if t.is_complex():
+            raise TypeError(f"{name} must be real, got {describe(t)}")
+        if not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"{name} as a multi-hot tensor must hold only 0 and 1, got {describe(t)}")
+        return t.bool()
+    if isinstance(x, (list, tuple, set, frozenset)):
+        if batch is not None:
+            if len(x) != batch:
+                raise ValueError(f"{name} must hold one class-id list per image ({batch}), got {len(x)}")
+            return torch.stack([check_image_classes(list(ids) if isinstance(ids, (list, tuple, set, frozenset)) else ids,
+                                                    f"{name}[{i}]", num_classes, None)
+                                for i, ids in enumerate(x)])
+        out = torch.zeros(num_classes, dtype=torch.bool)
+        for cid in x:
+            if isinstance(cid, bool) or not isinstance(cid, numbers.Integral):
+                raise TypeError(f"{name} must hold integer class ids, got {describe(cid)}")
+            if not 1 <= cid <= num_classes:
+                raise ValueError(
+                    f"{name} holds class id {cid}; expected 1-based foreground ids in 1..{num_classes}"
+                )
+            out[int(cid) - 1] = True
+        return out
+    raise TypeError(
+        f"{name} must be a multi-hot tensor/array (C,) or a list of 1-based class ids, got {describe(x)}"
+    )

@@ -1,0 +1,64 @@
+"""EMA teacher of Sec. 3.4: theta_hat <- m * theta_hat + (1 - m) * theta."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._checks import check_fraction, describe
+
+__all__ = ["EMATeacher"]
+
+
+class EMATeacher(nn.Module):
+    """A frozen copy of a student network, updated as an exponential moving average.
+
+    The teacher is always in eval mode (BatchNorm uses running statistics, dropout is off) and
+    has no gradient; calling it runs under ``torch.no_grad()``.
+
+    Every floating parameter and buffer follows ``t = momentum * t + (1 - momentum) * s``;
+    integer buffers (BatchNorm's ``num_batches_tracked``) are copied from the student.
+
+    Args:
+        model: the student network (deep-copied).
+        momentum: EMA momentum m in [0, 1]; 0.999 by default.
+    """
+
+    def __init__(self, model: nn.Module, momentum: float = 0.999) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {describe(model)}")
+        self.momentum = check_fraction(momentum, "momentum", low_open=False)
+        self.module = copy.deepcopy(model)
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.module.eval()
+
+    def train(self, mode: bool = True) -> "EMATeacher":
+        # The teacher never trains: keep the wrapped module in eval mode whatever the caller does.
+        super().train(False)
+        return self
+
+    @torch.no_grad()
+    def update(self, student: nn.Module) -> None:
+        """One EMA step towards ``student`` (same architecture as the teacher)."""
+        t_state = self.module.state_dict()
+        s_state = student.state_dict()
+        if t_state.keys() != s_state.keys():
+            missing = sorted(set(t_state) ^ set(s_state))[:5]
+            raise ValueError(f"student does not match the teacher's architecture (differing keys: {missing})")
+        m = self.momentum
+        for name, t in t_state.items():
+            s = s_state[name].detach()
+            if t.shape != s.shape:
+                raise ValueError(f"student {name} has shape {tuple(s.shape)}, teacher {tuple(t.shape)}")
+            if t.is_floating_point():
+                t.mul_(m).add_(s.to(t.dtype), alpha=1.0 - m)
+            else:
+                t.copy_(s)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return self.module(*args, **kwargs)

@@ -1,0 +1,234 @@
+"""Batched K-means in torch: many small clustering problems in one call.
+
+MARS clusters the pixels of every (image, class) pair separately (Sec. 3.2): thousands of tiny
+problems with K = 2. Running scikit-learn once per problem is dominated by Python overhead, so
+this module pads the problems into one (B, N, D) tensor and runs greedy k-means++ seeding and
+Lloyd iterations for all of them at once, on whatever device the points live.
+
+Determinism: the random numbers of problem ``b`` come from its own CPU generator seeded with
+``seeds[b]``, so a problem's result does not depend on which other problems share the batch
+(batch == one-by-one) nor on the device the arithmetic runs on, up to float rounding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ._checks import check_int_param, describe
+
+__all__ = ["KMeansResult", "batched_kmeans", "kmeans"]
+
+
+@dataclass
+class KMeansResult:
+    """Result of :func:`batched_kmeans` for B problems padded to ``Kmax`` centroids.
+
+    Attributes:
+        centroids: (B, Kmax, D) cluster means; rows with ``valid == False`` are zeros.
+        valid: (B, Kmax) bool, True for the ``k_eff = min(K, distinct points)`` real centroids.
+        labels: (B, N) long, index of the closest centroid per point (-1 at padded points).
+        inertia: (B,) sum of squared distances of the points to their centroid.
+        n_iter: number of Lloyd iterations run (the maximum over the batch).
+    """
+
+    centroids: torch.Tensor
+    valid: torch.Tensor
+    labels: torch.Tensor
+    inertia: torch.Tensor
+    n_iter: int
+
+
+def _uniforms(seeds: Sequence[int], rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """(B, rows, cols) uniforms in [0, 1), drawn per problem from its own generator."""
+    out = torch.empty(len(seeds), rows, cols, dtype=torch.float64)
+    for b, s in enumerate(seeds):
+        g = torch.Generator().manual_seed(int(s) % (2**63))
+        out[b] = torch.rand(rows, cols, generator=g, dtype=torch.float64)
+    return out.to(device)
+
+
+def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw indices with probability proportional to ``weights`` (B, N) for uniforms u (B, T).
+
+    Points of zero weight (padding, already chosen centroids) are never drawn: the inverse CDF
+    picks the first index whose cumulative weight exceeds u * total.
+    """
+    cum = weights.double().cumsum(1)
+    target = u * cum[:, -1:]
+    idx = torch.searchsorted(cum, target, right=True).clamp_max(weights.shape[1] - 1)
+    # Guard against rounding at the upper end: fall back to the last positive-weight point.
+    positive = weights > 0
+    last_positive = (torch.arange(weights.shape[1], device=weights.device) * positive).argmax(1)
+    bad = ~positive.gather(1, idx)
+    return torch.where(bad, last_positive[:, None].expand_as(idx), idx)
+
+
+def _sq_dist_exact(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Squared distances (B, N, T) computed from differences, so identical points give exactly 0."""
+    return torch.cdist(x, c, compute_mode="donot_use_mm_for_euclid_dist").square()
+
+
+def _sq_dist_fast(x: torch.Tensor, x2: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Squared distances (B, N, K) through the |x|^2 - 2 x.c + |c|^2 expansion (one bmm)."""
+    c2 = c.square().sum(-1)
+    return torch.baddbmm(x2[:, :, None] + c2[:, None, :], x, c.transpose(1, 2), alpha=-2.0).clamp_min_(0)
+
+
+def _kmeanspp(x: torch.Tensor, mask: torch.Tensor, k: torch.Tensor, u: torch.Tensor, trials: int):
+    """Greedy k-means++ seeding (as scikit-learn: 2 + ln K candidates per step, keep the best).
+
+    Stops early for a problem whose remaining points all coincide with chosen centroids: this is
+    how a problem with fewer distinct points than K ends with fewer centroids.
+    """
+    B, N, D = x.shape
+    kmax = u.shape[1]
+    bidx = torch.arange(B, device=x.device)
+    w = mask.to(x.dtype)
+    centers = x.new_zeros(B, kmax, D)
+    valid = torch.zeros(B, kmax, dtype=torch.bool, device=x.device)
+
+    first = _sample(w, u[:, 0, :1])[:, 0]
+    valid[:, 0] = mask.any(1) & (k >= 1)
+    centers[:, 0] = torch.where(valid[:, 0, None], x[bidx, first], 0)
+    closest = _sq_dist_exact(x, centers[:, :1])[..., 0] * w
+    for j in range(1, kmax):
+        active = (k > j) & (closest.sum(1) > 0)
+        if not bool(active.any()):
+            break
+        cand = _sample(closest, u[:, j, :trials])  # (B, T)
+        cand_pts = x[bidx[:, None], cand]  # (B, T, D)
+        d_cand = _sq_dist_exact(x, cand_pts)  # (B, N, T)
+        pot = (torch.minimum(closest[:, :, None], d_cand) * w[:, :, None]).sum(1)  # (B, T)
+        best = pot.argmin(1)  # first candidate on ties
+        chosen = cand[bidx, best]
+        centers[:, j] = torch.where(active[:, None], x[bidx, chosen], 0)
+        valid[:, j] = active
+        new_closest = torch.minimum(closest, d_cand[bidx, :, best] * w)
+        closest = torch.where(active[:, None], new_closest, closest)
+    return centers, valid
+
+
+def batched_kmeans(
+    points: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    k: Union[int, Sequence[int], torch.Tensor],
+    *,
+    seeds: Union[int, Sequence[int]] = 0,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    n_init: int = 1,
+) -> KMeansResult:
+    """Euclidean K-means with greedy k-means++ seeding on B padded problems at once.
+
+    Args:
+        points: (B, N, D) float points; padded rows are ignored through ``mask``.
+        mask: (B, N) bool, True for real points (None: all real).
+        k: clusters per problem, an int or (B,) ints >= 1. A problem with fewer distinct points
+            than its K gets one centroid per distinct point (``valid`` tells which).
+        seeds: one seed for all problems or (B,) seeds, one per problem.
+        max_iter: cap on Lloyd iterations.
+        tol: stop when every problem's total squared centroid shift is at most
+            ``tol * mean(per-dimension variance)`` of its points (scikit-learn's rule), or when no
+            label changes.
+        n_init: independent seedings per problem; the run with the lowest inertia is kept.
+
+    Returns:
+        :class:`KMeansResult`.
+    """
+    if not isinstance(points, torch.Tensor) or points.ndim != 3 or not points.is_floating_point():
+        raise ValueError(f"points must be a (B, N, D) floating tensor, got {describe(points)}")
+    B, N, D = points.shape
+    if mask is None:
+        mask = torch.ones(B, N, dtype=torch.bool, device=points.device)
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, N):
+        raise ValueError(f"mask must be a (B, N) = {(B, N)} bool tensor, got {describe(mask)}")
+    mask = mask.bool().to(points.device)
+    if isinstance(k, torch.Tensor):
+        k_t = k.to(device=points.device, dtype=torch.long).reshape(-1)
+    elif isinstance(k, (list, tuple)):
+        k_t = torch.tensor([check_int_param(v, "k", 1) for v in k], dtype=torch.long, device=points.device)
+    else:
+        k_t = torch.full((B,), check_int_param(k, "k", 1), dtype=torch.long, device=points.device)
+    if k_t.numel() != B or bool((k_t < 1).any()):
+        raise ValueError(f"k must be an int >= 1 or B = {B} ints >= 1, got {describe(k)}")
+    max_iter = check_int_param(max_iter, "max_iter", 1)
+    n_init = check_int_param(n_init, "n_init", 1)
+    if isinstance(seeds, (list, tuple)):
+        if len(seeds) != B:
+            raise ValueError(f"seeds must be one int or B = {B} ints, got {len(seeds)}")
+        seed_list = [int(s) for s in seeds]
+    else:
+        seed_list = [int(seeds)] * B
+    kmax = int(k_t.max()) if B else 1
+
+    if n_init > 1:
+        # Replicate every problem n_init times with derived seeds and keep the best run.
+        rep = lambda t: t.repeat_interleave(n_init, 0)  # noqa: E731
+        seeds_r = [s * 1_000_003 + r for s in seed_list for r in range(n_init)]
+        res = batched_kmeans(rep(points), rep(mask), rep(k_t), seeds=seeds_r, max_iter=max_iter, tol=tol)
+        best = res.inertia.view(B, n_init).argmin(1) + torch.arange(B, device=points.device) * n_init
+        return KMeansResult(res.centroids[best], res.valid[best], res.labels[best], res.inertia[best], res.n_iter)
+
+    if B == 0 or N == 0:
+        return KMeansResult(
+            points.new_zeros(B, kmax, D),
+            torch.zeros(B, kmax, dtype=torch.bool, device=points.device),
+            torch.full((B, N), -1, dtype=torch.long, device=points.device),
+            points.new_zeros(B),
+            0,
+        )
+
+    x = points.masked_fill(~mask[:, :, None], 0)
+    w = mask.to(x.dtype)
+    trials = 2 + int(math.log(kmax))
+    u = _uniforms(seed_list, kmax, trials, x.device)
+    centers, valid = _kmeanspp(x, mask, k_t, u, trials)
+
+    n_pts = w.sum(1).clamp_min(1)
+    mean = (x * w[:, :, None]).sum(1) / n_pts[:, None]
+    var = (((x - mean[:, None]) * w[:, :, None]).square().sum(1) / n_pts[:, None]).mean(1)
+    tol_b = tol * var
+
+    x2 = x.square().sum(-1)
+    labels = None
+    n_iter = 0
+    for n_iter in range(1, max_iter + 1):
+        d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
+        new_labels = d.argmin(-1)
+        onehot = torch.nn.functional.one_hot(new_labels, kmax).to(x.dtype) * w[:, :, None]
+        counts = onehot.sum(1)  # (B, K)
+        sums = torch.bmm(onehot.transpose(1, 2), x)
+        # An emptied cluster keeps its previous centre (it cannot happen on the first step:
+        # every seed owns at least the distinct point it was drawn from).
+        new_centers = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], centers)
+        shift = (new_centers - centers).square().sum((1, 2))
+        centers = new_centers
+        same = labels is not None and bool(((new_labels == labels) | ~mask).all())
+        labels = new_labels
+        if same or bool((shift <= tol_b).all()):
+            break
+
+    d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
+    dmin, labels = d.min(-1)
+    inertia = (dmin.nan_to_num(posinf=0.0) * w).sum(1)
+    labels = labels.masked_fill(~mask, -1)
+    return KMeansResult(centers * valid[:, :, None], valid, labels, inertia, n_iter)
+
+
+def kmeans(
+    points: torch.Tensor,
+    k: int,
+    *,
+    seed: int = 0,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    n_init: int = 1,
+) -> torch.Tensor:
+    """K-means of one (N, D) point set; returns the (k_eff, D) centroids, k_eff = min(k, distinct)."""
+    if not isinstance(points, torch.Tensor) or points.ndim != 2:
+        raise ValueError(f"points must be an (N, D) tensor, got {describe(points)}")
+    res = batched_kmeans(points[None], None, k, seeds=seed, max_iter=max_iter, tol=tol, n_init=n_init)
+    return res.centroids[0][res.valid[0]]

@@ -1,0 +1,270 @@
+"""Selecting debiased centroids (MARS Sec. 3.2, Eq. 1-3).
+
+Eq. 1 scores every foreground centroid v by its mean cosine distance to *all* background
+centroids b_j of the training set: dist(v) = 1/N_bg sum_j (1 - S(v, b_j)) / 2. The cosine is
+linear in the normalised background vectors, so
+
+    dist(v) = (1 - v_hat . mean_j(b_hat_j)) / 2                                 (exact)
+
+and only the running sum of normalised background centroids is kept: O(N) time, O(D) memory
+for the background, while the foreground keeps only its candidate centroids (never features).
+Eq. 2-3 then average, per class, the ceil(alpha * N_fg_c) candidates farthest from the
+background (stable descending sort: ties keep the order in which images were seen).
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_fraction, check_int_param, describe
+from .centroids import ImageCentroids, _as_batch, _cluster_images
+
+__all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected"]
+
+
+def num_selected(n_candidates: int, alpha: float) -> int:
+    """ceil(n * alpha) of Eq. 2, immune to float noise (0.7 * 10 = 7.000000000000001 -> 7)."""
+    if n_candidates <= 0:
+        return 0
+    return max(1, math.ceil(round(n_candidates * alpha, 9)))
+
+
+def background_distance(candidates: torch.Tensor, background_mean: torch.Tensor) -> torch.Tensor:
+    """Eq. 1 through the mean-direction identity.
+
+    Shapes:
+        candidates: (N, D) foreground centroids v.
+        background_mean: (D,) mean of the L2-normalised background centroids, mean_j b_hat_j.
+
+    Returns:
+        (N,) float64 distances (1 - v_hat . mean_j b_hat_j) / 2, in [0, 1].
+    """
+    v_hat = F.normalize(candidates.double(), dim=1)
+    return (1.0 - v_hat @ background_mean.double().to(v_hat.device)) / 2.0
+
+
+@dataclass
+class DebiasedCentroids:
+    """Result of :func:`select_centroids`.
+
+    Attributes (C = number of foreground classes):
+        centroids: (C+1, D) debiased centroid V^c per class (Eq. 2); row 0 (background) and
+            classes never seen are zeros.
+        valid: (C+1,) bool, True where a class has a centroid (never for row 0).
+        num_candidates: (C+1,) long, N_fg_c candidate centroids per class (row 0: N_bg).
+        num_selected: (C+1,) long, ceil(alpha * N_fg_c) averaged centroids.
+        cut_distance: (C+1,) float64, Eq. 1 distance of the last selected candidate (NaN where
+            invalid): candidates closer to the background than this were treated as biased.
+        background_mean: (D,) mean of the normalised background centroids (Eq. 1).
+        num_images: images consumed.
+        config: the hyper-parameters used (alpha, k_fg, k_bg, normalize, seed).
+    """
+
+    centroids: torch.Tensor
+    valid: torch.Tensor
+    num_candidates: torch.Tensor
+    num_selected: torch.Tensor
+    cut_distance: torch.Tensor
+    background_mean: torch.Tensor
+    num_images: int
+    config: Dict[str, Union[float, int, bool]] = field(default_factory=dict)
+
+    @property
+    def num_classes(self) -> int:
+        """C, the number of foreground classes."""
+        return int(self.centroids.shape[0]) - 1
+
+    @property
+    def dim(self) -> int:
+        return int(self.centroids.shape[1])
+
+    def to(self, device: Union[str, torch.device]) -> "DebiasedCentroids":
+        t = lambda x: x.to(device)  # noqa: E731
+        return DebiasedCentroids(
+            t(self.centroids), t(self.valid), t(self.num_candidates), t(self.num_selected),
+            t(self.cut_distance), t(self.background_mean), self.num_images, dict(self.config),
+        )
+
+    def state_dict(self) -> Dict[str, object]:
+        return {
+            "format": "mars-plugin/debiased-centroids/1",
+            "centroids": self.centroids.cpu(),
+            "valid": self.valid.cpu(),
+            "num_candidates": self.num_candidates.cpu(),
+            "num_selected": self.num_selected.cpu(),
+            "cut_distance": self.cut_distance.cpu(),
+            "background_mean": self.background_mean.cpu(),
+            "num_images": int(self.num_images),
+            "config": dict(self.config),
+        }
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write to ``path`` atomically (temporary file in the same folder, then rename)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(self.state_dict(), fh)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> "DebiasedCentroids":
+        """Read a file written by :meth:`save`. Uses ``torch.load(weights_only=True)``: no
+        arbitrary unpickling happens, so the file may come from anyone."""
+        d = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
+        if not isinstance(d, dict) or d.get("format") != "mars-plugin/debiased-centroids/1":
+            raise ValueError(f"{os.fspath(path)!r} is not a mars-plugin centroid file (missing format tag)")
+        return cls(
+            d["centroids"], d["valid"], d["num_candidates"], d["num_selected"], d["cut_distance"],
+            d["background_mean"], int(d["num_images"]), dict(d["config"]),
+        )
+
+
+def _iter_image_centroids(samples, *, batch_size, progress, total, **kw):
+    """Yield ImageCentroids from samples, clustering (features, label) pairs batch_size at a time."""
+    pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    ignore_index = kw["ignore_index"]
+    it = samples
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(samples, total=total, desc="select_centroids", unit="img")
+    for i, s in enumerate(it):
+        if isinstance(s, ImageCentroids):
+            if pending:
+                yield from _cluster_images(pending, **kw)
+                pending = []
+            yield s
+            continue
+        if not isinstance(s, (tuple, list)) or len(s) != 2:
+            raise TypeError(
+                f"samples[{i}] must be a (features, pseudo_label) pair or an ImageCentroids, got {describe(s)}"
+            )
+        try:
+            f, y, single = _as_batch(s[0], s[1], ignore_index)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"samples[{i}]: {e}") from None
+        if not single:
+            raise ValueError(f"samples[{i}] must hold one image ((D, H, W), (H, W)), got a batch of {f.shape[0]}")
+        pending.append((f[0], y[0]))
+        if len(pending) >= batch_size:
+            yield from _cluster_images(pending, **kw)
+            pending = []
+    if pending:
+        yield from _cluster_images(pending, **kw)
+
+
+def select_centroids(
+    samples: Iterable[Union[Tuple[object, object], ImageCentroids]],
+    num_classes: int,
+    *,
+    alpha: float = 0.4,
+    k_fg: int = 2,
+    k_bg: int = 2,
+    ignore_index: int = 255,
+    normalize: bool = True,
+    seed: int = 0,
+    batch_size: int = 8,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    n_init: int = 1,
+    progress: bool = False,
+    total: Optional[int] = None,
+) -> DebiasedCentroids:
+    """Debiased centroid of every class from a stream of images (Eq. 1-3).
+
+    Args:
+        samples: iterable, consumed once and never stored, of either ``(features (D, H, W),
+            pseudo_label (H', W'))`` pairs or :class:`ImageCentroids` (e.g. precomputed by
+            :func:`image_centroids` on other workers). Only centroids are kept in memory.
+        num_classes: C, the number of foreground classes (labels are 0..C).
+        alpha: share of each class's candidates, farthest from the background, that is
+            averaged (Eq. 2); in (0, 1], 0.40 in the paper.
+        k_fg, k_bg, ignore_index, normalize, seed, max_iter, tol, n_init: see
+            :func:`image_centroids`.
+        batch_size: (features, label) pairs clustered together in one batched K-means call.
+        progress: show a tqdm progress bar (``total`` sizes it when ``samples`` has no len()).
+
+    Returns:
+        :class:`DebiasedCentroids`.
+
+    Raises:
+        ValueError: empty ``samples``, alpha outside (0, 1], no background centroid in any
+            image (Eq. 1 is undefined), a label above ``num_classes``, mixed embedding sizes.
+    """
+    num_classes = check_int_param(num_classes, "num_classes", 1)
+    alpha = check_fraction(alpha, "alpha")
+    batch_size = check_int_param(batch_size, "batch_size", 1)
+    if isinstance(samples, (torch.Tensor, ImageCentroids)) or not hasattr(samples, "__iter__"):
+        raise TypeError(f"samples must be an iterable of (features, pseudo_label) pairs or ImageCentroids, got {describe(samples)}")
+    if total is None and hasattr(samples, "__len__"):
+        total = len(samples)  # type: ignore[arg-type]
+
+    bg_sum: Optional[torch.Tensor] = None
+    n_bg = 0
+    candidates: Dict[int, List[torch.Tensor]] = {}
+    dim: Optional[int] = None
+    n_images = 0
+    kw = dict(k_fg=check_int_param(k_fg, "k_fg", 1), k_bg=check_int_param(k_bg, "k_bg", 1),
+              ignore_index=ignore_index, normalize=normalize, seed=seed, max_iter=max_iter, tol=tol,
+              n_init=n_init)
+    for ic in _iter_image_centroids(samples, batch_size=batch_size, progress=progress, total=total, **kw):
+        if dim is None:
+            dim = ic.dim
+        elif ic.dim != dim:
+            raise ValueError(f"image {n_images}: embedding size D={ic.dim} differs from D={dim} of the first image")
+        bad = [c for c in ic.fg if c > num_classes]
+        if bad:
+            raise ValueError(
+                f"image {n_images}: pseudo label holds class {max(bad)} but num_classes={num_classes}; "
+                f"expected ids 0..{num_classes} or ignore_index={ignore_index}"
+            )
+        if ic.bg.shape[0]:
+            s = F.normalize(ic.bg.double(), dim=1).sum(0)
+            bg_sum = s if bg_sum is None else bg_sum + s.to(bg_sum.device)
+            n_bg += int(ic.bg.shape[0])
+        for c, v in ic.fg.items():
+            candidates.setdefault(int(c), []).append(v.detach())
+        n_images += 1
+
+    if n_images == 0:
+        raise ValueError("samples is empty: select_centroids needs at least one image")
+    if n_bg == 0 or bg_sum is None:
+        raise ValueError(
+            f"no background centroid in any of the {n_images} images: Eq. 1 measures distances to the "
+            "background, so at least one pseudo label must contain background (0) pixels"
+        )
+    assert dim is not None
+    bg_mean = bg_sum / n_bg
+    device = bg_mean.device
+    C1 = num_classes + 1
+    cents = torch.zeros(C1, dim, dtype=torch.float32, device=device)
+    valid = torch.zeros(C1, dtype=torch.bool, device=device)
+    n_cand = torch.zeros(C1, dtype=torch.long, device=device)
+    n_sel = torch.zeros(C1, dtype=torch.long, device=device)
+    cut = torch.full((C1,), float("nan"), dtype=torch.float64, device=device)
+    n_cand[0] = n_bg
+    for c, vs in candidates.items():
+        v = torch.cat([x.to(device) for x in vs])
+        dist = background_distance(v, bg_mean)
+        order = torch.sort(dist, descending=True, stable=True).indices
+        k = num_selected(v.shape[0], alpha)
+        cents[c] = v[order[:k]].double().mean(0).float()
+        valid[c] = True
+        n_cand[c] = v.shape[0]
+        n_sel[c] = k
+        cut[c] = dist[order[k - 1]]
+    config = dict(alpha=alpha, k_fg=kw["k_fg"], k_bg=kw["k_bg"], normalize=bool(normalize), seed=int(seed))
+    return DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, config)
