@@ -198,9 +198,9 @@ def batched_kmeans(
     for n_iter in range(1, max_iter + 1):
         d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
         new_labels = d.argmin(-1)
-        onehot = torch.nn.functional.one_hot(new_labels, kmax).to(x.dtype) * w[:, :, None]
-        counts = onehot.sum(1)  # (B, K)
-        sums = torch.bmm(onehot.transpose(1, 2), x)
+        # Per-cluster sums and counts by scatter-add: O(B N D), no (B, N, K) one-hot.
+        counts = x.new_zeros(B, kmax).scatter_add_(1, new_labels, w)
+        sums = x.new_zeros(B, kmax, D).scatter_add_(1, new_labels[:, :, None].expand(B, N, D), x)
         # An emptied cluster keeps its previous centre (it cannot happen on the first step:
         # every seed owns at least the distinct point it was drawn from).
         new_centers = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], centers)
