@@ -66,11 +66,16 @@ def resize_label(label: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     """
     if tuple(label.shape[-2:]) == tuple(size):
         return label
-    squeeze = label.ndim == 2
-    x = label[None, None] if squeeze else label[:, None]
-    # float64 holds every int label exactly; interpolate does not accept integer tensors.
-    out = F.interpolate(x.double(), size=tuple(size), mode="nearest-exact").long()
-    return out[0, 0] if squeeze else out[:, 0]
+    h_in, w_in = int(label.shape[-2]), int(label.shape[-1])
+    h_out, w_out = int(size[0]), int(size[1])
+    # Integer arithmetic, floor((i + 0.5) * n_in / n_out) == ((2i + 1) * n_in) // (2 n_out):
+    # F.interpolate's float scale is off by one where that product is an exact integer
+    # (e.g. 6 -> 37 rows, i = 18 reads row 2 instead of 3).
+    iy = torch.arange(h_out, device=label.device)
+    ix = torch.arange(w_out, device=label.device)
+    iy = (((2 * iy + 1) * h_in) // (2 * h_out)).clamp_max(h_in - 1)
+    ix = (((2 * ix + 1) * w_in) // (2 * w_out)).clamp_max(w_in - 1)
+    return label[..., iy[:, None], ix[None, :]].long()
 
 
 def _as_batch(features, pseudo_label, ignore_index):

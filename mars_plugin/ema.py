@@ -34,7 +34,7 @@ class EMATeacher(nn.Module):
         self.module = copy.deepcopy(model)
         for p in self.module.parameters():
             p.requires_grad_(False)
-        self.module.eval()
+        self.eval()  # the wrapper too, not only the wrapped module: teacher.training is False
 
     def train(self, mode: bool = True) -> "EMATeacher":
         # The teacher never trains: keep the wrapped module in eval mode whatever the caller does.
@@ -49,11 +49,15 @@ class EMATeacher(nn.Module):
         if t_state.keys() != s_state.keys():
             missing = sorted(set(t_state) ^ set(s_state))[:5]
             raise ValueError(f"student does not match the teacher's architecture (differing keys: {missing})")
+        # Check every shape before touching anything, so a mismatch never leaves the teacher
+        # half-updated.
+        for name, t in t_state.items():
+            s = s_state[name]
+            if t.shape != s.shape:
+                raise ValueError(f"student {name} has shape {tuple(s.shape)}, teacher {tuple(t.shape)}")
         m = self.momentum
         for name, t in t_state.items():
             s = s_state[name].detach()
-            if t.shape != s.shape:
-                raise ValueError(f"student {name} has shape {tuple(s.shape)}, teacher {tuple(t.shape)}")
             if t.is_floating_point():
                 t.mul_(m).add_(s.to(t.dtype), alpha=1.0 - m)
             else:

@@ -41,12 +41,16 @@ class KMeansResult:
     n_iter: int
 
 
-def _uniforms(seeds: Sequence[int], rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """(B, rows, cols) uniforms in [0, 1), drawn per problem from its own generator."""
-    out = torch.empty(len(seeds), rows, cols, dtype=torch.float64)
+def _uniforms(seeds: Sequence[int], rows: Sequence[int], cols: Sequence[int], device: torch.device) -> torch.Tensor:
+    """(B, max rows, max cols) uniforms in [0, 1), drawn per problem from its own generator.
+
+    Problem b draws exactly its own (rows[b], cols[b]) block (its K and its number of seeding
+    candidates), so its stream does not depend on the K of the other problems in the batch.
+    """
+    out = torch.full((len(seeds), max(rows), max(cols)), 0.5, dtype=torch.float64)
     for b, s in enumerate(seeds):
         g = torch.Generator().manual_seed(int(s) % (2**63))
-        out[b] = torch.rand(rows, cols, generator=g, dtype=torch.float64)
+        out[b, : rows[b], : cols[b]] = torch.rand(rows[b], cols[b], generator=g, dtype=torch.float64)
     return out.to(device)
 
 
@@ -77,8 +81,10 @@ def _sq_dist_fast(x: torch.Tensor, x2: torch.Tensor, c: torch.Tensor) -> torch.T
     return torch.baddbmm(x2[:, :, None] + c2[:, None, :], x, c.transpose(1, 2), alpha=-2.0).clamp_min_(0)
 
 
-def _kmeanspp(x: torch.Tensor, mask: torch.Tensor, k: torch.Tensor, u: torch.Tensor, trials: int):
+def _kmeanspp(x: torch.Tensor, mask: torch.Tensor, k: torch.Tensor, u: torch.Tensor, trials: torch.Tensor):
     """Greedy k-means++ seeding (as scikit-learn: 2 + ln K candidates per step, keep the best).
+
+    ``trials`` (B,) holds each problem's own number of candidates, 2 + int(ln K_b).
 
     Stops early for a problem whose remaining points all coincide with chosen centroids: this is
     how a problem with fewer distinct points than K ends with fewer centroids.
@@ -94,14 +100,17 @@ def _kmeanspp(x: torch.Tensor, mask: torch.Tensor, k: torch.Tensor, u: torch.Ten
     valid[:, 0] = mask.any(1) & (k >= 1)
     centers[:, 0] = torch.where(valid[:, 0, None], x[bidx, first], 0)
     closest = _sq_dist_exact(x, centers[:, :1])[..., 0] * w
+    t_max = u.shape[2]
+    extra = torch.arange(t_max, device=x.device)[None, :] >= trials[:, None]  # (B, T) unused draws
     for j in range(1, kmax):
         active = (k > j) & (closest.sum(1) > 0)
         if not bool(active.any()):
             break
-        cand = _sample(closest, u[:, j, :trials])  # (B, T)
+        cand = _sample(closest, u[:, j, :t_max])  # (B, T)
         cand_pts = x[bidx[:, None], cand]  # (B, T, D)
         d_cand = _sq_dist_exact(x, cand_pts)  # (B, N, T)
         pot = (torch.minimum(closest[:, :, None], d_cand) * w[:, :, None]).sum(1)  # (B, T)
+        pot = pot.masked_fill(extra, float("inf"))  # a problem only weighs its own candidates
         best = pot.argmin(1)  # first candidate on ties
         chosen = cand[bidx, best]
         centers[:, j] = torch.where(active[:, None], x[bidx, chosen], 0)
@@ -167,7 +176,8 @@ def batched_kmeans(
     if n_init > 1:
         # Replicate every problem n_init times with derived seeds and keep the best run.
         rep = lambda t: t.repeat_interleave(n_init, 0)  # noqa: E731
-        seeds_r = [s * 1_000_003 + r for s in seed_list for r in range(n_init)]
+        # Run 0 uses the problem's own seed, so n_init > 1 is never worse than n_init = 1.
+        seeds_r = [s if r == 0 else s * 1_000_003 + r for s in seed_list for r in range(n_init)]
         res = batched_kmeans(rep(points), rep(mask), rep(k_t), seeds=seeds_r, max_iter=max_iter, tol=tol)
         best = res.inertia.view(B, n_init).argmin(1) + torch.arange(B, device=points.device) * n_init
         return KMeansResult(res.centroids[best], res.valid[best], res.labels[best], res.inertia[best], res.n_iter)
@@ -183,8 +193,12 @@ def batched_kmeans(
 
     x = points.masked_fill(~mask[:, :, None], 0)
     w = mask.to(x.dtype)
-    trials = 2 + int(math.log(kmax))
-    u = _uniforms(seed_list, kmax, trials, x.device)
+    # Per-problem K and number of seeding candidates: a problem's draws do not depend on the K
+    # of the other problems in the batch.
+    k_list = [int(v) for v in k_t.tolist()]
+    trial_list = [2 + int(math.log(v)) for v in k_list]
+    u = _uniforms(seed_list, k_list, trial_list, x.device)
+    trials = torch.tensor(trial_list, dtype=torch.long, device=x.device)
     centers, valid = _kmeanspp(x, mask, k_t, u, trials)
 
     n_pts = w.sum(1).clamp_min(1)
@@ -193,7 +207,10 @@ def batched_kmeans(
     tol_b = tol * var
 
     x2 = x.square().sum(-1)
-    labels = None
+    labels = torch.full((B, N), -1, dtype=torch.long, device=x.device)
+    # A problem stops for good once it meets its own criterion, so its result never depends on
+    # which other problems share the batch (batch == one-by-one, exactly).
+    done = ~mask.any(1)
     n_iter = 0
     for n_iter in range(1, max_iter + 1):
         d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
@@ -205,10 +222,11 @@ def batched_kmeans(
         # every seed owns at least the distinct point it was drawn from).
         new_centers = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], centers)
         shift = (new_centers - centers).square().sum((1, 2))
-        centers = new_centers
-        same = labels is not None and bool(((new_labels == labels) | ~mask).all())
-        labels = new_labels
-        if same or bool((shift <= tol_b).all()):
+        same = ((new_labels == labels) | ~mask).all(1)
+        centers = torch.where(done[:, None, None], centers, new_centers)
+        labels = torch.where(done[:, None], labels, new_labels)
+        done = done | same | (shift <= tol_b)
+        if bool(done.all()):
             break
 
     d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))

@@ -224,11 +224,13 @@ def select_centroids(
         if dim is None:
             dim = ic.dim
         elif ic.dim != dim:
-            raise ValueError(f"image {n_images}: embedding size D={ic.dim} differs from D={dim} of the first image")
+            raise ValueError(
+                f"samples[{n_images}]: features have embedding size D={ic.dim}, but the first image has D={dim}"
+            )
         bad = [c for c in ic.fg if c > num_classes]
         if bad:
             raise ValueError(
-                f"image {n_images}: pseudo label holds class {max(bad)} but num_classes={num_classes}; "
+                f"samples[{n_images}]: pseudo_label holds class {max(bad)} but num_classes={num_classes}; "
                 f"expected ids 0..{num_classes} or ignore_index={ignore_index}"
             )
         if ic.bg.shape[0]:
@@ -243,8 +245,8 @@ def select_centroids(
         raise ValueError("samples is empty: select_centroids needs at least one image")
     if n_bg == 0 or bg_sum is None:
         raise ValueError(
-            f"no background centroid in any of the {n_images} images: Eq. 1 measures distances to the "
-            "background, so at least one pseudo label must contain background (0) pixels"
+            f"samples: no background centroid in any of the {n_images} images: Eq. 1 measures distances to "
+            "the background, so at least one pseudo_label must contain background (0) pixels"
         )
     assert dim is not None
     bg_mean = bg_sum / n_bg
