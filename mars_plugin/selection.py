@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from ._checks import check_fraction, check_int_param, describe
 from .centroids import ImageCentroids, _as_batch, _cluster_images
+from .files import atomic_write
 
 __all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected"]
 
@@ -106,18 +106,8 @@ class DebiasedCentroids:
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write to ``path`` atomically (temporary file in the same folder, then rename)."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(self.state_dict(), fh)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        state = self.state_dict()
+        atomic_write(path, lambda tmp: torch.save(state, tmp))
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> "DebiasedCentroids":

@@ -1,0 +1,173 @@
+"""The ``mars`` command line: ``mars demo``, ``centroids``, ``debias``, ``evaluate``, ``report``.
+
+Every flag states its default in ``--help``. Folder layout: see :mod:`mars_plugin.files`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .files import atomic_write
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="a bad or missing input file: stop with its name (exit 2), or report it, go on and exit 1")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--ignore-index", type=int, default=255, help="label value of ignored pixels")
+
+
+def _class_names(path: Optional[str]) -> Optional[List[str]]:
+    """Class names from a JSON list, or from a classes.json {"class_names": [...]} file."""
+    if path is None:
+        return None
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("class_names")
+    if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
+        raise ValueError(f"{path}: expected a JSON list of class names (background first) or {{'class_names': [...]}}")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mars",
+        description="MARS: model-agnostic biased object removal for weakly-supervised semantic segmentation.",
+        formatter_class=_Formatter,
+    )
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("demo", formatter_class=_Formatter,
+                       help="run the whole method on the built-in biased world and show what it removed",
+                       description="Generate the built-in biased world, select centroids, debias (CRF), train a small "
+                                   "segmentation network with plain CE and with MARS, and compare them on held-out images.")
+    d.add_argument("--out", default="mars_demo", help="output folder (tables, pictures, metrics.json, the world on disk)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the world, the clustering and the training")
+    d.add_argument("--num-train", type=int, default=240, help="training images")
+    d.add_argument("--num-val", type=int, default=80, help="held-out images")
+    d.add_argument("--size", type=int, default=64, help="image side in pixels")
+    d.add_argument("--epochs", type=int, default=20, help="training epochs of each segmentation network")
+    d.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="refinement of the debiased mask")
+    d.add_argument("--no-world", action="store_true", help="do not write the world's folders under --out/world")
+
+    c = sub.add_parser("centroids", formatter_class=_Formatter, help="select debiased centroids (Eq. 1-3) from folders",
+                       description="Stream (features, pseudo label) pairs and write the debiased centroids to a .pt file.")
+    c.add_argument("--features", required=True, help="folder of <stem>.npy float (D, h, w) embeddings")
+    c.add_argument("--labels", required=True, help="folder of <stem>.png pseudo labels (0 = background, 255 = ignore)")
+    c.add_argument("--image-labels", default=None, help="JSON {stem: [1-based class ids]}; default: classes of each label")
+    c.add_argument("--num-classes", type=int, required=True, help="C, the number of foreground classes")
+    c.add_argument("--out", required=True, help="output .pt file")
+    c.add_argument("--alpha", type=float, default=0.4, help="share of candidates averaged per class (Eq. 2)")
+    c.add_argument("--k-fg", type=int, default=2, help="K-means clusters per foreground class")
+    c.add_argument("--k-bg", type=int, default=2, help="K-means clusters for the background")
+    c.add_argument("--seed", type=int, default=0, help="K-means seed")
+    c.add_argument("--batch-size", type=int, default=8, help="images clustered per batched K-means call")
+    _add_common(c)
+
+    b = sub.add_parser("debias", formatter_class=_Formatter, help="write debiased labels (Eq. 4-5) for a folder",
+                       description="One P-mode PNG (VOC palette) per pseudo label; biased pixels are written as 254, "
+                                   "ignore stays 255. Existing outputs are skipped, so an interrupted run resumes.")
+    b.add_argument("--features", required=True, help="folder of <stem>.npy embeddings")
+    b.add_argument("--labels", required=True, help="folder of <stem>.png pseudo labels")
+    b.add_argument("--centroids", required=True, help=".pt file written by 'mars centroids'")
+    b.add_argument("--images", default=None, help="folder of RGB images <stem>.jpg/.png (needed by --refine crf)")
+    b.add_argument("--out", required=True, help="output folder")
+    b.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="dense CRF or a plain threshold")
+    b.add_argument("--threshold", type=float, default=0.5, help="similarity threshold of --refine threshold")
+    b.add_argument("--image-labels", default=None, help="JSON {stem: [class ids]}; default: classes of each label")
+    b.add_argument("--workers", type=int, default=1, help="processes (the CRF is the bottleneck on CPU)")
+    _add_common(b)
+
+    e = sub.add_parser("evaluate", formatter_class=_Formatter, help="IoU, FP, FN per class (SEAM's formulas)",
+                       description="Confusion matrix over the whole set on pixels where gt < 255; "
+                                   "FP = (P-TP)/(T+P-TP), FN = (T-TP)/(T+P-TP); mIoU over classes present. "
+                                   "Predicted 254 (biased) counts as background.")
+    e.add_argument("--pred", required=True, help="folder of predicted label PNGs")
+    e.add_argument("--gt", required=True, help="folder of ground-truth label PNGs")
+    e.add_argument("--num-classes", type=int, required=True, help="C, the number of foreground classes")
+    e.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
+    e.add_argument("--json", default=None, help="also write the scores to this JSON file")
+    _add_common(e)
+
+    r = sub.add_parser("report", formatter_class=_Formatter, help="which classes were biased: chart and overlays",
+                       description="Per-class share of pseudo-label pixels marked biased, ranked, as a bar chart, and a grid "
+                                   "of overlays of the most-changed images (the paper's Fig. 1(d), automatically).")
+    r.add_argument("--labels", required=True, help="folder of pseudo label PNGs")
+    r.add_argument("--debiased", required=True, help="folder of debiased label PNGs (from 'mars debias')")
+    r.add_argument("--images", required=True, help="folder of RGB images")
+    r.add_argument("--out", required=True, help="output folder")
+    r.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
+    r.add_argument("--num-examples", type=int, default=8, help="most-changed images shown")
+    _add_common(r)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from . import jobs
+
+    s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
+                     epochs=args.epochs, refine=args.refine, write_world=not args.no_world)
+            return 0
+        progress = not args.no_progress
+        if args.command == "centroids":
+            V, s = jobs.centroids_job(
+                args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
+                alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
+                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
+            )
+            print(f"centroids of {V.num_images} images -> {args.out}; {s.line()}")
+            for c in range(1, V.num_classes + 1):
+                if bool(V.valid[c]):
+                    print(f"  class {c}: {int(V.num_selected[c])}/{int(V.num_candidates[c])} candidates, "
+                          f"cut distance {float(V.cut_distance[c]):.4f}")
+                else:
+                    print(f"  class {c}: never seen, no centroid")
+        elif args.command == "debias":
+            s = jobs.debias_job(
+                args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
+                threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,
+                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
+            )
+            print(f"debiased labels -> {args.out}: {s.line()}")
+        elif args.command == "evaluate":
+            from .metrics import format_scores_table
+
+            scores, s = jobs.evaluate_job(args.pred, args.gt, args.num_classes, ignore_index=args.ignore_index,
+                                          on_error=args.on_error, progress=progress)
+            names = _class_names(args.class_names) or ["background"] + [f"class {c}" for c in range(1, args.num_classes + 1)]
+            print(format_scores_table(names[: args.num_classes + 1], {"": scores}))
+            print(f"{s.line()}")
+            if args.json:
+                out = dict(scores, class_names=names[: args.num_classes + 1])
+                atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+        elif args.command == "report":
+            report, s = jobs.report_job(
+                args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),
+                num_examples=args.num_examples, ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
+            )
+            print("classes ranked by share of pseudo-label pixels marked biased:")
+            for name in report["ranking"]:
+                print(f"  {name}: {100 * report['classes'][name]['share_removed']:.1f}%")
+            print(f"report -> {args.out}; {s.line()}")
+    except (jobs.JobError, ValueError, TypeError, OSError) as e:
+        print(f"mars {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1 if s is not None and s.failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""``mars demo``: the whole method on the built-in biased world, in a few minutes on a CPU.
+
+1. generate the world (:mod:`mars_plugin.synthetic`): boat leaks into sea, train into rail;
+2. ``select_centroids`` on the training pseudo labels, ``debias_labels`` (CRF) on every image;
+3. train a small segmentation network twice, plain CE on the pseudo labels and MARS
+   (``complement_labels`` with an EMA teacher + ``WCELoss``) on the debiased labels;
+4. compare (a) pseudo labels, (b) debiased labels, (c) plain CE, (d) MARS on held-out images:
+   one per-class IoU/FP/FN table, ``metrics.json``, a bar chart and overlays under ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .complement import complement_labels
+from .debias import debias_labels
+from .ema import EMATeacher
+from .files import atomic_write, write_label
+from .losses import WCELoss
+from .metrics import confusion_matrix, format_scores_table, segmentation_scores
+from .selection import select_centroids
+
+__all__ = ["TinySegNet", "train_segmenter", "predict", "run_demo"]
+
+
+class TinySegNet(nn.Module):
+    """A small fully convolutional segmenter (dilated 3x3 stack, receptive field ~60 px).
+
+    Large enough to learn context (and so to copy a biased label from its pseudo labels),
+    small enough to train in tens of seconds on two CPU cores.
+    """
+
+    def __init__(self, num_outputs: int, width: int = 32) -> None:
+        super().__init__()
+        # A stride-2 stem halves the grid (4x cheaper), the dilated stack sees ~60 px of context,
+        # and the logits are up-sampled back to the input size, as DeepLab does.
+        layers: List[nn.Module] = [nn.Conv2d(3, width, 3, stride=2, padding=1, bias=False),
+                                   nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+        for dilation in (1, 2, 4, 8, 1):
+            layers += [nn.Conv2d(width, width, 3, padding=dilation, dilation=dilation, bias=False),
+                       nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+        layers.append(nn.Conv2d(width, num_outputs, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(self.net(x), size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+def _to_input(images_u8: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, 3) uint8 -> (B, 3, H, W) float, roughly zero-centred."""
+    return images_u8.permute(0, 3, 1, 2).float().div(255.0).sub(0.5).div(0.25)
+
+
+def train_segmenter(
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    image_classes: torch.Tensor,
+    num_classes: int,
+    *,
+    mars: bool,
+    epochs: int = 20,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+    momentum: float = 0.99,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "train",
+) -> nn.Module:
+    """Train :class:`TinySegNet` with plain CE (``mars=False``, targets may hold 255) or with MARS
+    (``mars=True``: targets are debiased labels with -1, complemented each step by an EMA
+    teacher, loss = WCE). Deterministic for a seed. Returns the student (plain) or the teacher's
+    network (MARS, the EMA weights are the smoother model)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = TinySegNet(num_classes + 1)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    n = images.shape[0]
+    steps = epochs * ((n + batch_size - 1) // batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.2)
+    teacher = EMATeacher(model, momentum=momentum) if mars else None
+    wce = WCELoss()
+    it = range(epochs)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc=desc, unit="epoch")
+    for _ in it:
+        model.train()
+        perm = torch.randperm(n, generator=g)
+        for s in range(0, n, batch_size):
+            idx = perm[s : s + batch_size]
+            x = _to_input(images[idx])
+            y = targets[idx]
+            flip = torch.rand(len(idx), generator=g) < 0.5
+            x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+            y = torch.where(flip[:, None, None], y.flip(-1), y)
+            logits = model(x)
+            if teacher is not None:
+                y_co, w = complement_labels(y, teacher(x).softmax(1), image_classes[idx])
+                loss = wce(logits, y_co, w)
+            else:
+                loss = F.cross_entropy(logits, y, ignore_index=255)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            if teacher is not None:
+                teacher.update(model)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def predict(model: nn.Module, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """(N, H, W) argmax predictions over all classes (no image-level labels at test time)."""
+    model.eval()
+    out = [model(_to_input(images[s : s + batch_size])).argmax(1) for s in range(0, images.shape[0], batch_size)]
+    return torch.cat(out)
+
+
+def _scores(pred: torch.Tensor, gt: torch.Tensor, num_classes: int) -> Dict[str, object]:
+    return segmentation_scores(confusion_matrix(pred, gt, num_classes))
+
+
+def run_demo(
+    out: str = "mars_demo",
+    *,
+    seed: int = 0,
+    num_train: int = 240,
+    num_val: int = 80,
+    size: int = 64,
+    epochs: int = 20,
+    refine: str = "crf",
+    write_world: bool = True,
+    progress: bool = True,
+    examples_per_class: int = 2,
+) -> Dict[str, object]:
+    """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics."""
+    from . import plots
+    from .synthetic import make_world
+    from .synthetic import write_world as _write_world
+
+    t_start = time.perf_counter()
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timings: Dict[str, float] = {}
+
+    def lap(name: str, t0: float) -> None:
+        timings[name] = round(time.perf_counter() - t0, 2)
+        print(f"[mars demo] {name}: {timings[name]:.1f} s", flush=True)
+
+    t0 = time.perf_counter()
+    world = make_world(num_train + num_val, size=size, seed=seed)
+    C = world.num_classes
+    names = list(world.class_names)
+    train = world.subset(list(range(num_train)))
+    val = world.subset(list(range(num_train, num_train + num_val)))
+    lap("world", t0)
+
+    t0 = time.perf_counter()
+    V = select_centroids(zip(train.features, train.pseudo), C, seed=seed, batch_size=16, progress=progress,
+                         total=num_train)
+    V.save(out_dir / "centroids.pt")
+    lap("select_centroids", t0)
+
+    t0 = time.perf_counter()
+    debiased = []
+    it = range(len(world.stems))
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="debias_labels", unit="img")
+    for i in it:
+        debiased.append(debias_labels(world.features[i], world.pseudo[i], V, world.image_classes[i],
+                                      image=world.images[i], refine=refine))
+    debiased_t = torch.stack(debiased)
+    lap("debias_labels", t0)
+    db_train, db_val = debiased_t[:num_train], debiased_t[num_train:]
+
+    t0 = time.perf_counter()
+    plain = train_segmenter(train.images, train.pseudo, train.image_classes, C, mars=False, epochs=epochs,
+                            seed=seed, progress=progress, desc="train plain CE")
+    lap("train plain CE", t0)
+    t0 = time.perf_counter()
+    mars_net = train_segmenter(train.images, db_train, train.image_classes, C, mars=True, epochs=epochs,
+                               seed=seed, progress=progress, desc="train MARS")
+    lap("train MARS", t0)
+
+    pred_plain = predict(plain, val.images)
+    pred_mars = predict(mars_net, val.images)
+    columns = {
+        "(a) WSSS pseudo": _scores(val.pseudo, val.gt, C),
+        "(b) debiased": _scores(db_val, val.gt, C),
+        "(c) plain CE": _scores(pred_plain, val.gt, C),
+        "(d) MARS": _scores(pred_mars, val.gt, C),
+    }
+    table = format_scores_table(names, columns)
+    print(f"\nPer-class IoU (%), FP, FN on {num_val} held-out images (problematic: "
+          f"{', '.join(names[c] for c in world.problematic)}):\n{table}\n")
+
+    # Pictures: bar chart of IoU, overlays of a few held-out images per class.
+    series = {k: [100 * v for v in s["iou"]] for k, s in columns.items()}
+    plots.save_iou_bar_chart(out_dir / "iou_per_class.png", names, series,
+                             title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic))
+    rows = []
+    for c in range(1, C + 1):
+        members = [i for i in range(num_val) if bool(val.image_classes[i, c - 1])][:examples_per_class]
+        for i in members:
+            img = val.images[i].numpy()
+            rows.append((f"{names[c]}: {val.stems[i]}", [
+                ("image", img),
+                ("WSSS pseudo", plots.blend(img, val.pseudo[i])),
+                ("removed", plots.removed_mask_image(img, val.pseudo[i], db_val[i])),
+                ("plain CE", plots.blend(img, pred_plain[i])),
+                ("MARS", plots.blend(img, pred_mars[i])),
+            ]))
+    plots.save_overlay_grid(out_dir / "overlays.png", rows)
+
+    if write_world:
+        t0 = time.perf_counter()
+        world_dir = out_dir / "world"
+        _write_world(world, world_dir, overwrite=True)
+        for i, stem in enumerate(world.stems):
+            write_label(world_dir / "debiased" / f"{stem}.png", debiased_t[i])
+        lap("write world", t0)
+
+    gains = {names[c]: {k: columns[k]["iou"][c] for k in columns} for c in world.problematic}
+    metrics = {
+        "config": dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
+                       alpha=V.config["alpha"], k_fg=V.config["k_fg"], k_bg=V.config["k_bg"]),
+        "class_names": names,
+        "problematic": [names[c] for c in world.problematic],
+        "scores": columns,
+        "problematic_iou": gains,
+        "centroids": {names[c]: {"candidates": int(V.num_candidates[c]), "selected": int(V.num_selected[c]),
+                                 "cut_distance": float(V.cut_distance[c])} for c in range(1, C + 1) if bool(V.valid[c])},
+        "timings_s": timings,
+    }
+    metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 2)
+    atomic_write(out_dir / "metrics.json", lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
+    print(f"[mars demo] wrote {out_dir}/metrics.json, iou_per_class.png, overlays.png, centroids.pt"
+          + (f", world/ (try: mars report --labels {out_dir}/world/labels --debiased {out_dir}/world/debiased "
+             f"--images {out_dir}/world/images --out {out_dir}/report --class-names {out_dir}/world/classes.json)"
+             if write_world else ""))
+    print(f"[mars demo] total {metrics['timings_s']['total']:.1f} s")
+    return metrics

@@ -1,0 +1,202 @@
+"""Files on disk: label PNGs with the VOC palette, feature .npy files, RGB images.
+
+Layout used by the ``mars`` command line (one file per image, the image *stem* is the key):
+
+* ``images/<stem>.jpg|.png``: RGB images.
+* ``labels/<stem>.png``: pseudo labels, one byte per pixel (P mode with the VOC palette, or L):
+  0 = background, 1..C = classes, 255 = ignore.
+* ``features/<stem>.npy``: float16 (or float32) USS embeddings of shape (D, h, w); (h, w) may
+  be smaller than the label (the core resizes).
+* debiased labels: like pseudo labels, with biased pixels (-1 in memory) written as
+  :data:`BIASED_VALUE` = 254, a value no VOC/COCO class uses.
+
+Every writer is atomic: it writes a temporary file in the target folder and renames it, so an
+interrupted run never leaves a half-written file that a resumed run would take as done.
+Readers never unpickle: ``np.load(..., allow_pickle=False)``.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BIASED_VALUE",
+    "IGNORE_VALUE",
+    "IMAGE_EXTENSIONS",
+    "voc_palette",
+    "atomic_write",
+    "read_label",
+    "write_label",
+    "read_features",
+    "write_features",
+    "read_image",
+    "write_image",
+    "list_stems",
+    "find_image",
+    "classes_in_label",
+]
+
+#: Byte written for biased pixels (-1) of debiased labels.
+BIASED_VALUE = 254
+#: Byte of ignored pixels, as in every WSSS repository.
+IGNORE_VALUE = 255
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
+
+PathLike = Union[str, os.PathLike]
+
+
+def voc_palette(n: int = 256) -> List[int]:
+    """The PASCAL VOC colour map (bit-interleaved), flat [r0, g0, b0, r1, ...] of 3n ints."""
+    pal = []
+    for i in range(n):
+        r = g = b = 0
+        c = i
+        for j in range(8):
+            r |= ((c >> 0) & 1) << (7 - j)
+            g |= ((c >> 1) & 1) << (7 - j)
+            b |= ((c >> 2) & 1) << (7 - j)
+            c >>= 3
+        pal += [r, g, b]
+    return pal
+
+
+def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it to ``path``."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    suffix = os.path.splitext(path)[1]
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        # mkstemp creates 0600 files: give the result the permissions a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) -> torch.Tensor:
+    """A (H, W) long label from a P-mode or L-mode PNG; ``biased_value`` bytes become -1.
+
+    Pass ``biased_value=None`` to read the bytes unchanged.
+    """
+    from PIL import Image
+
+    path = os.fspath(path)
+    try:
+        with Image.open(path) as im:
+            if im.mode not in ("P", "L"):
+                raise ValueError(
+                    f"{path}: label PNGs must be palette (P) or grayscale (L) images of class ids, got mode {im.mode}"
+                )
+            arr = np.array(im, dtype=np.uint8)
+    except (OSError, SyntaxError) as e:
+        raise ValueError(f"{path}: cannot read label image ({e})") from e
+    t = torch.from_numpy(arr.astype(np.int64))
+    if biased_value is not None:
+        t[t == biased_value] = -1
+    return t
+
+
+def write_label(path: PathLike, label, *, biased_value: int = BIASED_VALUE) -> None:
+    """Write a (H, W) label as a P-mode PNG with the VOC palette, atomically.
+
+    -1 (biased) is written as ``biased_value``; other values must be 0..255.
+    """
+    from PIL import Image
+
+    t = torch.as_tensor(np.asarray(label.cpu() if isinstance(label, torch.Tensor) else label))
+    if t.ndim != 2:
+        raise ValueError(f"label must be (H, W), got shape {tuple(t.shape)}")
+    t = t.long().clone()
+    t[t == -1] = biased_value
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > 255):
+        raise ValueError(f"label values must be -1 or 0..255 to fit a PNG byte, got [{int(t.min())}, {int(t.max())}]")
+    im = Image.fromarray(t.numpy().astype(np.uint8), mode="P")
+    im.putpalette(voc_palette())
+    atomic_write(path, lambda tmp: im.save(tmp, format="PNG"))
+
+
+def read_features(path: PathLike) -> torch.Tensor:
+    """(D, h, w) float32 embeddings from a .npy file (never unpickled)."""
+    path = os.fspath(path)
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read features as a plain .npy array ({e})") from e
+    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"{path}: features must be a float array of shape (D, h, w), got {arr.dtype} {arr.shape}")
+    return torch.from_numpy(arr.astype(np.float32))
+
+
+def write_features(path: PathLike, features, *, dtype=np.float16) -> None:
+    """Write (D, h, w) embeddings as a .npy file (float16 by default), atomically."""
+    arr = features.detach().cpu().numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
+    if arr.ndim != 3:
+        raise ValueError(f"features must be (D, h, w), got shape {arr.shape}")
+    arr = arr.astype(dtype)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            np.save(fh, arr, allow_pickle=False)
+
+    atomic_write(path, write)
+
+
+def read_image(path: PathLike) -> np.ndarray:
+    """(H, W, 3) uint8 RGB."""
+    from PIL import Image
+
+    path = os.fspath(path)
+    try:
+        with Image.open(path) as im:
+            return np.array(im.convert("RGB"), dtype=np.uint8)
+    except (OSError, SyntaxError) as e:
+        raise ValueError(f"{path}: cannot read image ({e})") from e
+
+
+def write_image(path: PathLike, rgb) -> None:
+    """Write an (H, W, 3) uint8 RGB image (format from the extension), atomically."""
+    from PIL import Image
+
+    arr = rgb.cpu().numpy() if isinstance(rgb, torch.Tensor) else np.asarray(rgb)
+    if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
+        raise ValueError(f"rgb must be an (H, W, 3) uint8 image, got {arr.dtype} {arr.shape}")
+    fmt = "JPEG" if str(path).lower().endswith((".jpg", ".jpeg")) else "PNG"
+    atomic_write(path, lambda tmp: Image.fromarray(arr).save(tmp, format=fmt))
+
+
+def list_stems(folder: PathLike, extensions: Sequence[str]) -> List[str]:
+    """Sorted stems of the files in ``folder`` with one of ``extensions`` (hidden files skipped)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a folder")
+    exts = tuple(e.lower() for e in extensions)
+    return sorted(p.stem for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in exts)
+
+
+def find_image(folder: PathLike, stem: str) -> Path:
+    """The image file of ``stem`` in ``folder`` (any of :data:`IMAGE_EXTENSIONS`)."""
+    for ext in IMAGE_EXTENSIONS:
+        for e in (ext, ext.upper()):
+            p = Path(folder) / f"{stem}{e}"
+            if p.is_file():
+                return p
+    raise ValueError(f"no image for {stem!r} in {folder} (looked for {', '.join(IMAGE_EXTENSIONS)})")
+
+
+def classes_in_label(label: torch.Tensor, ignore_index: int = IGNORE_VALUE) -> List[int]:
+    """Foreground class ids present in a label (the default image-level labels)."""
+    vals = torch.unique(label)
+    return [int(v) for v in vals.tolist() if v > 0 and v != ignore_index]

@@ -1,0 +1,422 @@
+"""Folder jobs behind the ``mars`` command line: centroids, debias, evaluate, report.
+
+Each job reads the disk layout of :mod:`mars_plugin.files`, streams one image at a time, shows a
+progress bar, writes every output atomically, and treats a bad input file according to
+``on_error``: ``"stop"`` raises a :class:`JobError` naming the file, ``"skip"`` reports it and
+goes on (the summary lists every skipped file).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .debias import debias_labels
+from .files import (
+    IGNORE_VALUE,
+    atomic_write,
+    classes_in_label,
+    find_image,
+    list_stems,
+    read_features,
+    read_image,
+    read_label,
+    write_label,
+)
+from .metrics import confusion_matrix, segmentation_scores
+from .selection import DebiasedCentroids, select_centroids
+
+__all__ = [
+    "JobError",
+    "JobSummary",
+    "read_image_labels",
+    "centroids_job",
+    "debias_job",
+    "evaluate_job",
+    "report_job",
+]
+
+ON_ERROR = ("stop", "skip")
+
+
+class JobError(RuntimeError):
+    """A file could not be processed and ``on_error="stop"``."""
+
+
+@dataclass
+class JobSummary:
+    """What a folder job did: files written, files already there (resume), files skipped."""
+
+    done: int = 0
+    existing: int = 0
+    failed: List[Tuple[str, str]] = field(default_factory=list)
+
+    def line(self) -> str:
+        s = f"{self.done} written, {self.existing} already done, {len(self.failed)} failed"
+        for stem, why in self.failed[:10]:
+            s += f"\n  failed {stem}: {why}"
+        if len(self.failed) > 10:
+            s += f"\n  ... and {len(self.failed) - 10} more"
+        return s
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+
+
+def _progress(it, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, total=total, desc=desc, unit="img")
+
+
+def read_image_labels(path: Optional[os.PathLike], num_classes: int) -> Optional[Dict[str, List[int]]]:
+    """Image-level labels from a JSON file ``{stem: [1-based class ids]}`` (None: no file).
+
+    Without a file, every job derives an image's classes from its pseudo label.
+    """
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{p}: cannot read image labels as JSON {{stem: [class ids]}} ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: image labels must be a JSON object {{stem: [class ids]}}, got {type(data).__name__}")
+    out: Dict[str, List[int]] = {}
+    for stem, ids in data.items():
+        if not isinstance(ids, list) or not all(isinstance(i, int) and 1 <= i <= num_classes for i in ids):
+            raise ValueError(f"{p}: labels of {stem!r} must be a list of class ids in 1..{num_classes}, got {ids!r}")
+        out[str(stem)] = sorted(set(ids))
+    return out
+
+
+def _stems(labels_dir: os.PathLike) -> List[str]:
+    stems = list_stems(labels_dir, (".png",))
+    if not stems:
+        raise ValueError(f"{labels_dir}: no .png label files")
+    return stems
+
+
+# --------------------------------------------------------------------------------------------
+# centroids
+# --------------------------------------------------------------------------------------------
+
+
+def _centroid_samples(
+    stems: Sequence[str], features_dir: Path, labels_dir: Path, image_labels, ignore_index: int,
+    on_error: str, summary: JobSummary, progress: bool,
+) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    for stem in _progress(stems, len(stems), "centroids", progress):
+        try:
+            feat_path = features_dir / f"{stem}.npy"
+            if not feat_path.is_file():
+                raise ValueError(f"missing feature file {feat_path}")
+            feats = read_features(feat_path)
+            label = read_label(labels_dir / f"{stem}.png", biased_value=None)
+            if image_labels is not None:
+                if stem not in image_labels:
+                    raise ValueError(f"{stem!r} has no entry in the image-labels file")
+                # Pseudo-label classes the image-level labels deny are not trusted: ignore them.
+                allowed = torch.tensor([0, ignore_index] + image_labels[stem])
+                label = torch.where(torch.isin(label, allowed), label, torch.full_like(label, ignore_index))
+        except ValueError as e:
+            if on_error == "stop":
+                raise JobError(f"{stem}: {e}") from e
+            summary.failed.append((stem, str(e)))
+            continue
+        summary.done += 1
+        yield feats, label
+
+
+def centroids_job(
+    features_dir: os.PathLike,
+    labels_dir: os.PathLike,
+    num_classes: int,
+    out: os.PathLike,
+    *,
+    image_labels: Optional[os.PathLike] = None,
+    alpha: float = 0.4,
+    k_fg: int = 2,
+    k_bg: int = 2,
+    seed: int = 0,
+    batch_size: int = 8,
+    ignore_index: int = IGNORE_VALUE,
+    on_error: str = "stop",
+    progress: bool = True,
+) -> Tuple[DebiasedCentroids, JobSummary]:
+    """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
+    and save the result to ``out`` (a ``.pt`` file, written atomically)."""
+    _check_on_error(on_error)
+    stems = _stems(labels_dir)
+    labels = read_image_labels(image_labels, num_classes)
+    summary = JobSummary()
+    samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, ignore_index, on_error, summary, progress)
+    V = select_centroids(
+        samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
+        ignore_index=ignore_index,
+    )
+    V.save(out)
+    return V, summary
+
+
+# --------------------------------------------------------------------------------------------
+# debias
+# --------------------------------------------------------------------------------------------
+
+_WORKER: Dict[str, Any] = {}
+
+
+def _debias_init(config: Dict[str, Any]) -> None:
+    # One thread per worker: N workers use N cores instead of fighting over them.
+    torch.set_num_threads(1)
+    _WORKER.clear()
+    _WORKER.update(config)
+    _WORKER["centroids"] = DebiasedCentroids.load(config["centroids_path"])
+
+
+def _debias_one(stem: str) -> Tuple[str, str, Optional[str]]:
+    """Debias one image; returns (stem, "done"|"existing"|"failed", error message)."""
+    cfg = _WORKER
+    out_path = Path(cfg["out_dir"]) / f"{stem}.png"
+    if out_path.is_file():
+        return stem, "existing", None
+    try:
+        feat_path = Path(cfg["features_dir"]) / f"{stem}.npy"
+        if not feat_path.is_file():
+            raise ValueError(f"missing feature file {feat_path}")
+        feats = read_features(feat_path)
+        label = read_label(Path(cfg["labels_dir"]) / f"{stem}.png", biased_value=None)
+        V: DebiasedCentroids = cfg["centroids"]
+        if cfg["image_labels"] is not None:
+            if stem not in cfg["image_labels"]:
+                raise ValueError(f"{stem!r} has no entry in the image-labels file")
+            classes = cfg["image_labels"][stem]
+        else:
+            classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
+        image = None
+        if cfg["refine"] == "crf":
+            image = read_image(find_image(cfg["images_dir"], stem))
+        y = debias_labels(
+            feats, label, V, classes, image=image, refine=cfg["refine"], threshold=cfg["threshold"],
+            ignore_index=cfg["ignore_index"], crf_params=cfg["crf_params"],
+        )
+        write_label(out_path, y)
+    except ValueError as e:
+        return stem, "failed", str(e)
+    return stem, "done", None
+
+
+def debias_job(
+    features_dir: os.PathLike,
+    labels_dir: os.PathLike,
+    centroids: os.PathLike,
+    out_dir: os.PathLike,
+    *,
+    images_dir: Optional[os.PathLike] = None,
+    refine: str = "crf",
+    threshold: float = 0.5,
+    image_labels: Optional[os.PathLike] = None,
+    workers: int = 1,
+    ignore_index: int = IGNORE_VALUE,
+    crf_params: Optional[Mapping[str, Any]] = None,
+    on_error: str = "stop",
+    progress: bool = True,
+) -> JobSummary:
+    """Write one debiased label PNG per pseudo label (biased pixels as 254, see
+    :data:`mars_plugin.files.BIASED_VALUE`).
+
+    Resumable: images whose output already exists are skipped (outputs are written atomically,
+    so an existing file is always complete). ``workers`` > 1 runs images in that many processes
+    (the CRF is the bottleneck on CPU); outputs are identical to one worker.
+    """
+    _check_on_error(on_error)
+    if refine not in ("crf", "threshold"):
+        raise ValueError(f"refine must be 'crf' or 'threshold', got {refine!r}")
+    if refine == "crf" and images_dir is None:
+        raise ValueError("refine='crf' needs images_dir (the RGB images); or use refine='threshold'")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    stems = _stems(labels_dir)
+    V = DebiasedCentroids.load(centroids)
+    os.makedirs(out_dir, exist_ok=True)
+    config = dict(
+        centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
+        images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
+        threshold=threshold, ignore_index=ignore_index, crf_params=dict(crf_params) if crf_params else None,
+        image_labels=read_image_labels(image_labels, V.num_classes),
+    )
+    summary = JobSummary()
+
+    def consume(results) -> None:
+        for stem, status, err in _progress(results, len(stems), "debias", progress):
+            if status == "done":
+                summary.done += 1
+            elif status == "existing":
+                summary.existing += 1
+            else:
+                if on_error == "stop":
+                    raise JobError(f"{stem}: {err}")
+                summary.failed.append((stem, err or ""))
+
+    if workers == 1:
+        threads = torch.get_num_threads()
+        _debias_init(config)
+        torch.set_num_threads(threads)
+        consume(map(_debias_one, stems))
+    else:
+        # spawn, not fork: forking a process whose torch already started OpenMP threads can hang.
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(workers, initializer=_debias_init, initargs=(config,)) as pool:
+            consume(pool.imap(_debias_one, stems, chunksize=4))
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# evaluate
+# --------------------------------------------------------------------------------------------
+
+
+def evaluate_job(
+    pred_dir: os.PathLike,
+    gt_dir: os.PathLike,
+    num_classes: int,
+    *,
+    ignore_index: int = IGNORE_VALUE,
+    on_error: str = "stop",
+    progress: bool = True,
+) -> Tuple[Dict[str, object], JobSummary]:
+    """SEAM-style IoU/FP/FN over every ground-truth PNG of ``gt_dir`` and its prediction.
+
+    A prediction pixel of 254 (biased, in a debiased label) counts as background; 255 in a
+    prediction counts as "no class". Returns the scores of
+    :func:`mars_plugin.metrics.segmentation_scores` plus ``confusion`` and ``num_images``.
+    """
+    _check_on_error(on_error)
+    stems = _stems(gt_dir)
+    summary = JobSummary()
+    cm = None
+    for stem in _progress(stems, len(stems), "evaluate", progress):
+        try:
+            pred_path = Path(pred_dir) / f"{stem}.png"
+            if not pred_path.is_file():
+                raise ValueError(f"missing prediction {pred_path}")
+            pred = read_label(pred_path)
+            gt = read_label(Path(gt_dir) / f"{stem}.png", biased_value=None)
+            if pred.shape != gt.shape:
+                raise ValueError(f"prediction {tuple(pred.shape)} and ground truth {tuple(gt.shape)} differ in size")
+            m = confusion_matrix(pred, gt, num_classes, ignore_index=ignore_index)
+        except ValueError as e:
+            if on_error == "stop":
+                raise JobError(f"{stem}: {e}") from e
+            summary.failed.append((stem, str(e)))
+            continue
+        cm = m if cm is None else cm + m
+        summary.done += 1
+    if cm is None:
+        raise JobError("no image could be evaluated")
+    scores = segmentation_scores(cm)
+    scores["confusion"] = cm.tolist()
+    scores["num_images"] = summary.done
+    return scores, summary
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def report_job(
+    labels_dir: os.PathLike,
+    debiased_dir: os.PathLike,
+    images_dir: os.PathLike,
+    out_dir: os.PathLike,
+    *,
+    class_names: Optional[Sequence[str]] = None,
+    num_examples: int = 8,
+    ignore_index: int = IGNORE_VALUE,
+    on_error: str = "stop",
+    progress: bool = True,
+) -> Tuple[Dict[str, object], JobSummary]:
+    """Which classes were biased: per-class share of pseudo-label pixels marked biased.
+
+    Writes ``report.json`` (shares, ranking, most-changed images), ``biased_share.png`` (bar
+    chart, classes ranked) and ``most_changed.png`` (overlays of the ``num_examples`` images
+    with the largest share of removed pixels) into ``out_dir``.
+    """
+    from . import plots
+
+    _check_on_error(on_error)
+    stems = _stems(debiased_dir)
+    summary = JobSummary()
+    total: Dict[int, int] = {}
+    removed: Dict[int, int] = {}
+    per_image: List[Tuple[float, str]] = []
+    for stem in _progress(stems, len(stems), "report", progress):
+        try:
+            y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
+            d = read_label(Path(debiased_dir) / f"{stem}.png")
+            if y.shape != d.shape:
+                raise ValueError(f"pseudo label {tuple(y.shape)} and debiased label {tuple(d.shape)} differ in size")
+        except ValueError as e:
+            if on_error == "stop":
+                raise JobError(f"{stem}: {e}") from e
+            summary.failed.append((stem, str(e)))
+            continue
+        fg = (y > 0) & (y != ignore_index)
+        gone = fg & (d == -1)
+        for c in torch.unique(y[fg]).tolist():
+            total[c] = total.get(c, 0) + int((y == c).sum())
+            removed[c] = removed.get(c, 0) + int((gone & (y == c)).sum())
+        if int(fg.sum()):
+            per_image.append((int(gone.sum()) / int(fg.sum()), stem))
+        summary.done += 1
+    if not total:
+        raise JobError("no foreground pixel in any pseudo label: nothing to report")
+    num_classes = max(total)
+    if class_names is None:
+        class_names = ["background"] + [f"class {c}" for c in range(1, num_classes + 1)]
+    if len(class_names) < num_classes + 1:
+        raise ValueError(f"class_names has {len(class_names)} names but labels reach class {num_classes}")
+    share = [float("nan")] + [removed.get(c, 0) / total[c] if c in total else float("nan") for c in range(1, num_classes + 1)]
+    ranking = sorted((c for c in range(1, num_classes + 1) if c in total), key=lambda c: -share[c])
+    per_image.sort(key=lambda t: (-t[0], t[1]))
+    examples = per_image[:num_examples]
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots.save_iou_bar_chart(
+        out / "biased_share.png", list(class_names[1 : num_classes + 1]),
+        {"share of pseudo-label pixels marked biased": [100 * s for s in share[1:]]},
+        title="Which classes were biased (MARS)", ylabel="removed pixels (%)", order=[c - 1 for c in ranking],
+    )
+    rows = []
+    for frac, stem in examples:
+        img = read_image(find_image(images_dir, stem))
+        y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
+        d = read_label(Path(debiased_dir) / f"{stem}.png")
+        rows.append((f"{stem}: {100 * frac:.0f}% removed", [
+            ("image", img), ("pseudo label", plots.blend(img, y)),
+            ("removed pixels", plots.removed_mask_image(img, y, d)), ("debiased label", plots.blend(img, d)),
+        ]))
+    if rows:
+        plots.save_overlay_grid(out / "most_changed.png", rows)
+    report = {
+        "classes": {class_names[c]: {"id": c, "pixels": total.get(c, 0), "removed": removed.get(c, 0),
+                                     "share_removed": share[c]} for c in range(1, num_classes + 1) if c in total},
+        "ranking": [class_names[c] for c in ranking],
+        "most_changed": [{"stem": s, "share_removed": f} for f, s in examples],
+        "num_images": summary.done,
+    }
+    atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
+    return report, summary
