@@ -129,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
                 ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
             )
-            print(f"centroids of {V.num_images} images -> {args.out}; {s.line()}")
+            print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):
                 if bool(V.valid[c]):
                     print(f"  class {c}: {int(V.num_selected[c])}/{int(V.num_candidates[c])} candidates, "
@@ -150,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                           on_error=args.on_error, progress=progress)
             names = _class_names(args.class_names) or ["background"] + [f"class {c}" for c in range(1, args.num_classes + 1)]
             print(format_scores_table(names[: args.num_classes + 1], {"": scores}))
-            print(f"{s.line()}")
+            print(f"{s.line('evaluated')}")
             if args.json:
                 out = dict(scores, class_names=names[: args.num_classes + 1])
                 atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
@@ -162,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("classes ranked by share of pseudo-label pixels marked biased:")
             for name in report["ranking"]:
                 print(f"  {name}: {100 * report['classes'][name]['share_removed']:.1f}%")
-            print(f"report -> {args.out}; {s.line()}")
+            print(f"report -> {args.out}; {s.line('read')}")
     except (jobs.JobError, ValueError, TypeError, OSError) as e:
         print(f"mars {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -208,7 +208,8 @@ def run_demo(
     # Pictures: bar chart of IoU, overlays of a few held-out images per class.
     series = {k: [100 * v for v in s["iou"]] for k, s in columns.items()}
     plots.save_iou_bar_chart(out_dir / "iou_per_class.png", names, series,
-                             title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic))
+                             title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic),
+                             highlight_note="* problematic classes (biased objects in the pseudo labels)")
     rows = []
     for c in range(1, C + 1):
         members = [i for i in range(num_val) if bool(val.image_classes[i, c - 1])][:examples_per_class]

@@ -57,8 +57,11 @@ class JobSummary:
     existing: int = 0
     failed: List[Tuple[str, str]] = field(default_factory=list)
 
-    def line(self) -> str:
-        s = f"{self.done} written, {self.existing} already done, {len(self.failed)} failed"
+    def line(self, verb: str = "written") -> str:
+        s = f"{self.done} {verb}"
+        if self.existing:
+            s += f", {self.existing} already done"
+        s += f", {len(self.failed)} failed"
         for stem, why in self.failed[:10]:
             s += f"\n  failed {stem}: {why}"
         if len(self.failed) > 10:

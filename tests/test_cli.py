@@ -1,0 +1,181 @@
+"""The mars command line end to end on a tiny world written to a temp dir."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mars_plugin import DebiasedCentroids, debias_labels, select_centroids
+from mars_plugin.cli import build_parser, main
+from mars_plugin.files import BIASED_VALUE, read_features, read_label, voc_palette
+from mars_plugin.metrics import confusion_matrix, segmentation_scores
+from mars_plugin.synthetic import make_world, write_world
+
+
+@pytest.fixture(scope="module")
+def world_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    world = make_world(20, size=32, dim=16, seed=3)
+    write_world(world, root)
+    return root, world
+
+
+def _centroids(root, out, extra=()):
+    return main(["centroids", "--features", str(root / "features"), "--labels", str(root / "labels"),
+                 "--num-classes", "6", "--out", str(out), "--no-progress", *extra])
+
+
+def _debias(root, V, out, extra=()):
+    return main(["debias", "--features", str(root / "features"), "--labels", str(root / "labels"),
+                 "--centroids", str(V), "--images", str(root / "images"), "--out", str(out), "--no-progress", *extra])
+
+
+def test_help_lists_every_command_and_defaults(capsys):
+    parser = build_parser()
+    for cmd in ("demo", "centroids", "debias", "evaluate", "report"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([cmd, "--help"])
+        assert e.value.code == 0
+        assert "default" in capsys.readouterr().out
+
+
+def test_centroids_equals_the_library_on_the_same_files(world_dir, tmp_path):
+    root, world = world_dir
+    assert _centroids(root, tmp_path / "V.pt") == 0
+    V = DebiasedCentroids.load(tmp_path / "V.pt")
+    stems = world.stems
+    ref = select_centroids(((read_features(root / "features" / f"{s}.npy"),
+                             read_label(root / "labels" / f"{s}.png", biased_value=None)) for s in stems), 6)
+    torch.testing.assert_close(V.centroids, ref.centroids)
+    assert torch.equal(V.valid, ref.valid) and V.num_images == len(stems)
+
+
+def test_debias_writes_voc_pngs_equal_to_the_library_and_resumes(world_dir, tmp_path):
+    root, world = world_dir
+    _centroids(root, tmp_path / "V.pt")
+    V = DebiasedCentroids.load(tmp_path / "V.pt")
+    out = tmp_path / "db"
+    assert _debias(root, tmp_path / "V.pt", out, ["--refine", "threshold"]) == 0
+    files = sorted(out.glob("*.png"))
+    assert [f.stem for f in files] == world.stems
+    saw_biased = False
+    for f in files:
+        with Image.open(f) as im:
+            assert im.mode == "P" and im.getpalette()[: 3 * 256] == voc_palette()
+            raw = np.array(im)
+        feats = read_features(root / "features" / f"{f.stem}.npy")
+        label = read_label(root / "labels" / f"{f.stem}.png", biased_value=None)
+        classes = [int(c) for c in torch.unique(label).tolist() if 0 < c < 255]
+        expected = debias_labels(feats, label, V, classes, refine="threshold")
+        assert torch.equal(read_label(f), expected)
+        saw_biased |= bool((raw == BIASED_VALUE).any())
+        assert bool(((raw == 255) == (label.numpy() == 255)).all())
+    assert saw_biased, "the biased world must produce some biased (254) pixels"
+
+    # Resume: delete one output; only that one is written again, the others keep their mtime.
+    victim = files[3]
+    keep = files[5]
+    mtime = keep.stat().st_mtime_ns
+    victim.unlink()
+    from mars_plugin.jobs import debias_job
+
+    s = debias_job(root / "features", root / "labels", tmp_path / "V.pt", out, refine="threshold", progress=False)
+    assert (s.done, s.existing, s.failed) == (1, len(files) - 1, [])
+    assert victim.is_file() and keep.stat().st_mtime_ns == mtime
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_two_workers_and_crf_equal_one_worker(world_dir, tmp_path):
+    root, _ = world_dir
+    _centroids(root, tmp_path / "V.pt")
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "w1", ["--workers", "1"]) == 0
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "w2", ["--workers", "2"]) == 0
+    for f in sorted((tmp_path / "w1").glob("*.png")):
+        assert np.array_equal(np.array(Image.open(f)), np.array(Image.open(tmp_path / "w2" / f.name)))
+
+
+def test_corrupt_png_and_missing_features_are_named_and_on_error_decides(world_dir, tmp_path, capsys):
+    root, world = world_dir
+    bad = tmp_path / "bad"
+    for sub in ("features", "labels", "images"):
+        (bad / sub).mkdir(parents=True)
+        for p in (root / sub).iterdir():
+            (bad / sub / p.name).write_bytes(p.read_bytes())
+    broken, orphan = world.stems[2], world.stems[7]
+    (bad / "labels" / f"{broken}.png").write_bytes(b"not a png at all")
+    (bad / "features" / f"{orphan}.npy").unlink()
+    _centroids(root, tmp_path / "V.pt")
+
+    assert _debias(bad, tmp_path / "V.pt", tmp_path / "stop") == 2
+    err = capsys.readouterr().err
+    assert broken in err and "error" in err
+
+    assert _debias(bad, tmp_path / "V.pt", tmp_path / "skip", ["--on-error", "skip"]) == 1
+    out = capsys.readouterr().out
+    assert broken in out and orphan in out and f"{orphan}.npy" in out
+    written = {p.stem for p in (tmp_path / "skip").glob("*.png")}
+    assert written == set(world.stems) - {broken, orphan}
+
+    assert _centroids(bad, tmp_path / "V2.pt") == 2
+    assert _centroids(bad, tmp_path / "V3.pt", ["--on-error", "skip"]) == 1
+    assert DebiasedCentroids.load(tmp_path / "V3.pt").num_images == len(world.stems) - 2
+
+
+def test_evaluate_equals_a_hand_computed_confusion_matrix(world_dir, tmp_path, capsys):
+    root, world = world_dir
+    assert main(["evaluate", "--pred", str(root / "labels"), "--gt", str(root / "gt"), "--num-classes", "6",
+                 "--json", str(tmp_path / "s.json"), "--no-progress",
+                 "--class-names", str(root / "classes.json")]) == 0
+    table = capsys.readouterr().out
+    got = json.loads((tmp_path / "s.json").read_text())
+    # By hand: the world's own tensors; pseudo 255 counts as "no class", never as a prediction.
+    n = 6 + 1
+    cm = np.zeros((n, n + 1), dtype=np.int64)
+    for i in range(len(world.stems)):
+        g = world.gt[i].numpy().ravel()
+        p = world.pseudo[i].numpy().ravel()
+        for gv, pv in zip(g, p):
+            cm[gv, pv if pv <= 6 else n] += 1
+    assert got["confusion"] == cm.tolist()
+    tp = np.diag(cm[:, :n])
+    T, P = cm.sum(1), cm[:, :n].sum(0)
+    for c in range(n):
+        assert got["iou"][c] == pytest.approx(tp[c] / (T[c] + P[c] - tp[c]))
+        assert got["fp"][c] == pytest.approx((P[c] - tp[c]) / (T[c] + P[c] - tp[c]))
+        assert got["fn"][c] == pytest.approx((T[c] - tp[c]) / (T[c] + P[c] - tp[c]))
+    assert "boat" in table and "mIoU" in table
+
+
+def test_report_ranks_the_problematic_classes_first(world_dir, tmp_path):
+    root, world = world_dir
+    _centroids(root, tmp_path / "V.pt")
+    _debias(root, tmp_path / "V.pt", tmp_path / "db", ["--refine", "threshold"])
+    assert main(["report", "--labels", str(root / "labels"), "--debiased", str(tmp_path / "db"), "--images",
+                 str(root / "images"), "--out", str(tmp_path / "rep"), "--class-names", str(root / "classes.json"),
+                 "--no-progress"]) == 0
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    present = [world.class_names[c] for c in world.problematic if world.class_names[c] in rep["classes"]]
+    assert present and set(rep["ranking"][: len(present)]) == set(present)
+    for name in ("biased_share.png", "most_changed.png"):
+        with Image.open(tmp_path / "rep" / name) as im:
+            assert im.size[0] > 100 and im.size[1] > 100
+
+
+def test_tiny_demo_writes_everything_and_its_world_feeds_the_commands(tmp_path):
+    from mars_plugin.demo import run_demo
+
+    out = tmp_path / "demo"
+    m = run_demo(out=str(out), num_train=16, num_val=6, size=32, epochs=1, refine="threshold", progress=False)
+    for name in ("metrics.json", "iou_per_class.png", "overlays.png", "centroids.pt"):
+        assert (out / name).is_file()
+    saved = json.loads((out / "metrics.json").read_text())
+    assert set(saved["scores"]) == {"(a) WSSS pseudo", "(b) debiased", "(c) plain CE", "(d) MARS"}
+    assert saved["scores"] == json.loads(json.dumps(m["scores"]))
+    w = out / "world"
+    assert _centroids(w, tmp_path / "V.pt") == 0
+    assert _debias(w, tmp_path / "V.pt", tmp_path / "db", ["--refine", "threshold"]) == 0
+    assert main(["evaluate", "--pred", str(tmp_path / "db"), "--gt", str(w / "gt"), "--num-classes", "6",
+                 "--no-progress"]) == 0
