@@ -109,11 +109,14 @@ def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) ->
     return t
 
 
-def write_label(path: PathLike, label, *, biased_value: int = BIASED_VALUE) -> None:
-    """Write a (H, W) label as a P-mode PNG with the VOC palette, atomically.
+def write_label(path: PathLike, label, *, biased_value: int = BIASED_VALUE, mode: str = "P") -> None:
+    """Write a (H, W) label as a PNG, atomically: P mode with the VOC palette (default, what
+    RS+EPM and the VOC tools write) or L mode (plain grayscale, what IRNet and SEAM write).
 
     -1 (biased) is written as ``biased_value``; other values must be 0..255.
     """
+    if mode not in ("P", "L"):
+        raise ValueError(f"mode must be 'P' or 'L', got {mode!r}")
     from PIL import Image
 
     t = torch.as_tensor(np.asarray(label.cpu() if isinstance(label, torch.Tensor) else label))
@@ -123,8 +126,10 @@ def write_label(path: PathLike, label, *, biased_value: int = BIASED_VALUE) -> N
     t[t == -1] = biased_value
     if t.numel() and (int(t.min()) < 0 or int(t.max()) > 255):
         raise ValueError(f"label values must be -1 or 0..255 to fit a PNG byte, got [{int(t.min())}, {int(t.max())}]")
-    im = Image.fromarray(t.numpy().astype(np.uint8), mode="P")
-    im.putpalette(voc_palette())
+    im = Image.fromarray(t.numpy().astype(np.uint8), mode="L")
+    if mode == "P":
+        im = im.convert("P")  # no palette quantisation: L -> P keeps the byte values
+        im.putpalette(voc_palette())
     atomic_write(path, lambda tmp: im.save(tmp, format="PNG"))
 
 

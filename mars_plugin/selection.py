@@ -25,7 +25,7 @@ from ._checks import check_fraction, check_int_param, describe
 from .centroids import ImageCentroids, _as_batch, _cluster_images
 from .files import atomic_write
 
-__all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected"]
+__all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected", "shard_indices"]
 
 
 def num_selected(n_candidates: int, alpha: float) -> int:
@@ -156,6 +156,86 @@ def _iter_image_centroids(samples, *, batch_size, progress, total, **kw):
         yield from _cluster_images(pending, **kw)
 
 
+def shard_indices(n: int, rank: int, world_size: int) -> List[int]:
+    """Indices of rank ``rank``'s shard of ``n`` images: rank, rank + W, ... (no padding)."""
+    return list(range(rank, n, world_size))
+
+
+def _dist_info(process_group) -> Tuple[int, int]:
+    import torch.distributed as dist
+
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group was given but torch.distributed is not initialised")
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _accumulate(samples, num_classes, batch_size, progress, total, kw, rank, world) -> Dict[str, object]:
+    """One process's share: the background sum and every class's (image index, centroids)."""
+    bg_sum: Optional[torch.Tensor] = None
+    n_bg = 0
+    candidates: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+    dim: Optional[int] = None
+    n_images = 0
+    for ic in _iter_image_centroids(samples, batch_size=batch_size, progress=progress, total=total, **kw):
+        if dim is None:
+            dim = ic.dim
+        elif ic.dim != dim:
+            raise ValueError(
+                f"samples[{n_images}]: features have embedding size D={ic.dim}, but the first image has D={dim}"
+            )
+        bad = [c for c in ic.fg if c > num_classes]
+        if bad:
+            raise ValueError(
+                f"samples[{n_images}]: pseudo_label holds class {max(bad)} but num_classes={num_classes}; "
+                f"expected ids 0..{num_classes} or ignore_index={kw['ignore_index']}"
+            )
+        if ic.bg.shape[0]:
+            s = F.normalize(ic.bg.double(), dim=1).sum(0)
+            bg_sum = s if bg_sum is None else bg_sum + s.to(bg_sum.device)
+            n_bg += int(ic.bg.shape[0])
+        global_index = n_images * world + rank
+        for c, v in ic.fg.items():
+            candidates.setdefault(int(c), []).append((global_index, v.detach()))
+        n_images += 1
+    return dict(bg_sum=bg_sum, n_bg=n_bg, n_images=n_images, dim=dim, candidates=candidates)
+
+
+def _gather_states(state, error, process_group) -> Dict[str, object]:
+    """Merge every rank's state on every rank (objects travel through the process group only)."""
+    import torch.distributed as dist
+
+    device = None
+    if state is not None:
+        if state["bg_sum"] is not None:
+            device = state["bg_sum"].device
+            state["bg_sum"] = state["bg_sum"].cpu()
+        state["candidates"] = {c: [(i, v.cpu()) for i, v in lst] for c, lst in state["candidates"].items()}
+    payload = {"state": state, "error": None if error is None else f"{type(error).__name__}: {error}"}
+    gathered: List[object] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, payload, group=process_group)
+    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if errors:
+        r, msg = errors[0]
+        raise ValueError(f"rank {r}: {msg}")
+    dims = {g["state"]["dim"] for g in gathered if g["state"]["dim"] is not None}
+    if len(dims) > 1:
+        raise ValueError(f"ranks hold features of different embedding sizes D: {sorted(dims)}")
+    merged: Dict[str, object] = dict(bg_sum=None, n_bg=0, n_images=0, dim=dims.pop() if dims else None, candidates={})
+    for g in gathered:
+        st = g["state"]
+        if st["bg_sum"] is not None:
+            merged["bg_sum"] = st["bg_sum"] if merged["bg_sum"] is None else merged["bg_sum"] + st["bg_sum"]
+        merged["n_bg"] += st["n_bg"]
+        merged["n_images"] += st["n_images"]
+        for c, lst in st["candidates"].items():
+            merged["candidates"].setdefault(c, []).extend(lst)
+    if merged["bg_sum"] is not None and device is not None:
+        merged["bg_sum"] = merged["bg_sum"].to(device)
+    return merged
+
+
 def select_centroids(
     samples: Iterable[Union[Tuple[object, object], ImageCentroids]],
     num_classes: int,
@@ -172,6 +252,7 @@ def select_centroids(
     n_init: int = 1,
     progress: bool = False,
     total: Optional[int] = None,
+    process_group: Optional[object] = None,
 ) -> DebiasedCentroids:
     """Debiased centroid of every class from a stream of images (Eq. 1-3).
 
@@ -186,6 +267,12 @@ def select_centroids(
             :func:`image_centroids`.
         batch_size: (features, label) pairs clustered together in one batched K-means call.
         progress: show a tqdm progress bar (``total`` sizes it when ``samples`` has no len()).
+        process_group: under ``torch.distributed`` (initialised; this group or the default one),
+            each rank passes its own shard of the image list, split DistributedSampler-style
+            without shuffling: rank r holds images r, r + W, r + 2W, ... (see
+            :func:`shard_indices`). Ranks cluster their shards, the background sums and the
+            per-class candidates are gathered, and every rank returns the identical result,
+            equal to one process on the whole list.
 
     Returns:
         :class:`DebiasedCentroids`.
@@ -202,35 +289,22 @@ def select_centroids(
     if total is None and hasattr(samples, "__len__"):
         total = len(samples)  # type: ignore[arg-type]
 
-    bg_sum: Optional[torch.Tensor] = None
-    n_bg = 0
-    candidates: Dict[int, List[torch.Tensor]] = {}
-    dim: Optional[int] = None
-    n_images = 0
     kw = dict(k_fg=check_int_param(k_fg, "k_fg", 1), k_bg=check_int_param(k_bg, "k_bg", 1),
               ignore_index=ignore_index, normalize=normalize, seed=seed, max_iter=max_iter, tol=tol,
               n_init=n_init)
-    for ic in _iter_image_centroids(samples, batch_size=batch_size, progress=progress, total=total, **kw):
-        if dim is None:
-            dim = ic.dim
-        elif ic.dim != dim:
-            raise ValueError(
-                f"samples[{n_images}]: features have embedding size D={ic.dim}, but the first image has D={dim}"
-            )
-        bad = [c for c in ic.fg if c > num_classes]
-        if bad:
-            raise ValueError(
-                f"samples[{n_images}]: pseudo_label holds class {max(bad)} but num_classes={num_classes}; "
-                f"expected ids 0..{num_classes} or ignore_index={ignore_index}"
-            )
-        if ic.bg.shape[0]:
-            s = F.normalize(ic.bg.double(), dim=1).sum(0)
-            bg_sum = s if bg_sum is None else bg_sum + s.to(bg_sum.device)
-            n_bg += int(ic.bg.shape[0])
-        for c, v in ic.fg.items():
-            candidates.setdefault(int(c), []).append(v.detach())
-        n_images += 1
+    rank, world = _dist_info(process_group)
+    error: Optional[BaseException] = None
+    try:
+        state = _accumulate(samples, num_classes, batch_size, progress, total, kw, rank, world)
+    except (ValueError, TypeError) as e:
+        if world == 1:
+            raise
+        state, error = None, e  # let the other ranks know instead of leaving them waiting
+    if world > 1:
+        state = _gather_states(state, error, process_group)
 
+    bg_sum, n_bg, n_images, dim, candidates = (
+        state["bg_sum"], state["n_bg"], state["n_images"], state["dim"], state["candidates"])
     if n_images == 0:
         raise ValueError("samples is empty: select_centroids needs at least one image")
     if n_bg == 0 or bg_sum is None:
@@ -248,8 +322,11 @@ def select_centroids(
     n_sel = torch.zeros(C1, dtype=torch.long, device=device)
     cut = torch.full((C1,), float("nan"), dtype=torch.float64, device=device)
     n_cand[0] = n_bg
-    for c, vs in candidates.items():
-        v = torch.cat([x.to(device) for x in vs])
+    for c, tagged in sorted(candidates.items()):
+        # Stream order (global image index, then centroid order within the image): the order
+        # that decides ties, identical for one process and for any number of ranks.
+        tagged.sort(key=lambda t: t[0])
+        v = torch.cat([x.to(device) for _, x in tagged])
         dist = background_distance(v, bg_mean)
         order = torch.sort(dist, descending=True, stable=True).indices
         k = num_selected(v.shape[0], alpha)

@@ -1,0 +1,136 @@
+"""Shared pieces of the WSSS adapters: pickle opt-in, class lists, id decoding, label writing.
+
+Nothing here knows a particular repository; each adapter module states that repository's
+formats and defaults and calls these helpers.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from mars_plugin.files import BIASED_VALUE, list_stems, read_label, write_label
+
+__all__ = [
+    "VOC_CLASSES",
+    "require_trust",
+    "load_pickled_npy",
+    "load_pickle",
+    "decode_voc_id",
+    "multi_hot",
+    "iter_label_dir",
+    "write_label_dir",
+]
+
+#: PASCAL VOC 2012 class names, background first (21 entries, ids 0..20).
+VOC_CLASSES: Tuple[str, ...] = (
+    "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
+)
+
+PathLike = Union[str, os.PathLike]
+
+
+def require_trust(trust_pickle: bool, path: PathLike, what: str) -> None:
+    """Refuse to unpickle unless the caller opted in by name (pickles can run arbitrary code)."""
+    if trust_pickle is not True:
+        raise PermissionError(
+            f"{os.fspath(path)} is a pickled {what}; unpickling can run arbitrary code, so it is only "
+            f"opened with trust_pickle=True (CLI: --trust-pickle). Pass it if you made this file yourself."
+        )
+
+
+def load_pickled_npy(path: PathLike, *, trust_pickle: bool, what: str) -> Any:
+    """``np.load(path, allow_pickle=True).item()`` after the opt-in check.
+
+    Works on numpy 1 and 2 (numpy 2 still resolves the ``numpy.core`` names that files pickled
+    by numpy 1 refer to). Tensors inside (IRNet's ``keys``/``cam``) need torch, imported here.
+    """
+    require_trust(trust_pickle, path, what)
+    try:
+        obj = np.load(os.fspath(path), allow_pickle=True)
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"{os.fspath(path)}: cannot read {what} ({e})") from e
+    if isinstance(obj, np.ndarray) and obj.dtype == object and obj.shape == ():
+        return obj.item()
+    return obj
+
+
+def load_pickle(path: PathLike, *, trust_pickle: bool, what: str) -> Any:
+    """A plain pickle file after the opt-in check."""
+    require_trust(trust_pickle, path, what)
+    try:
+        with open(os.fspath(path), "rb") as fh:
+            return pickle.load(fh)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError) as e:
+        raise ValueError(f"{os.fspath(path)}: cannot read {what} ({e})") from e
+
+
+def decode_voc_id(key: Any) -> str:
+    """VOC image ids as IRNet stores them (np.int32 2007000032) or as strings -> '2007_000032'."""
+    if isinstance(key, (bytes, np.bytes_)):
+        key = key.decode()
+    if isinstance(key, str):
+        return key
+    k = int(key)
+    s = str(k)
+    if len(s) != 10:
+        raise ValueError(f"cannot decode the VOC image id {key!r}: expected 10 digits like 2007000032")
+    return f"{s[:4]}_{s[4:]}"
+
+
+def multi_hot(ids: Iterable[int], num_classes: int, *, one_based: bool = True) -> torch.Tensor:
+    """(C,) bool multi-hot from class ids (1-based foreground ids by default)."""
+    out = torch.zeros(num_classes, dtype=torch.bool)
+    for i in ids:
+        j = int(i) - (1 if one_based else 0)
+        if not 0 <= j < num_classes:
+            raise ValueError(f"class id {i} is outside the {num_classes} classes")
+        out[j] = True
+    return out
+
+
+def iter_label_dir(
+    folder: PathLike, *, ids: Optional[Sequence[str]] = None, skip_suffixes: Sequence[str] = ("_palette",)
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(image id, (H, W) long label) for every PNG of a folder, in sorted order.
+
+    Files whose stem ends with one of ``skip_suffixes`` (AdvCAM/IRNet's ``<name>_palette.png``
+    visualisations) are skipped. With ``ids``, exactly those images are read, in that order.
+    Pixel values are returned as stored (255 = ignore).
+    """
+    folder = Path(folder)
+    stems = list(ids) if ids is not None else [
+        s for s in list_stems(folder, (".png",)) if not any(s.endswith(x) for x in skip_suffixes)
+    ]
+    for stem in stems:
+        path = folder / f"{stem}.png"
+        if not path.is_file():
+            raise ValueError(f"missing label {path}")
+        yield stem, read_label(path, biased_value=None)
+
+
+def write_label_dir(
+    labels: Iterable[Tuple[str, Any]],
+    out_dir: PathLike,
+    *,
+    mode: str,
+    biased_value: int = BIASED_VALUE,
+    dry_run: bool = False,
+) -> List[Path]:
+    """Write ``<out_dir>/<id>.png`` for each (id, label) with -1 as ``biased_value``, atomically.
+
+    ``dry_run=True`` writes nothing and returns the paths that would be written.
+    """
+    out = Path(out_dir)
+    paths = []
+    for stem, label in labels:
+        p = out / f"{stem}.png"
+        if not dry_run:
+            write_label(p, label, biased_value=biased_value, mode=mode)
+        paths.append(p)
+    return paths

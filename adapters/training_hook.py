@@ -1,0 +1,128 @@
+"""A drop-in MARS loss for any segmentation training loop (Sec. 3.4, Eq. 6-7).
+
+The WSSS repositories train their segmentation network with
+``nn.CrossEntropyLoss(ignore_index=255)(logits, labels)``. With MARS the labels are the
+debiased ones (biased pixels stored as 254 on disk), and that one line becomes::
+
+    hook = MARSTrainingHook(model)                      # once, after building the model
+    ...
+    loss = hook(images, logits, labels, image_classes)  # instead of criterion(logits, labels)
+    loss.backward(); optimizer.step()
+    hook.update(model)                                  # after optimizer.step()
+
+Inside: the EMA teacher predicts the batch, :func:`mars_plugin.complement_labels` fills the
+biased pixels with its label (restricted to the image's classes) and :class:`mars_plugin.WCELoss`
+weighs them by its certainty. Like pytorch-grad-cam's ``reshape_transform``, an
+``output_transform`` turns whatever the model returns (a list of multi-scale outputs, a dict,
+``{"out": ...}``) into the (B, C+1, h, w) logits.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mars_plugin import EMATeacher, WCELoss, complement_labels
+from mars_plugin.centroids import resize_label
+from mars_plugin.files import BIASED_VALUE
+
+__all__ = ["MARSTrainingHook", "default_output_transform"]
+
+
+def default_output_transform(out: Any) -> torch.Tensor:
+    """Logits from common model outputs: a tensor, torchvision's ``{"out": t}``, or a
+    list/tuple whose first item is the full-scale logits (deeplab-pytorch's MSC in train mode)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and "out" in out:
+        return out["out"]
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(
+        f"cannot find logits in a model output of type {type(out).__name__}; pass output_transform=..."
+    )
+
+
+class MARSTrainingHook:
+    """EMA teacher + complement + WCE in one call.
+
+    Args:
+        model: the segmentation network being trained (the student); deep-copied as the teacher.
+        momentum: EMA momentum of the teacher (0.999, Sec. 3.4).
+        ignore_index: ignored label value (255 in every WSSS repository).
+        biased_value: how biased pixels are stored in the label files (254); -1 is accepted too.
+        match: where logits and labels meet when their sizes differ: ``"labels"`` resizes the
+            labels to the logits by nearest neighbour (what deeplab-pytorch does), ``"logits"``
+            up-samples the logits bilinearly to the labels.
+        output_transform: maps a model output to (B, C+1, h, w) logits.
+        refine: teacher refinement, None or ``"crf"`` (needs ``images_rgb`` in the call).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        momentum: float = 0.999,
+        ignore_index: int = 255,
+        biased_value: int = BIASED_VALUE,
+        match: str = "labels",
+        output_transform: Callable[[Any], torch.Tensor] = default_output_transform,
+        refine: Optional[str] = None,
+    ) -> None:
+        if match not in ("labels", "logits"):
+            raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
+        if refine not in (None, "crf"):
+            raise ValueError(f"refine must be None or 'crf', got {refine!r}")
+        self.teacher = EMATeacher(model, momentum=momentum)
+        self.loss = WCELoss(ignore_index=ignore_index)
+        self.ignore_index = int(ignore_index)
+        self.biased_value = int(biased_value)
+        self.match = match
+        self.output_transform = output_transform
+        self.refine = refine
+
+    def targets(self, labels: torch.Tensor, size) -> torch.Tensor:
+        """Labels as loaded (254 = biased) -> long labels with -1, on the logits grid if asked."""
+        y = labels.long()
+        y = torch.where(y == self.biased_value, torch.full_like(y, -1), y)
+        if self.match == "labels" and tuple(y.shape[-2:]) != tuple(size):
+            y = resize_label(y, tuple(size))
+        return y
+
+    def __call__(
+        self,
+        images: torch.Tensor,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        image_classes: Any,
+        *,
+        images_rgb: Any = None,
+    ) -> torch.Tensor:
+        """The MARS loss of one batch.
+
+        Shapes:
+            images: (B, 3, H, W) the network input (the teacher sees the same batch).
+            logits: (B, C+1, h, w) student logits (or a raw model output, see output_transform).
+            labels: (B, H', W') debiased labels as loaded (254 or -1 = biased, 255 = ignore).
+            image_classes: (B, C) multi-hot, or a list of 1-based class-id lists.
+            images_rgb: (B, H', W', 3) uint8 images, only for ``refine="crf"``.
+        """
+        logits = self.output_transform(logits)
+        y = self.targets(labels, logits.shape[-2:])
+        t_logits = self.output_transform(self.teacher(images))
+        if tuple(t_logits.shape[-2:]) != tuple(logits.shape[-2:]):
+            t_logits = F.interpolate(t_logits, size=logits.shape[-2:], mode="bilinear", align_corners=False)
+        if self.match == "logits" and tuple(y.shape[-2:]) != tuple(logits.shape[-2:]):
+            logits = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
+            t_logits = F.interpolate(t_logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
+        y_co, w = complement_labels(
+            y, t_logits.float().softmax(1), image_classes, refine=self.refine, image=images_rgb,
+            ignore_index=self.ignore_index,
+        )
+        return self.loss(logits, y_co, w)
+
+    def update(self, model: nn.Module) -> None:
+        """EMA step of the teacher; call after ``optimizer.step()``."""
+        self.teacher.update(model)
