@@ -191,7 +191,8 @@ def batched_kmeans(
             0,
         )
 
-    x = points.masked_fill(~mask[:, :, None], 0)
+    all_real = bool(mask.all())
+    x = points if all_real else points.masked_fill(~mask[:, :, None], 0)
     w = mask.to(x.dtype)
     # Per-problem K and number of seeding candidates: a problem's draws do not depend on the K
     # of the other problems in the batch.
@@ -201,23 +202,28 @@ def batched_kmeans(
     trials = torch.tensor(trial_list, dtype=torch.long, device=x.device)
     centers, valid = _kmeanspp(x, mask, k_t, u, trials)
 
+    # Mean per-dimension variance of each problem (scikit-learn's tolerance scale), as
+    # E|x|^2 - |E x|^2 over D: no (B, N, D) temporary. Padded points are zeros.
+    x2 = x.square().sum(-1)
     n_pts = w.sum(1).clamp_min(1)
-    mean = (x * w[:, :, None]).sum(1) / n_pts[:, None]
-    var = (((x - mean[:, None]) * w[:, :, None]).square().sum(1) / n_pts[:, None]).mean(1)
+    mean = x.sum(1) / n_pts[:, None]
+    var = ((x2.sum(1) / n_pts - mean.square().sum(1)) / D).clamp_min(0)
     tol_b = tol * var
 
-    x2 = x.square().sum(-1)
     labels = torch.full((B, N), -1, dtype=torch.long, device=x.device)
     # A problem stops for good once it meets its own criterion, so its result never depends on
     # which other problems share the batch (batch == one-by-one, exactly).
     done = ~mask.any(1)
+    kidx = torch.arange(kmax, device=x.device)
     n_iter = 0
     for n_iter in range(1, max_iter + 1):
         d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
         new_labels = d.argmin(-1)
-        # Per-cluster sums and counts by scatter-add: O(B N D), no (B, N, K) one-hot.
-        counts = x.new_zeros(B, kmax).scatter_add_(1, new_labels, w)
-        sums = x.new_zeros(B, kmax, D).scatter_add_(1, new_labels[:, :, None].expand(B, N, D), x)
+        # Per-cluster sums as one batched matrix product with a (B, N, K) one-hot (K is tiny):
+        # BLAS beats scatter-add by ~3x here.
+        onehot = (new_labels[:, :, None] == kidx).to(x.dtype) * w[:, :, None]
+        counts = onehot.sum(1)
+        sums = torch.bmm(onehot.transpose(1, 2), x)
         # An emptied cluster keeps its previous centre (it cannot happen on the first step:
         # every seed owns at least the distinct point it was drawn from).
         new_centers = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], centers)
