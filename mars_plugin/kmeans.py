@@ -212,28 +212,42 @@ def batched_kmeans(
 
     labels = torch.full((B, N), -1, dtype=torch.long, device=x.device)
     # A problem stops for good once it meets its own criterion, so its result never depends on
-    # which other problems share the batch (batch == one-by-one, exactly).
-    done = ~mask.any(1)
+    # which other problems share the batch (batch == one-by-one, exactly). Finished problems
+    # are dropped from the working set (once a quarter of it has finished), so the batch costs
+    # the sum of its problems' iterations rather than B times the slowest one.
+    act = torch.nonzero(mask.any(1)).flatten()
+    xa, x2a, wa, ma, va = x[act], x2[act], w[act], mask[act], valid[act]
+    ca, la, tola = centers[act], labels[act], tol_b[act]
+    fz = torch.zeros(act.numel(), dtype=torch.bool, device=x.device)
     kidx = torch.arange(kmax, device=x.device)
     n_iter = 0
     for n_iter in range(1, max_iter + 1):
-        d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
+        if act.numel() == 0:
+            break
+        d = _sq_dist_fast(xa, x2a, ca).masked_fill_(~va[:, None, :], float("inf"))
         new_labels = d.argmin(-1)
         # Per-cluster sums as one batched matrix product with a (B, N, K) one-hot (K is tiny):
         # BLAS beats scatter-add by ~3x here.
-        onehot = (new_labels[:, :, None] == kidx).to(x.dtype) * w[:, :, None]
+        onehot = (new_labels[:, :, None] == kidx).to(x.dtype) * wa[:, :, None]
         counts = onehot.sum(1)
-        sums = torch.bmm(onehot.transpose(1, 2), x)
+        sums = torch.bmm(onehot.transpose(1, 2), xa)
         # An emptied cluster keeps its previous centre (it cannot happen on the first step:
         # every seed owns at least the distinct point it was drawn from).
-        new_centers = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], centers)
-        shift = (new_centers - centers).square().sum((1, 2))
-        same = ((new_labels == labels) | ~mask).all(1)
-        centers = torch.where(done[:, None, None], centers, new_centers)
-        labels = torch.where(done[:, None], labels, new_labels)
-        done = done | same | (shift <= tol_b)
-        if bool(done.all()):
+        new_c = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], ca)
+        shift = (new_c - ca).square().sum((1, 2))
+        same = ((new_labels == la) | ~ma).all(1)
+        ca = torch.where(fz[:, None, None], ca, new_c)
+        la = torch.where(fz[:, None], la, new_labels)
+        fz = fz | same | (shift <= tola)
+        if bool(fz.all()):
             break
+        if int(fz.sum()) * 4 >= fz.numel():
+            centers[act[fz]], labels[act[fz]] = ca[fz], la[fz]
+            keep = ~fz
+            act, xa, x2a, wa, ma, va = act[keep], xa[keep], x2a[keep], wa[keep], ma[keep], va[keep]
+            ca, la, tola, fz = ca[keep], la[keep], tola[keep], fz[keep]
+    if act.numel():
+        centers[act], labels[act] = ca, la
 
     d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
     dmin, labels = d.min(-1)
