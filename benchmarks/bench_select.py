@@ -47,7 +47,9 @@ def feature_stream(n: int, dim: int, grid: int = 40, num_classes: int = 20, seed
             label[y0 : y0 + h, x0 : x0 + w] = c
             if c % 3 == 0:  # a biased class: its context band is labelled too
                 label[min(grid - 1, y0 + h) : min(grid, y0 + h + 4), x0 : x0 + w] = c
-        feats = protos[kinds].transpose(2, 0, 1) + 0.3 * r.normal(size=(dim, grid, grid)).astype(np.float32)
+        # Noise of norm ~0.5 around unit prototypes: structured like USS embeddings, not pure noise.
+        noise = (0.5 / np.sqrt(dim)) * r.normal(size=(dim, grid, grid)).astype(np.float32)
+        feats = protos[kinds].transpose(2, 0, 1) + noise
         yield feats.astype(np.float32), label
 
 

@@ -1,10 +1,12 @@
 """Dense CRF refinement (Krahenbuhl & Koltun), the post-processing of Eq. 4-5 and of the teacher.
 
 pydensecrf is an optional dependency (``pip install mars-plugin[crf]``, which installs
-``pydensecrf2``: the original ``pydensecrf`` 1.0rc3 does not build on Python 3.11). The defaults
-are those of the WSSS repositories' ``crf_inference`` (IRNet, SEAM, AdvCAM): 10 mean-field
-iterations, a Gaussian kernel (sxy 3, compat 3) and a bilateral kernel (sxy 50, srgb 13,
-compat 10).
+``pydensecrf2``: the original
+``pydensecrf`` 1.0rc3 does not build on Python 3.11). The defaults are those of the
+probability-input ``crf_inference`` of PSA and SEAM (``tool/imutils.py``): 10 mean-field
+iterations, a Gaussian kernel (sxy 3, compat 3) and a bilateral kernel (sxy 80, srgb 13,
+compat 10). IRNet/AdvCAM only ship ``crf_inference_label`` (a label unary with gt_prob 0.7 and
+bilateral srgb 5), which their adapters reproduce themselves.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ DEFAULT_CRF_PARAMS: Dict[str, float] = {
     "iterations": 10,
     "gaussian_sxy": 3,
     "gaussian_compat": 3,
-    "bilateral_sxy": 50,
+    "bilateral_sxy": 80,
     "bilateral_srgb": 13,
     "bilateral_compat": 10,
 }
