@@ -58,6 +58,8 @@ class MARSTrainingHook:
             up-samples the logits bilinearly to the labels.
         output_transform: maps a model output to (B, C+1, h, w) logits.
         refine: teacher refinement, None or ``"crf"`` (needs ``images_rgb`` in the call).
+        multi_scale: when the student returns a list/tuple of logits (multi-scale training),
+            sum the MARS loss over all of them, as the repositories sum their CE.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class MARSTrainingHook:
         match: str = "labels",
         output_transform: Callable[[Any], torch.Tensor] = default_output_transform,
         refine: Optional[str] = None,
+        multi_scale: bool = True,
     ) -> None:
         if match not in ("labels", "logits"):
             raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
@@ -82,6 +85,7 @@ class MARSTrainingHook:
         self.match = match
         self.output_transform = output_transform
         self.refine = refine
+        self.multi_scale = bool(multi_scale)
 
     def targets(self, labels: torch.Tensor, size) -> torch.Tensor:
         """Labels as loaded (254 = biased) -> long labels with -1, on the logits grid if asked."""
@@ -104,14 +108,21 @@ class MARSTrainingHook:
 
         Shapes:
             images: (B, 3, H, W) the network input (the teacher sees the same batch).
-            logits: (B, C+1, h, w) student logits (or a raw model output, see output_transform).
+            logits: (B, C+1, h, w) student logits, a list of them (multi-scale: losses summed),
+                or a raw model output (see output_transform).
             labels: (B, H', W') debiased labels as loaded (254 or -1 = biased, 255 = ignore).
             image_classes: (B, C) multi-hot, or a list of 1-based class-id lists.
             images_rgb: (B, H', W', 3) uint8 images, only for ``refine="crf"``.
         """
-        logits = self.output_transform(logits)
+        t_out = self.output_transform(self.teacher(images))
+        if self.multi_scale and isinstance(logits, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in logits):
+            # deeplab-pytorch's MSC in train mode returns [1x, 0.75x, 0.5x, max] and sums the
+            # CE of every scale (main.py L231-236): sum the MARS loss of every scale the same way.
+            return sum(self._one_scale(images, t, labels, image_classes, t_out, images_rgb) for t in logits)
+        return self._one_scale(images, self.output_transform(logits), labels, image_classes, t_out, images_rgb)
+
+    def _one_scale(self, images, logits, labels, image_classes, t_logits, images_rgb) -> torch.Tensor:
         y = self.targets(labels, logits.shape[-2:])
-        t_logits = self.output_transform(self.teacher(images))
         if tuple(t_logits.shape[-2:]) != tuple(logits.shape[-2:]):
             t_logits = F.interpolate(t_logits, size=logits.shape[-2:], mode="bilinear", align_corners=False)
         if self.match == "logits" and tuple(y.shape[-2:]) != tuple(logits.shape[-2:]):
