@@ -24,6 +24,30 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-index", type=int, default=255, help="label value of ignored pixels")
 
 
+def _add_wsss(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wsss", choices=("irnet", "advcam", "seam", "rsepm"), default=None,
+                   help="read/write that WSSS repository's formats through mars_plugin.adapters "
+                        "(skips IRNet/AdvCAM _palette.png siblings, reads its image-label file, writes its PNG mode)")
+    p.add_argument("--dataset", choices=("voc", "coco"), default="voc", help="class set for --wsss rsepm tags")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow unpickling the image-label file (IRNet/AdvCAM/SEAM cls_labels.npy are pickles: "
+                        "only for files you trust)")
+
+
+def _maybe_init_distributed() -> bool:
+    """Join the process group that torchrun describes in the environment (gloo, CPU tensors)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo")
+    return True
+
+
 def _class_names(path: Optional[str]) -> Optional[List[str]]:
     """Class names from a JSON list, or from a classes.json {"class_names": [...]} file."""
     if path is None:
@@ -70,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--k-bg", type=int, default=2, help="K-means clusters for the background")
     c.add_argument("--seed", type=int, default=0, help="K-means seed")
     c.add_argument("--batch-size", type=int, default=8, help="images clustered per batched K-means call")
+    _add_wsss(c)
     _add_common(c)
 
     b = sub.add_parser("debias", formatter_class=_Formatter, help="write debiased labels (Eq. 4-5) for a folder",
@@ -84,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threshold", type=float, default=0.5, help="similarity threshold of --refine threshold")
     b.add_argument("--image-labels", default=None, help="JSON {stem: [class ids]}; default: classes of each label")
     b.add_argument("--workers", type=int, default=1, help="processes (the CRF is the bottleneck on CPU)")
+    _add_wsss(b)
     _add_common(b)
 
     e = sub.add_parser("evaluate", formatter_class=_Formatter, help="IoU, FP, FN per class (SEAM's formulas)",
@@ -115,6 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from . import jobs
 
     s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
+    joined = False  # whether this call joined a torchrun process group (and must leave it)
     try:
         if args.command == "demo":
             from .demo import run_demo
@@ -123,11 +150,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                      epochs=args.epochs, refine=args.refine, write_world=not args.no_world)
             return 0
         progress = not args.no_progress
+        if args.command in ("centroids", "debias"):
+            joined = _maybe_init_distributed()
+            fmt = jobs.label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
         if args.command == "centroids":
             V, s = jobs.centroids_job(
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
-                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
+                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
             )
             print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):
@@ -140,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             s = jobs.debias_job(
                 args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
                 threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,
-                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
+                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
             )
             print(f"debiased labels -> {args.out}: {s.line()}")
         elif args.command == "evaluate":
@@ -163,9 +193,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name in report["ranking"]:
                 print(f"  {name}: {100 * report['classes'][name]['share_removed']:.1f}%")
             print(f"report -> {args.out}; {s.line('read')}")
-    except (jobs.JobError, ValueError, TypeError, OSError) as e:
+    except (jobs.JobError, ValueError, TypeError, OSError) as e:  # PermissionError is an OSError
         print(f"mars {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 1 if s is not None and s.failed else 0
 
 

@@ -35,6 +35,8 @@ from .selection import DebiasedCentroids, select_centroids
 __all__ = [
     "JobError",
     "JobSummary",
+    "LabelFormat",
+    "label_format",
     "read_image_labels",
     "centroids_job",
     "debias_job",
@@ -67,6 +69,15 @@ class JobSummary:
         if len(self.failed) > 10:
             s += f"\n  ... and {len(self.failed) - 10} more"
         return s
+
+
+def _rank_world() -> Tuple[int, int]:
+    """(rank, world size) under an initialised torch.distributed, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _check_on_error(on_error: str) -> None:
@@ -104,11 +115,57 @@ def read_image_labels(path: Optional[os.PathLike], num_classes: int) -> Optional
     return out
 
 
-def _stems(labels_dir: os.PathLike) -> List[str]:
-    stems = list_stems(labels_dir, (".png",))
+def _stems(labels_dir: os.PathLike, skip_suffixes: Sequence[str] = ()) -> List[str]:
+    stems = [s for s in list_stems(labels_dir, (".png",)) if not any(s.endswith(x) for x in skip_suffixes)]
     if not stems:
         raise ValueError(f"{labels_dir}: no .png label files")
     return stems
+
+
+WSSS_ADAPTERS = ("irnet", "advcam", "seam", "rsepm")
+
+
+@dataclass
+class LabelFormat:
+    """How a WSSS repository stores labels: PNG mode of its outputs, sibling files to skip,
+    and how its image-level label file is read (through ``mars_plugin.adapters.<name>``)."""
+
+    name: Optional[str] = None
+    mode: str = "P"
+    skip_suffixes: Tuple[str, ...] = ()
+    dataset: str = "voc"
+    trust_pickle: bool = False
+
+    def image_labels(self, path: Optional[os.PathLike], num_classes: int) -> Optional[Dict[str, List[int]]]:
+        if path is None:
+            return None
+        if self.name is None:
+            return read_image_labels(path, num_classes)
+        import inspect
+
+        adapter = _adapter(self.name)
+        kwargs: Dict[str, Any] = {"trust_pickle": self.trust_pickle}
+        if "dataset" in inspect.signature(adapter.load_image_labels).parameters:
+            kwargs["dataset"] = self.dataset
+        multi_hot = adapter.load_image_labels(path, **kwargs)
+        return {str(k): [int(i) + 1 for i in torch.nonzero(v).flatten().tolist()] for k, v in multi_hot.items()}
+
+
+def _adapter(name: str):
+    import importlib
+
+    if name not in WSSS_ADAPTERS:
+        raise ValueError(f"wsss must be one of {WSSS_ADAPTERS}, got {name!r}")
+    return importlib.import_module(f"mars_plugin.adapters.{name}")
+
+
+def label_format(wsss: Optional[str] = None, *, dataset: str = "voc", trust_pickle: bool = False) -> LabelFormat:
+    """The :class:`LabelFormat` of a WSSS repository (None: this package's own layout)."""
+    if wsss is None:
+        return LabelFormat(trust_pickle=trust_pickle, dataset=dataset)
+    adapter = _adapter(wsss)
+    skip = ("_palette",) if wsss in ("irnet", "advcam") else ()
+    return LabelFormat(wsss, adapter.LABEL_MODE, skip, dataset, trust_pickle)
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,19 +214,29 @@ def centroids_job(
     ignore_index: int = IGNORE_VALUE,
     on_error: str = "stop",
     progress: bool = True,
+    fmt: Optional[LabelFormat] = None,
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
-    and save the result to ``out`` (a ``.pt`` file, written atomically)."""
+    and save the result to ``out`` (a ``.pt`` file, written atomically).
+
+    ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
+    file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
+    images and rank 0 writes ``out``; every rank returns the same centroids.
+    """
     _check_on_error(on_error)
-    stems = _stems(labels_dir)
-    labels = read_image_labels(image_labels, num_classes)
+    fmt = fmt or LabelFormat()
+    stems = _stems(labels_dir, fmt.skip_suffixes)
+    labels = fmt.image_labels(image_labels, num_classes)
+    rank, world = _rank_world()
+    stems = stems[rank::world]
     summary = JobSummary()
     samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, ignore_index, on_error, summary, progress)
     V = select_centroids(
         samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
         ignore_index=ignore_index,
     )
-    V.save(out)
+    if rank == 0:
+        V.save(out)
     return V, summary
 
 
@@ -214,7 +281,7 @@ def _debias_one(stem: str) -> Tuple[str, str, Optional[str]]:
             feats, label, V, classes, image=image, refine=cfg["refine"], threshold=cfg["threshold"],
             ignore_index=cfg["ignore_index"], crf_params=cfg["crf_params"],
         )
-        write_label(out_path, y)
+        write_label(out_path, y, mode=cfg["mode"])
     except ValueError as e:
         return stem, "failed", str(e)
     return stem, "done", None
@@ -235,13 +302,16 @@ def debias_job(
     crf_params: Optional[Mapping[str, Any]] = None,
     on_error: str = "stop",
     progress: bool = True,
+    fmt: Optional[LabelFormat] = None,
 ) -> JobSummary:
     """Write one debiased label PNG per pseudo label (biased pixels as 254, see
     :data:`mars_plugin.files.BIASED_VALUE`).
 
     Resumable: images whose output already exists are skipped (outputs are written atomically,
     so an existing file is always complete). ``workers`` > 1 runs images in that many processes
-    (the CRF is the bottleneck on CPU); outputs are identical to one worker.
+    (the CRF is the bottleneck on CPU); outputs are identical to one worker. Under
+    torch.distributed each rank debiases its strided shard. ``fmt`` writes in a WSSS
+    repository's PNG mode (see :func:`label_format`).
     """
     _check_on_error(on_error)
     if refine not in ("crf", "threshold"):
@@ -250,14 +320,17 @@ def debias_job(
         raise ValueError("refine='crf' needs images_dir (the RGB images); or use refine='threshold'")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    stems = _stems(labels_dir)
+    fmt = fmt or LabelFormat()
+    stems = _stems(labels_dir, fmt.skip_suffixes)
+    rank, world = _rank_world()
+    stems = stems[rank::world]
     V = DebiasedCentroids.load(centroids)
     os.makedirs(out_dir, exist_ok=True)
     config = dict(
         centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
         images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
         threshold=threshold, ignore_index=ignore_index, crf_params=dict(crf_params) if crf_params else None,
-        image_labels=read_image_labels(image_labels, V.num_classes),
+        image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode,
     )
     summary = JobSummary()
 

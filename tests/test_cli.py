@@ -179,3 +179,32 @@ def test_tiny_demo_writes_everything_and_its_world_feeds_the_commands(tmp_path):
     assert _debias(w, tmp_path / "V.pt", tmp_path / "db", ["--refine", "threshold"]) == 0
     assert main(["evaluate", "--pred", str(tmp_path / "db"), "--gt", str(w / "gt"), "--num-classes", "6",
                  "--no-progress"]) == 0
+
+
+def test_wsss_irnet_folders_through_the_cli(world_dir, tmp_path, capsys):
+    """--wsss irnet: L-mode labels with _palette.png siblings, pickled cls_labels.npy (opt-in)."""
+    root, world = world_dir
+    wl = tmp_path / "irnet"
+    (wl / "ir_label").mkdir(parents=True)
+    cls = {}
+    for i, stem in enumerate(world.stems):
+        Image.fromarray(world.pseudo[i].numpy().astype(np.uint8), mode="L").save(wl / "ir_label" / f"{stem}.png")
+        Image.fromarray(np.zeros((4, 4), np.uint8), mode="P").save(wl / "ir_label" / f"{stem}_palette.png")
+        cls[stem] = world.image_classes[i].numpy().astype(np.float32)
+    # IRNet's cls_labels.npy has VOC's 20 classes; the tiny world has 6: pad with zeros.
+    np.save(wl / "cls_labels.npy", {k: np.concatenate([v, np.zeros(14, np.float32)]) for k, v in cls.items()})
+    args = ["--features", str(root / "features"), "--labels", str(wl / "ir_label"), "--wsss", "irnet",
+            "--image-labels", str(wl / "cls_labels.npy"), "--no-progress"]
+    # Unpickling needs the opt-in, and the error says how.
+    assert main(["centroids", *args, "--num-classes", "20", "--out", str(tmp_path / "V.pt")]) == 2
+    assert "--trust-pickle" in capsys.readouterr().err
+    assert main(["centroids", *args, "--num-classes", "20", "--out", str(tmp_path / "V.pt"), "--trust-pickle"]) == 0
+    V = DebiasedCentroids.load(tmp_path / "V.pt")
+    assert V.num_images == len(world.stems)  # the _palette siblings were skipped
+    assert main(["debias", *args, "--centroids", str(tmp_path / "V.pt"), "--out", str(tmp_path / "db"),
+                 "--refine", "threshold", "--trust-pickle"]) == 0
+    outs = sorted((tmp_path / "db").glob("*.png"))
+    assert [p.stem for p in outs] == world.stems
+    for p in outs:
+        with Image.open(p) as im:
+            assert im.mode == "L"  # IRNet reads labels with imageio: grayscale, not palette

@@ -64,7 +64,8 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
         for key in ("valid", "num_candidates", "num_selected"):
             assert torch.equal(got[key], single[key]), key
         torch.testing.assert_close(got["centroids"], single["centroids"], rtol=0, atol=1e-6)
-        torch.testing.assert_close(got["cut_distance"], single["cut_distance"], rtol=0, atol=1e-12, equal_nan=True)
+        # float32 centroids from differently batched K-means agree to ~1e-7, so do their distances.
+        torch.testing.assert_close(got["cut_distance"], single["cut_distance"], rtol=0, atol=1e-6, equal_nan=True)
         torch.testing.assert_close(got["background_mean"], single["background_mean"], rtol=0, atol=1e-6)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
@@ -82,3 +83,31 @@ def test_shard_indices_cover_the_list_once():
     shards = [shard_indices(11, r, 3) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(11))
     assert shards[1] == [1, 4, 7, 10]
+
+
+def test_torchrun_mars_centroids_equals_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 -m mars_plugin.cli centroids ...` writes the single-process result."""
+    import shutil
+    import subprocess
+    import sys
+
+    from mars_plugin.cli import main
+    from mars_plugin.synthetic import make_world, write_world
+
+    world = make_world(12, size=32, dim=16, seed=4)
+    write_world(world, tmp_path / "w")
+    args = ["centroids", "--features", str(tmp_path / "w" / "features"), "--labels", str(tmp_path / "w" / "labels"),
+            "--num-classes", "6", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "one.pt")]) == 0
+    torchrun = shutil.which("torchrun")
+    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
+        "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "mars_plugin.cli", *args,
+        "--out", str(tmp_path / "two.pt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert one["num_images"] == two["num_images"] == 12
+    assert torch.equal(one["valid"], two["valid"]) and torch.equal(one["num_candidates"], two["num_candidates"])
+    torch.testing.assert_close(two["centroids"], one["centroids"], rtol=0, atol=1e-6)
