@@ -123,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="also write the scores to this JSON file")
     _add_common(e)
 
+    from .adapters.extractor import add_features_arguments
+
+    f = sub.add_parser("features", formatter_class=_Formatter,
+                       help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
+                       description="Write one float16 <stem>.npy (D, h, w) per image with a STEGO or Leopart "
+                                   "checkpoint read from disk (nothing is downloaded); resumable, atomic writes.")
+    add_features_arguments(f)
+
     r = sub.add_parser("report", formatter_class=_Formatter, help="which classes were biased: chart and overlays",
                        description="Per-class share of pseudo-label pixels marked biased, ranked, as a bar chart, and a grid "
                                    "of overlays of the most-changed images (the paper's Fig. 1(d), automatically).")
@@ -150,6 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                      epochs=args.epochs, refine=args.refine, write_world=not args.no_world)
             return 0
         progress = not args.no_progress
+        if args.command == "features":
+            from .adapters.extractor import run_features
+
+            s = run_features(args)
+            print(f"features -> {args.out}: {s.line()}")
         if args.command in ("centroids", "debias"):
             joined = _maybe_init_distributed()
             fmt = jobs.label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)

@@ -1,0 +1,404 @@
+"""USS feature extraction: images in, ``features/<stem>.npy`` out (``mars features``).
+
+MARS needs per-pixel embeddings F of an unsupervised segmentation model for every image. Any
+object with ``__call__(images, output_size=None) -> (B, D, h, w)`` (the :class:`FeatureExtractor`
+protocol) can fill a feature folder with :func:`features_job`:
+
+* :class:`~mars_plugin.adapters.stego.STEGOExtractor` and
+  :class:`~mars_plugin.adapters.leopart.LeopartExtractor` read the released checkpoints
+  (``from_checkpoint``);
+* :class:`ModelExtractor` wraps any ``nn.Module`` with a function turning its output into a
+  (B, D, h, w) map (pytorch-grad-cam's ``reshape_transform`` idea), e.g. for a timm/HF ViT::
+
+      ModelExtractor(vit, lambda out: rearrange(out[:, 1:], "b (h w) d -> b d h w", h=28),
+                     preprocess=imagenet_preprocess(448))
+
+The command line (wired as ``mars features`` by :mod:`mars_plugin.cli`)::
+
+    mars features --uss stego --checkpoint cocostuff27_vit_base_5.ckpt --trust-pickle \\
+                  --images VOC2012/JPEGImages --out features --device cuda --fp16
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mars_plugin.files import IMAGE_EXTENSIONS, read_image, write_features
+from mars_plugin.jobs import JobError, JobSummary
+
+from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
+
+__all__ = [
+    "FeatureExtractor",
+    "ModelExtractor",
+    "imagenet_preprocess",
+    "features_job",
+    "load_extractor",
+    "add_features_arguments",
+    "run_features",
+]
+
+PathLike = Union[str, os.PathLike]
+ON_ERROR = ("stop", "skip")
+USS_MODELS = ("stego", "leopart")
+
+
+@runtime_checkable
+class FeatureExtractor(Protocol):
+    """Anything that maps a batch of same-size RGB images to per-pixel embeddings.
+
+    ``images``: (B, 3, H, W), uint8 0..255 or float 0..1. ``output_size``: None (the model's own
+    grid) or (h, w). Returns (B, D, h, w) float.
+    """
+
+    def __call__(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        ...
+
+
+def imagenet_preprocess(size: Optional[Union[int, Tuple[int, int]]] = None, interpolation: str = "bilinear") -> Callable:
+    """A ``preprocess`` for :class:`ModelExtractor`: optional resize (an int is a square side),
+    then ImageNet mean/std normalisation, on float [0, 1] images."""
+    target = (size, size) if isinstance(size, int) else size
+
+    def preprocess(x: torch.Tensor) -> torch.Tensor:
+        if target is not None:
+            x = resize_images(x, target, interpolation)
+        return normalize_imagenet(x)
+
+    return preprocess
+
+
+class ModelExtractor(nn.Module):
+    """Any ``nn.Module`` as a feature extractor.
+
+    ``model(preprocess(x))`` runs on float [0, 1] images (uint8 input is divided by 255; with
+    ``preprocess=None`` the model sees exactly that), then ``output_transform`` maps its output
+    (a tensor, tuple, dict, tokens...) to (B, D, h, w). With ``output_size`` the map is resized
+    bilinearly; ``normalize=True`` L2-normalises every pixel's vector after that.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        output_transform: Callable[[Any], torch.Tensor] = lambda out: out,
+        preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        *,
+        normalize: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(output_transform):
+            raise TypeError("output_transform must be callable")
+        if preprocess is not None and not callable(preprocess):
+            raise TypeError("preprocess must be callable or None")
+        self.model = model
+        self.output_transform = output_transform
+        self.preprocess = preprocess
+        self.normalize = bool(normalize)
+        self.eval()
+
+    def describe(self) -> str:
+        return f"{type(self.model).__name__} through ModelExtractor"
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        output_size = check_output_size(output_size)
+        x = as_float_images(images)
+        if self.preprocess is not None:
+            x = self.preprocess(x)
+        f = self.output_transform(self.model(x))
+        if not isinstance(f, torch.Tensor) or f.ndim != 4 or f.shape[0] != x.shape[0]:
+            got = f"shape {tuple(f.shape)}" if isinstance(f, torch.Tensor) else type(f).__name__
+            raise ValueError(
+                f"output_transform must return a (B, D, h, w) tensor with B = {x.shape[0]} images, got {got}"
+            )
+        f = resize_features(f, output_size)
+        if self.normalize:
+            f = F.normalize(f, dim=1)
+        return f
+
+
+# --------------------------------------------------------------------------------------------
+# the folder job
+# --------------------------------------------------------------------------------------------
+
+
+def _target_size(output_size: Any, stride: Optional[int], height: int, width: int) -> Optional[Tuple[int, int]]:
+    if stride is not None:
+        return math.ceil(height / stride), math.ceil(width / stride)
+    if output_size is None:
+        return None
+    if isinstance(output_size, str):
+        return height, width  # "image", checked by features_job
+    return check_output_size(output_size)
+
+
+def _image_paths(images_dir: Path) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
+    """(stem, path) for every image, sorted by stem; stems with several files are returned apart."""
+    if not images_dir.is_dir():
+        raise ValueError(f"{images_dir}: not a folder")
+    by_stem: Dict[str, List[Path]] = {}
+    for p in images_dir.iterdir():
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
+            by_stem.setdefault(p.stem, []).append(p)
+    ok = [(s, ps[0]) for s, ps in sorted(by_stem.items()) if len(ps) == 1]
+    clashes = {s: sorted(p.name for p in ps) for s, ps in by_stem.items() if len(ps) > 1}
+    return ok, clashes
+
+
+def features_job(
+    extractor: Callable[..., torch.Tensor],
+    images_dir: PathLike,
+    out_dir: PathLike,
+    *,
+    batch_size: int = 8,
+    device: Union[str, torch.device] = "cpu",
+    fp16: bool = False,
+    output_size: Optional[Union[str, Tuple[int, int]]] = None,
+    stride: Optional[int] = None,
+    on_error: str = "stop",
+    progress: bool = True,
+) -> JobSummary:
+    """Write ``<out_dir>/<stem>.npy``, float16 (D, h, w), for every image of ``images_dir``.
+
+    Args:
+        extractor: a :class:`FeatureExtractor` (an ``nn.Module`` is moved to ``device`` and put
+            in eval mode).
+        batch_size: images per forward pass; only images of the same size share a batch (a few
+            sizes are buffered at once, at most ``4 * batch_size`` images).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        fp16: run under ``torch.autocast`` in float16 (for GPUs; the files are float16 anyway).
+        output_size: None (the extractor's grid, e.g. (H'/8, W'/8) for STEGO ViT-S/8: the
+            smallest files; the core resizes to the label), ``"image"`` (each image's own H x W)
+            or an (h, w) pair.
+        stride: instead of ``output_size``: ``(ceil(H / stride), ceil(W / stride))``.
+        on_error: a file that cannot be read (or clashes with another of the same stem):
+            ``"stop"`` raises :class:`~mars_plugin.jobs.JobError` naming it; ``"skip"`` records
+            it in the summary and goes on.
+        progress: show a progress bar.
+
+    Outputs that already exist are skipped (resume), and every file is written atomically, so an
+    interrupted run never leaves a half-written ``.npy``. Returns a
+    :class:`~mars_plugin.jobs.JobSummary`.
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
+        raise ValueError(f"stride must be an integer >= 1, got {stride!r}")
+    if stride is not None and output_size is not None:
+        raise ValueError("give either output_size or stride, not both")
+    if isinstance(output_size, str) and output_size != "image":
+        raise ValueError(f"output_size must be None, 'image' or an (h, w) pair, got {output_size!r}")
+    if output_size is not None and not isinstance(output_size, str):
+        check_output_size(output_size)
+    if not callable(extractor):
+        raise TypeError(f"extractor must be callable (a FeatureExtractor), got {type(extractor).__name__}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    images_dir, out_dir = Path(images_dir), Path(out_dir)
+    items, clashes = _image_paths(images_dir)
+    if not items and not clashes:
+        raise ValueError(f"{images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(extractor, nn.Module):
+        extractor.to(device).eval()
+
+    summary = JobSummary()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(items) + len(clashes), desc="features", unit="img")
+
+    def tick(n: int = 1) -> None:
+        if bar is not None:
+            bar.update(n)
+
+    def fail(stem: str, why: str) -> None:
+        if on_error == "stop":
+            raise JobError(f"{stem}: {why}")
+        summary.failed.append((stem, why))
+        tick()
+
+    def run(batch: List[Tuple[str, torch.Tensor]]) -> None:
+        images = torch.stack([img for _, img in batch]).to(device)
+        size = _target_size(output_size, stride, images.shape[-2], images.shape[-1])
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.float16, enabled=bool(fp16)):
+            feats = extractor(images, output_size=size) if size is not None else extractor(images)
+        if not isinstance(feats, torch.Tensor) or feats.ndim != 4 or feats.shape[0] != len(batch):
+            got = f"shape {tuple(feats.shape)}" if isinstance(feats, torch.Tensor) else type(feats).__name__
+            raise ValueError(f"the extractor must return (B, D, h, w) with B = {len(batch)}, got {got}")
+        if size is not None and tuple(feats.shape[-2:]) != size:
+            raise ValueError(f"the extractor returned {tuple(feats.shape[-2:])} maps, {size} were asked for")
+        feats = feats.float().cpu()
+        for (stem, _), f in zip(batch, feats):
+            with np.errstate(over="ignore"):
+                arr = f.numpy().astype(np.float16)
+            if not np.isfinite(arr).all():
+                fail(stem, "embeddings are not finite in float16 (NaN, or beyond +-65504)")
+                continue
+            write_features(out_dir / f"{stem}.npy", arr)
+            summary.done += 1
+            tick()
+
+    try:
+        for stem, names in sorted(clashes.items()):
+            fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
+        buckets: "OrderedDict[Tuple[int, int], List[Tuple[str, torch.Tensor]]]" = OrderedDict()
+        buffered = 0
+        for stem, path in items:
+            if (out_dir / f"{stem}.npy").is_file():
+                summary.existing += 1
+                tick()
+                continue
+            try:
+                rgb = read_image(path)
+            except ValueError as e:
+                fail(stem, str(e))
+                continue
+            img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+            key = (int(img.shape[1]), int(img.shape[2]))
+            buckets.setdefault(key, []).append((stem, img))
+            buffered += 1
+            if len(buckets[key]) >= batch_size:
+                run(buckets.pop(key))
+                buffered -= batch_size
+            elif buffered >= 4 * batch_size:  # many sizes: run the fullest bucket
+                key = max(buckets, key=lambda k: len(buckets[k]))
+                b = buckets.pop(key)
+                buffered -= len(b)
+                run(b)
+        for b in buckets.values():
+            run(b)
+    finally:
+        if bar is not None:
+            bar.close()
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# command line: mars features
+# --------------------------------------------------------------------------------------------
+
+
+def load_extractor(
+    uss: str,
+    checkpoint: PathLike,
+    *,
+    trust_pickle: bool = False,
+    res: Optional[int] = None,
+    flip_average: bool = True,
+    head: bool = False,
+    normalize: Optional[bool] = None,
+    interpolation: Optional[str] = None,
+    prefix: Optional[str] = None,
+) -> nn.Module:
+    """A STEGO or Leopart extractor from its checkpoint, with the options of ``mars features``.
+
+    None means the model's default: res 320 / 448, interpolation nearest / bilinear, L2
+    normalisation on for STEGO and for the Leopart head, off for Leopart backbone tokens.
+    """
+    if uss == "stego":
+        from .stego import STEGOExtractor
+
+        if head:
+            raise ValueError("--head is a Leopart option; STEGO's embedding is its code")
+        if prefix is not None:
+            raise ValueError("--prefix is a Leopart option; STEGO checkpoints always store the model under 'net.'")
+        kw: Dict[str, Any] = {"flip_average": flip_average}
+        if res is not None:
+            kw["res"] = res
+        if normalize is not None:
+            kw["normalize"] = normalize
+        if interpolation is not None:
+            kw["interpolation"] = interpolation
+        return STEGOExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, **kw)
+    if uss == "leopart":
+        from .leopart import LeopartExtractor
+
+        if not flip_average:
+            raise ValueError("--no-flip is a STEGO option; Leopart's evaluation does not flip")
+        kw = {"head": head, "normalize": normalize}
+        if res is not None:
+            kw["res"] = res
+        if interpolation is not None:
+            kw["interpolation"] = interpolation
+        return LeopartExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, prefix=prefix, **kw)
+    raise ValueError(f"uss must be one of {USS_MODELS}, got {uss!r}")
+
+
+# An empty "%(default)" field: ArgumentDefaultsHelpFormatter then leaves out its "(default: None)"
+# where the help text already says what None means.
+_OWN_DEFAULT = "%(default).0s"
+
+
+def add_features_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mars features`` (use an ``ArgumentDefaultsHelpFormatter`` to show defaults)."""
+    parser.add_argument("--uss", choices=USS_MODELS, required=True,
+                        help="unsupervised segmentation model the checkpoint belongs to")
+    parser.add_argument("--checkpoint", required=True,
+                        help="STEGO Lightning .ckpt (cocostuff27_vit_base_5.ckpt, potsdam_test.ckpt, ...) or Leopart "
+                             ".ckpt (leopart_vits16.ckpt, leopart_vitb8.ckpt, or a Lightning checkpoint)")
+    parser.add_argument("--images", required=True, help="folder of RGB images <stem>.jpg/.jpeg/.png/.bmp")
+    parser.add_argument("--out", required=True, help="output folder of <stem>.npy float16 (D, h, w) embeddings")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass (same-size images only)")
+    parser.add_argument("--fp16", action="store_true", help="run the network under float16 autocast (GPU)")
+    parser.add_argument("--res", type=int, default=None,
+                        help="STEGO: shorter image side fed to the ViT (default: 320, its evaluation); "
+                             "Leopart: square input side (default: 448, its evaluation)" + _OWN_DEFAULT)
+    parser.add_argument("--interpolation", choices=("nearest", "bilinear"), default=None,
+                        help="input resize (default: nearest for STEGO, as its transform; bilinear for Leopart)"
+                             + _OWN_DEFAULT)
+    parser.add_argument("--no-flip", action="store_true",
+                        help="STEGO: do not average the code with that of the horizontally flipped image")
+    parser.add_argument("--head", action="store_true",
+                        help="Leopart: use the 256-d projection-head embedding instead of the backbone tokens")
+    parser.add_argument("--prefix", default=None,
+                        help="Leopart: key prefix of the backbone in the checkpoint (default: 'model.', else the "
+                             "single prefix in front of 'cls_token')" + _OWN_DEFAULT)
+    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                        help="L2-normalise each pixel's embedding (default: yes for STEGO and the Leopart head, no "
+                             "for Leopart backbone tokens)" + _OWN_DEFAULT)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--stride", type=int, default=None,
+                      help="write maps of ceil(H/N) x ceil(W/N) for an H x W image (default: the ViT patch grid; "
+                           "the MARS core resizes features to each label anyway)" + _OWN_DEFAULT)
+    size.add_argument("--full-size", action="store_true",
+                      help="write maps of the image's own H x W (large files: D*H*W*2 bytes each)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow unpickling a checkpoint that holds Python objects besides its weights (STEGO's "
+                             "and Lightning's .ckpt files do); only for files you trust")
+    parser.add_argument("--on-error", choices=ON_ERROR, default="stop",
+                        help="an unreadable image: stop with its name (exit 2), or report it, go on and exit 1")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run_features(args: argparse.Namespace) -> JobSummary:
+    """``mars features``: load the extractor, say what it is on stdout, run :func:`features_job`."""
+    extractor = load_extractor(
+        args.uss, args.checkpoint, trust_pickle=args.trust_pickle, res=args.res, flip_average=not args.no_flip,
+        head=args.head, normalize=args.normalize, interpolation=args.interpolation, prefix=args.prefix,
+    )
+    print(f"{extractor.describe()} -> {args.out}", flush=True)
+    return features_job(
+        extractor, args.images, args.out, batch_size=args.batch_size, device=args.device, fp16=args.fp16,
+        output_size="image" if args.full_size else None, stride=args.stride, on_error=args.on_error,
+        progress=not args.no_progress,
+    )

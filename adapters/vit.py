@@ -1,0 +1,530 @@
+"""An inference-only DINO Vision Transformer whose state dict is DINO's (and timm's), plus the
+checkpoint plumbing the USS extractors share.
+
+The two unsupervised segmentation models MARS reads embeddings from both sit on DINO's ViT:
+
+* STEGO (mhamilton723/STEGO) builds ``dino.vision_transformer.vit_small/vit_base`` (its
+  ``src/dino/vision_transformer.py`` is DINO's file with a qkv return added), then reads the
+  normalised output tokens of the last block (``get_intermediate_feat(img, n=1)``,
+  ``src/dino/vision_transformer.py:225-237``: ``self.norm(x)`` after the last block, the same
+  tensor as :meth:`DinoViT.forward_tokens`).
+* Leopart (MkuuWaUjinga/leopart) fine-tunes the same network (``src/vit.py``, "adapted from"
+  DINO) and evaluates ``forward_backbone(x)[:, 1:]`` (``src/vit.py:260-272``), again the normed
+  last-block tokens.
+
+So one module serves both. It is written from DINO's ``vision_transformer.py``
+(facebookresearch/dino @ 7c446df), not copied; line numbers below refer to that file:
+
+* patch embedding: ``Conv2d(3, D, kernel=stride=patch)``, flattened row-major (l. 126-131);
+* ``[CLS]`` token prepended, then the (interpolated) position embedding added (l. 196-207);
+* blocks: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``, MLP = fc1-GELU-fc2 (l. 49-113), scaled
+  dot-product attention with ``head_dim ** -0.5`` (l. 68-92), LayerNorm eps 1e-6 (l. 243-254);
+* a final LayerNorm (l. 156, 209-214).
+
+No dropout, no drop-path: this module only runs inference.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+import types
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "DinoViT",
+    "vit_from_state_dict",
+    "vit_state_dict_keys",
+    "heads_for_width",
+    "load_checkpoint",
+    "select_prefix",
+    "state_dict_of",
+    "describe_vit",
+]
+
+#: ImageNet normalisation used by STEGO (``src/utils.py:140``) and Leopart's evaluation.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+#: Attention heads of the DINO/Leopart variants by width: vit_tiny 192/3, vit_small 384/6,
+#: vit_base 768/12 (DINO ``vision_transformer.py:236-254``), vit_large 1024/16 (Leopart
+#: ``src/vit.py:363-367``). The head count is not visible in any weight shape.
+_HEADS_BY_WIDTH = {192: 3, 384: 6, 768: 12, 1024: 16}
+
+PathLike = Union[str, os.PathLike]
+
+
+def heads_for_width(width: int) -> int:
+    """Number of attention heads of the DINO variant of this width (64 channels per head)."""
+    if width in _HEADS_BY_WIDTH:
+        return _HEADS_BY_WIDTH[width]
+    raise ValueError(
+        f"cannot tell the number of attention heads of a ViT of width {width}: DINO/Leopart ViTs are "
+        f"{', '.join(f'{w} ({h} heads)' for w, h in _HEADS_BY_WIDTH.items())}; pass num_heads= explicitly"
+    )
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"width {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # DINO l. 80-92: qkv -> (3, B, heads, N, head_dim), softmax(q k^T * head_dim^-0.5) v.
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
+        y = F.scaled_dot_product_attention(q, k, v)  # default scale = head_dim ** -0.5, as DINO
+        return self.proj(rearrange(y, "b h n d -> b n (h d)"))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()  # exact (erf) GELU, nn.GELU's default as in DINO
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, hidden: int, qkv_bias: bool, eps: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = _Attention(dim, num_heads, qkv_bias)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = _Mlp(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, patch_size: int, in_chans: int, dim: int):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+
+
+class DinoViT(nn.Module):
+    """DINO's VisionTransformer for inference, state-dict compatible with DINO and timm.
+
+    Args:
+        patch_size: 8 or 16 for the released DINO/STEGO/Leopart models.
+        embed_dim: width D (384 ViT-S, 768 ViT-B).
+        depth: number of blocks (12 for every released model).
+        num_heads: attention heads (default: from the width, 6 for 384, 12 for 768).
+        mlp_hidden: hidden width of the MLP (default 4 * D, DINO's ``mlp_ratio=4``).
+        num_patches: patches of the stored position embedding (196 = (224/16)^2 or 784 = (224/8)^2).
+        qkv_bias: DINO's variants use ``qkv_bias=True``.
+        in_chans: image channels (3).
+        eps: LayerNorm epsilon (1e-6 in DINO's ``vit_small``/``vit_base``).
+    """
+
+    def __init__(
+        self,
+        patch_size: int = 16,
+        embed_dim: int = 384,
+        depth: int = 12,
+        num_heads: Optional[int] = None,
+        mlp_hidden: Optional[int] = None,
+        num_patches: int = 196,
+        qkv_bias: bool = True,
+        in_chans: int = 3,
+        eps: float = 1e-6,
+    ):
+        super().__init__()
+        side = math.isqrt(num_patches)
+        if side * side != num_patches:
+            raise ValueError(f"num_patches must be a square (the position grid), got {num_patches}")
+        self.patch_size = int(patch_size)
+        self.embed_dim = int(embed_dim)
+        self.num_heads = int(num_heads) if num_heads is not None else heads_for_width(embed_dim)
+        self.patch_embed = _PatchEmbed(patch_size, in_chans, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
+        hidden = int(mlp_hidden) if mlp_hidden is not None else 4 * embed_dim
+        self.blocks = nn.ModuleList(_Block(embed_dim, self.num_heads, hidden, qkv_bias, eps) for _ in range(depth))
+        self.norm = nn.LayerNorm(embed_dim, eps=eps)
+        self.eval()
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
+
+    def interpolate_pos_encoding(self, num_tokens: int, height: int, width: int) -> torch.Tensor:
+        """The (1, 1 + num_tokens, D) position embedding for an image of ``height`` x ``width`` pixels.
+
+        DINO ``vision_transformer.py:174-194`` (identical in STEGO ``src/dino/vision_transformer.py``
+        and Leopart ``src/vit.py:183-203``). DINO unpacks ``B, nc, w, h = x.shape``
+        (l. 197), so its ``w`` is the image *height* and its first scale factor acts on rows; with
+        honest names the computation is:
+
+        * unchanged when the token count equals the stored grid's and the image is square;
+        * else ``h0 = height // patch + 0.1`` and ``w0 = width // patch + 0.1`` (the +0.1 against
+          floating-point error, DINO issue #8), and the stored ``sqrt(N) x sqrt(N)`` grid is
+          resized by ``F.interpolate(..., scale_factor=(h0 / sqrt(N), w0 / sqrt(N)),
+          mode="bicubic")``: align_corners False, no antialias, and, because a scale factor
+          is given, PyTorch samples with that factor (not the ratio of the sizes).
+        """
+        pos = self.pos_embed
+        n_stored = pos.shape[1] - 1
+        if num_tokens == n_stored and height == width:
+            return pos
+        p = self.patch_size
+        h0, w0 = height // p + 0.1, width // p + 0.1
+        side = int(math.sqrt(n_stored))
+        grid = rearrange(pos[:, 1:].float(), "1 (gh gw) d -> 1 d gh gw", gh=side, gw=side)
+        grid = F.interpolate(
+            grid, scale_factor=(h0 / math.sqrt(n_stored), w0 / math.sqrt(n_stored)), mode="bicubic",
+        )
+        if grid.shape[-2:] != (int(h0), int(w0)):  # DINO l. 192 asserts the same
+            raise RuntimeError(
+                f"position-embedding interpolation gave a {tuple(grid.shape[-2:])} grid for a "
+                f"{(int(h0), int(w0))} patch grid"
+            )
+        patch_pos = rearrange(grid, "1 d gh gw -> 1 (gh gw) d").to(pos.dtype)
+        return torch.cat([pos[:, :1], patch_pos], dim=1)
+
+    def prepare_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> (B, 1 + h*w, D): patches, [CLS] first, plus position embedding."""
+        if x.ndim != 4:
+            raise ValueError(f"images must be (B, C, H, W), got shape {tuple(x.shape)}")
+        _, _, height, width = x.shape
+        if height < self.patch_size or width < self.patch_size:
+            raise ValueError(f"images of {height}x{width} pixels are smaller than one {self.patch_size}-pixel patch")
+        t = rearrange(self.patch_embed.proj(x), "b d h w -> b (h w) d")
+        t = torch.cat([self.cls_token.expand(t.shape[0], -1, -1).to(t.dtype), t], dim=1)
+        return t + self.interpolate_pos_encoding(t.shape[1] - 1, height, width).to(t.dtype)
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1 + N, D) tokens after the final LayerNorm: [CLS] then the patches row by row.
+
+        Equals DINO's ``get_intermediate_layers(x, n=1)[0]`` (l. 225-233), STEGO's
+        ``get_intermediate_feat(x, n=1)[0][0]`` and Leopart's ``forward_backbone(x)``.
+        """
+        t = self.prepare_tokens(x)
+        for blk in self.blocks:
+            t = blk(t)
+        return self.norm(t)
+
+    def patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, D, H // patch, W // patch): the normed patch tokens as a feature map.
+
+        STEGO's ``image_feat`` for ``dino_feat_type="feat"`` (``src/modules.py:93-97``).
+        """
+        h, w = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        return rearrange(self.forward_tokens(x)[:, 1:], "b (h w) d -> b d h w", h=h, w=w)
+
+    forward = patch_tokens
+
+    def extra_repr(self) -> str:
+        return describe_vit(self)
+
+
+def describe_vit(vit: DinoViT) -> str:
+    """'ViT-S/8 (12 blocks, width 384, 6 heads)'."""
+    name = {192: "Ti", 384: "S", 768: "B", 1024: "L"}.get(vit.embed_dim, f"{vit.embed_dim}")
+    return f"ViT-{name}/{vit.patch_size} ({vit.depth} blocks, width {vit.embed_dim}, {vit.num_heads} heads)"
+
+
+def vit_state_dict_keys(depth: int, qkv_bias: bool = True) -> List[str]:
+    """The state-dict keys of a DINO ViT of ``depth`` blocks (DINO's and timm's names)."""
+    keys = ["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"]
+    for i in range(depth):
+        for layer in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
+            if layer == "attn.qkv" and not qkv_bias:
+                keys.append(f"blocks.{i}.{layer}.weight")
+                continue
+            keys += [f"blocks.{i}.{layer}.weight", f"blocks.{i}.{layer}.bias"]
+    return keys + ["norm.weight", "norm.bias"]
+
+
+_BLOCK_RE = re.compile(r"^blocks\.(\d+)\.")
+
+
+def _need(sd: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
+    if key not in sd:
+        raise ValueError(f"{what}: missing key {key!r}; this is not a DINO ViT state dict (keys start with "
+                         f"{sorted(sd)[:5]}...)")
+    v = sd[key]
+    if not isinstance(v, torch.Tensor):
+        raise ValueError(f"{what}: {key!r} is a {type(v).__name__}, not a tensor")
+    return v
+
+
+def vit_from_state_dict(
+    sd: Mapping[str, torch.Tensor],
+    *,
+    num_heads: Optional[int] = None,
+    qkv_bias: Optional[bool] = True,
+    what: str = "ViT state dict",
+) -> DinoViT:
+    """Build a :class:`DinoViT` of the variant the weights' shapes describe, and load them strictly.
+
+    Read from the shapes: patch size and width from ``patch_embed.proj.weight`` (D, 3, p, p),
+    depth from the ``blocks.N`` indices (which must run 0..depth-1), MLP width from
+    ``blocks.0.mlp.fc1.weight``, position grid from ``pos_embed`` (1, 1 + N, D). Heads:
+    ``num_heads`` or :func:`heads_for_width`. ``qkv_bias``: every DINO/STEGO/Leopart variant has
+    one (``qkv_bias=True``, DINO l. 243-254), so a missing ``attn.qkv.bias`` is an error; None
+    reads it from ``blocks.0`` (timm models without it). Every key of the model must be
+    in ``sd`` and ``sd`` must hold nothing else: a :class:`ValueError` names the missing and the
+    unexpected keys (callers strip prefixes and drop heads first).
+    """
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"{what} must be a mapping of names to tensors, got {type(sd).__name__}")
+    w = _need(sd, "patch_embed.proj.weight", what)
+    if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
+        raise ValueError(f"{what}: patch_embed.proj.weight must be (D, C, p, p), got {tuple(w.shape)}")
+    dim, in_chans, patch = int(w.shape[0]), int(w.shape[1]), int(w.shape[-1])
+    pos = _need(sd, "pos_embed", what)
+    if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape[2] != dim:
+        raise ValueError(f"{what}: pos_embed must be (1, 1 + N, {dim}), got {tuple(pos.shape)}")
+    num_patches = int(pos.shape[1]) - 1
+    if math.isqrt(num_patches) ** 2 != num_patches:
+        raise ValueError(f"{what}: pos_embed holds {num_patches} patch positions, not a square grid")
+    indices = sorted({int(m.group(1)) for k in sd for m in [_BLOCK_RE.match(k)] if m})
+    if not indices:
+        raise ValueError(f"{what}: no 'blocks.N.*' keys, so no transformer blocks to load")
+    depth = indices[-1] + 1
+    if indices != list(range(depth)):
+        gaps = sorted(set(range(depth)) - set(indices))
+        raise ValueError(f"{what}: blocks {gaps} are missing (found blocks {indices[0]}..{indices[-1]})")
+    hidden = int(_need(sd, "blocks.0.mlp.fc1.weight", what).shape[0])
+    if qkv_bias is None:
+        qkv_bias = "blocks.0.attn.qkv.bias" in sd
+    heads = num_heads if num_heads is not None else heads_for_width(dim)
+    model = DinoViT(patch, dim, depth, heads, hidden, num_patches, qkv_bias, in_chans)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(sd), key=_natural)
+    unexpected = sorted(set(sd) - expected, key=_natural)
+    if missing or unexpected:
+        msg = [f"{what} does not match a DINO {describe_vit(model)}:"]
+        if missing:
+            msg.append(f"missing keys {_short(missing)}")
+        if unexpected:
+            msg.append(f"unexpected keys {_short(unexpected)}")
+        raise ValueError(" ".join(msg))
+    try:
+        model.load_state_dict(dict(sd), strict=True)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"{what}: {e}") from e
+    return model.eval()
+
+
+def _natural(key: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def _short(keys: List[str], n: int = 8) -> str:
+    s = ", ".join(repr(k) for k in keys[:n])
+    return f"[{s}{', ... %d more' % (len(keys) - n) if len(keys) > n else ''}]"
+
+
+# ------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+class _Stub:
+    """Stand-in for a class whose module is not installed (an omegaconf DictConfig, a Lightning
+    AttributeDict...): it swallows whatever the pickle passes (constructor arguments, state,
+    dict items, list items), so the tensors next to it load. A plain ``object`` underneath, so
+    pickle can build it by NEWOBJ, REDUCE or copyreg's reconstructor alike."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        self.__dict__["args"] = args
+
+    def __setstate__(self, state):
+        self.__dict__["state"] = state
+
+    def __setitem__(self, key, value):  # SETITEM(S) of a dict subclass
+        self.__dict__.setdefault("items", {})[key] = value
+
+    def __getitem__(self, key):
+        return self.__dict__.get("items", {})[key]
+
+    def append(self, item):  # APPEND(S) of a list subclass
+        self.__dict__.setdefault("elements", []).append(item)
+
+    def extend(self, items):
+        self.__dict__.setdefault("elements", []).extend(items)
+
+    def __call__(self, *args, **kwargs):  # a stubbed function used as a REDUCE callable
+        return _Stub(*args)
+
+
+def _lenient_pickle_module() -> types.ModuleType:
+    """A ``pickle_module`` for ``torch.load`` whose unpickler stubs out classes it cannot import."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                return type(name, (_Stub,), {"__module__": f"missing:{module}"})
+
+    mod = types.ModuleType("mars_lenient_pickle")
+    mod.Unpickler = Unpickler
+    mod.load = pickle.load
+    mod.loads = pickle.loads
+    mod.UnpicklingError = pickle.UnpicklingError
+    return mod
+
+
+def load_checkpoint(path: PathLike, *, trust_pickle: bool = False, what: str = "checkpoint") -> Any:
+    """``torch.load`` a checkpoint on the CPU, refusing to unpickle unless told to.
+
+    First ``weights_only=True`` (tensors, dicts, lists, numbers only: never runs code). Lightning
+    checkpoints usually need more: STEGO's ``hyper_parameters`` hold an omegaconf ``DictConfig``
+    (``src/train_segmentation.py:106``, ``save_hyperparameters()``). Such a file raises a
+    :class:`PermissionError` naming the Python objects it holds, unless ``trust_pickle=True``;
+    then it is unpickled (``weights_only=False``) with classes whose modules are not installed
+    (omegaconf, pytorch_lightning) replaced by inert stubs, since only the state dict is used.
+    A file torch cannot read at all raises a :class:`ValueError`.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first_error = e
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds on non-checkpoint files
+        raise ValueError(f"{path}: cannot read {what} with torch.load ({type(e).__name__}: {_first_line(e)})") from e
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except pickle.UnpicklingError:  # a pickle the weights-only parser cannot scan (protocol 0/1)
+        unsafe = ["objects in an old pickle protocol"]
+    except Exception as e:  # noqa: BLE001 - not a zip checkpoint at all
+        raise ValueError(
+            f"{path}: cannot read {what} with torch.load ({_first_line(first_error)})"
+        ) from first_error
+    if not unsafe:
+        raise ValueError(f"{path}: cannot read {what} with torch.load ({_first_line(first_error)})") from first_error
+    if trust_pickle is not True:
+        raise PermissionError(
+            f"{path}: this {what} holds pickled Python objects besides its weights ({', '.join(unsafe[:6])}"
+            f"{', ...' if len(unsafe) > 6 else ''}); unpickling can run arbitrary code, so it is only opened with "
+            f"trust_pickle=True (CLI: --trust-pickle). Pass it if you trust where the file comes from "
+            f"(Lightning checkpoints store their hyper-parameters this way)."
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle_module())
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: cannot unpickle {what} ({type(e).__name__}: {_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+def select_prefix(sd: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
+    """The entries of ``sd`` under ``prefix``, with the prefix removed."""
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+def state_dict_of(obj: Any, path: PathLike, what: str) -> Dict[str, Any]:
+    """A Lightning checkpoint's ``state_dict``, or the object itself when it is a flat dict of tensors."""
+    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        return dict(obj["state_dict"])
+    if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return dict(obj)
+    keys = sorted(obj)[:10] if isinstance(obj, Mapping) else None
+    raise ValueError(
+        f"{os.fspath(path)}: expected a Lightning checkpoint with a 'state_dict' or a flat dict of tensors as the "
+        f"{what}, got {type(obj).__name__}" + (f" with keys {keys}" if keys is not None else "")
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# image preprocessing shared by the extractors
+# ------------------------------------------------------------------------------------------
+
+INTERPOLATIONS = ("nearest", "bilinear")
+
+
+def as_float_images(images: Any, name: str = "images") -> torch.Tensor:
+    """(B, 3, H, W) float RGB in [0, 1]: uint8 is divided by 255, floats must already be in [0, 1]."""
+    if not isinstance(images, torch.Tensor):
+        import numpy as np
+
+        if isinstance(images, np.ndarray):
+            images = torch.from_numpy(np.ascontiguousarray(images))
+        else:
+            raise TypeError(f"{name} must be a (B, 3, H, W) tensor, got {type(images).__name__}")
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"{name} must be (B, 3, H, W) RGB, got shape {tuple(images.shape)}")
+    if images.dtype == torch.uint8:
+        return images.float() / 255.0
+    if not images.is_floating_point():
+        raise TypeError(f"{name} must be uint8 (0..255) or float (0..1), got dtype {images.dtype}")
+    x = images.float()
+    if x.numel():
+        lo, hi = float(x.min()), float(x.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo < -1e-3 or hi > 1 + 1e-3:
+            raise ValueError(
+                f"float {name} must be RGB in [0, 1] (pass uint8 for 0..255), got values in [{lo:.4g}, {hi:.4g}]"
+            )
+    return x
+
+
+def resize_images(x: torch.Tensor, size: Tuple[int, int], interpolation: str) -> torch.Tensor:
+    """Resize float images like PIL does: ``nearest`` picks the pixel whose centre is nearest
+    (PIL ``Image.NEAREST`` = torch ``nearest-exact``); ``bilinear`` is antialiased when shrinking
+    (PIL ``Image.BILINEAR``, torchvision's ``Resize`` on PIL images)."""
+    size = (int(size[0]), int(size[1]))
+    if tuple(x.shape[-2:]) == size:
+        return x
+    if interpolation == "nearest":
+        return F.interpolate(x, size=size, mode="nearest-exact")
+    if interpolation == "bilinear":
+        return F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
+    raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+
+
+def normalize_imagenet(x: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std with the ImageNet statistics, per channel."""
+    mean = torch.tensor(IMAGENET_MEAN, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def check_output_size(output_size: Any) -> Optional[Tuple[int, int]]:
+    """None or a (h, w) pair of positive ints."""
+    if output_size is None:
+        return None
+    try:
+        h, w = output_size
+        h, w = int(h), int(w)
+    except (TypeError, ValueError):
+        raise TypeError(f"output_size must be None or an (h, w) pair of ints, got {output_size!r}") from None
+    if h < 1 or w < 1:
+        raise ValueError(f"output_size must be positive, got {(h, w)}")
+    return h, w
+
+
+def resize_features(f: torch.Tensor, output_size: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """Bilinear (align_corners=False) resize of (B, D, h, w) features, as STEGO up-samples its code
+    (``src/eval_segmentation.py:128``); float32 out."""
+    f = f.float()
+    if output_size is None or tuple(f.shape[-2:]) == tuple(output_size):
+        return f
+    return F.interpolate(f, size=tuple(output_size), mode="bilinear", align_corners=False)
