@@ -132,21 +132,34 @@ def _cluster_images(
     if not groups:
         return out
     device = groups[0].device
-    n_max = max(g.shape[0] for g in groups)
-    pts = torch.zeros(len(groups), n_max, dims[0], dtype=groups[0].dtype, device=device)
-    mask = torch.zeros(len(groups), n_max, dtype=torch.bool, device=device)
-    for g, pts_g in enumerate(groups):
-        pts[g, : pts_g.shape[0]] = pts_g
-        mask[g, : pts_g.shape[0]] = True
-    ks = [k_bg if c == 0 else k_fg for _, c in keys]
-    seeds = [problem_seed(seed, c) for _, c in keys]
-    res = batched_kmeans(pts, mask, ks, seeds=seeds, max_iter=max_iter, tol=tol, n_init=n_init)
-    for g, (i, c) in enumerate(keys):
-        cents = res.centroids[g][res.valid[g]]
-        if c == 0:
-            out[i].bg = cents
+    sizes = [int(g.shape[0]) for g in groups]
+    # Problems are padded to the largest of their call: bucket them by size (each bucket's
+    # smallest problem at least half its largest) so that padding never doubles the work.
+    # Every problem keeps its own seed and stopping rule, so bucketing leaves results unchanged.
+    order = sorted(range(len(groups)), key=lambda g: -sizes[g])
+    buckets: List[List[int]] = []
+    for g in order:
+        if buckets and sizes[g] * 2 >= sizes[buckets[-1][0]]:
+            buckets[-1].append(g)
         else:
-            out[i].fg[c] = cents
+            buckets.append([g])
+    for bucket in buckets:
+        n_max = sizes[bucket[0]]
+        pts = torch.zeros(len(bucket), n_max, dims[0], dtype=groups[0].dtype, device=device)
+        mask = torch.zeros(len(bucket), n_max, dtype=torch.bool, device=device)
+        for j, g in enumerate(bucket):
+            pts[j, : sizes[g]] = groups[g]
+            mask[j, : sizes[g]] = True
+        ks = [k_bg if keys[g][1] == 0 else k_fg for g in bucket]
+        seeds = [problem_seed(seed, keys[g][1]) for g in bucket]
+        res = batched_kmeans(pts, mask, ks, seeds=seeds, max_iter=max_iter, tol=tol, n_init=n_init)
+        for j, g in enumerate(bucket):
+            i, c = keys[g]
+            cents = res.centroids[j][res.valid[j]]
+            if c == 0:
+                out[i].bg = cents
+            else:
+                out[i].fg[c] = cents
     return out
 
 
