@@ -24,6 +24,8 @@ __all__ = [
     "multi_hot",
     "iter_label_dir",
     "write_label_dir",
+    "check_biased_value",
+    "checked_labels",
 ]
 
 #: PASCAL VOC 2012 class names, background first (21 entries, ids 0..20).
@@ -134,3 +136,30 @@ def write_label_dir(
             write_label(p, label, biased_value=biased_value, mode=mode)
         paths.append(p)
     return paths
+
+
+def check_biased_value(biased_value: int, num_classes: int) -> int:
+    """The byte for biased pixels: an int above every class id 0..C and at most 255."""
+    if isinstance(biased_value, bool) or not isinstance(biased_value, (int, np.integer)):
+        raise ValueError(f"biased_value must be an integer byte, got {biased_value!r}")
+    v = int(biased_value)
+    if not num_classes < v <= 255:
+        raise ValueError(f"biased_value must be a byte above the class ids 0..{num_classes} (254 by default), got {v}")
+    return v
+
+
+def checked_labels(
+    labels: Iterable[Tuple[str, Any]], num_classes: int, hint: str = ""
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(id, label) pairs passed through, refusing anything but integer (H, W) maps of -1
+    (biased), 0..C and 255 (ignore)."""
+    for stem, label in labels:
+        t = torch.as_tensor(label.detach().cpu() if isinstance(label, torch.Tensor) else np.asarray(label))
+        if t.is_floating_point() or t.dtype == torch.bool or t.ndim != 2:
+            raise ValueError(f"label of {stem} must be an integer (H, W) tensor, got {t.dtype} {tuple(t.shape)}")
+        t = t.long()
+        ok = (t == -1) | ((t >= 0) & (t <= num_classes)) | (t == 255)
+        if not bool(ok.all()):
+            bad = sorted(set(t[~ok].tolist()))[:5]
+            raise ValueError(f"label of {stem} holds {bad}; expected -1 (biased), 0..{num_classes} or 255{hint}")
+        yield str(stem), t

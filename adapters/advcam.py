@@ -67,7 +67,7 @@ import torch
 
 from mars_plugin.files import BIASED_VALUE
 
-from ._common import VOC_CLASSES, load_pickled_npy, write_label_dir
+from ._common import VOC_CLASSES, check_biased_value, checked_labels, load_pickled_npy, write_label_dir
 from . import irnet as _irn
 
 __all__ = [
@@ -186,5 +186,5 @@ def write_debiased(
     ``MARSTrainingHook`` (adapters/training_hook.py, maps 254 to -1). ``dry_run=True`` checks
     the labels, writes nothing and returns the paths.
     """
-    v = _irn.check_biased_value(biased_value)
-    return write_label_dir(_irn.checked_labels(labels), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)
+    v = check_biased_value(biased_value, NUM_CLASSES)
+    return write_label_dir(checked_labels(labels, NUM_CLASSES), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)

@@ -63,6 +63,8 @@ from mars_plugin.files import BIASED_VALUE, IGNORE_VALUE
 
 from ._common import (
     VOC_CLASSES,
+    check_biased_value,
+    checked_labels,
     decode_voc_id,
     iter_label_dir,
     load_pickled_npy,
@@ -366,29 +368,8 @@ def load_image_list(path: PathLike) -> List[str]:
 
 # --------------------------------------------------------------------------- writing
 
-def check_biased_value(biased_value: int, num_classes: int = NUM_CLASSES) -> int:
-    if isinstance(biased_value, bool) or not isinstance(biased_value, (int, np.integer)):
-        raise ValueError(f"biased_value must be an integer byte, got {biased_value!r}")
-    v = int(biased_value)
-    if not num_classes < v <= 255:
-        raise ValueError(f"biased_value must be a byte outside the class ids 0..{num_classes}, got {v}")
-    return v
 
 
-def checked_labels(
-    labels: Iterable[Tuple[str, Any]], num_classes: int = NUM_CLASSES
-) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Pass (id, label) pairs through, refusing values other than -1, 0..C and 255."""
-    for stem, label in labels:
-        t = torch.as_tensor(label.detach().cpu() if isinstance(label, torch.Tensor) else np.asarray(label))
-        if t.is_floating_point() or t.dtype == torch.bool:
-            raise ValueError(f"label of {stem} must be an integer (H, W) tensor, got {t.dtype}")
-        t = t.long()
-        ok = (t == -1) | ((t >= 0) & (t <= num_classes)) | (t == IGNORE_VALUE)
-        if not bool(ok.all()):
-            bad = sorted(set(t[~ok].tolist()))[:5]
-            raise ValueError(f"label of {stem} holds {bad}; expected -1 (biased), 0..{num_classes} or {IGNORE_VALUE}")
-        yield str(stem), t
 
 
 def write_debiased(
@@ -406,5 +387,5 @@ def write_debiased(
     which maps 254 to -1; a plain ``CrossEntropyLoss(ignore_index=255)`` would see class 254.
     ``dry_run=True`` checks the labels, writes nothing and returns the paths.
     """
-    v = check_biased_value(biased_value)
-    return write_label_dir(checked_labels(labels), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)
+    v = check_biased_value(biased_value, NUM_CLASSES)
+    return write_label_dir(checked_labels(labels, NUM_CLASSES), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)

@@ -79,7 +79,15 @@ import torch
 
 from mars_plugin.files import BIASED_VALUE, list_stems
 
-from ._common import VOC_CLASSES, iter_label_dir, load_pickle, multi_hot, write_label_dir
+from ._common import (
+    VOC_CLASSES,
+    check_biased_value,
+    checked_labels,
+    iter_label_dir,
+    load_pickle,
+    multi_hot,
+    write_label_dir,
+)
 
 __all__ = [
     "NAME",
@@ -384,27 +392,8 @@ def load_image_list(path: PathLike) -> List[str]:
 
 
 # --------------------------------------------------------------------------- writing
-def _check_biased_value(biased_value: int, num_classes: int) -> int:
-    if isinstance(biased_value, bool) or not isinstance(biased_value, (int, np.integer)):
-        raise ValueError(f"biased_value must be an integer byte, got {biased_value!r}")
-    v = int(biased_value)
-    if not num_classes < v <= 255:
-        raise ValueError(f"biased_value must be a byte above the class ids 0..{num_classes} (254 by default), got {v}")
-    return v
 
 
-def _checked_labels(labels: Iterable[Tuple[str, Any]], num_classes: int, hint: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
-    """(id, label) pairs with values -1 (biased), 0..C or 255 only; anything else is an error."""
-    for stem, label in labels:
-        t = torch.as_tensor(label.detach().cpu() if isinstance(label, torch.Tensor) else np.asarray(label))
-        if t.is_floating_point() or t.dtype == torch.bool or t.ndim != 2:
-            raise ValueError(f"label of {stem} must be an integer (H, W) tensor, got {t.dtype} {tuple(t.shape)}")
-        t = t.long()
-        ok = (t == -1) | ((t >= 0) & (t <= num_classes)) | (t == 255)
-        if not bool(ok.all()):
-            bad = sorted(set(t[~ok].tolist()))[:5]
-            raise ValueError(f"label of {stem} holds {bad}; expected -1 (biased), 0..{num_classes} or 255{hint}")
-        yield str(stem), t
 
 
 def write_debiased(
@@ -427,6 +416,6 @@ def write_debiased(
     writes; ``dry_run=True`` checks the labels, writes nothing and returns the paths.
     """
     C = num_classes(dataset)
-    v = _check_biased_value(biased_value, C)
+    v = check_biased_value(biased_value, C)
     hint = "" if C == COCO_NUM_CLASSES else " (COCO masks: pass dataset='coco')"
-    return write_label_dir(_checked_labels(labels, C, hint), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)
+    return write_label_dir(checked_labels(labels, C, hint), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)

@@ -75,6 +75,8 @@ from mars_plugin.files import BIASED_VALUE, list_stems
 
 from ._common import (
     VOC_CLASSES,
+    check_biased_value,
+    checked_labels,
     decode_voc_id,
     iter_label_dir,
     load_pickled_npy,
@@ -356,27 +358,8 @@ def load_image_list(path: PathLike) -> List[str]:
 
 
 # --------------------------------------------------------------------------- writing
-def _check_biased_value(biased_value: int, num_classes: int) -> int:
-    if isinstance(biased_value, bool) or not isinstance(biased_value, (int, np.integer)):
-        raise ValueError(f"biased_value must be an integer byte, got {biased_value!r}")
-    v = int(biased_value)
-    if not num_classes < v <= 255:
-        raise ValueError(f"biased_value must be a byte above the class ids 0..{num_classes} (254 by default), got {v}")
-    return v
 
 
-def _checked_labels(labels: Iterable[Tuple[str, Any]], num_classes: int, hint: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
-    """(id, label) pairs with values -1 (biased), 0..C or 255 only; anything else is an error."""
-    for stem, label in labels:
-        t = torch.as_tensor(label.detach().cpu() if isinstance(label, torch.Tensor) else np.asarray(label))
-        if t.is_floating_point() or t.dtype == torch.bool or t.ndim != 2:
-            raise ValueError(f"label of {stem} must be an integer (H, W) tensor, got {t.dtype} {tuple(t.shape)}")
-        t = t.long()
-        ok = (t == -1) | ((t >= 0) & (t <= num_classes)) | (t == 255)
-        if not bool(ok.all()):
-            bad = sorted(set(t[~ok].tolist()))[:5]
-            raise ValueError(f"label of {stem} holds {bad}; expected -1 (biased), 0..{num_classes} or 255{hint}")
-        yield str(stem), t
 
 
 def write_debiased(
@@ -396,5 +379,5 @@ def write_debiased(
     take them. Values other than -1, 0..20 and 255 are refused (ValueError). Atomic writes;
     ``dry_run=True`` checks the labels, writes nothing and returns the paths.
     """
-    v = _check_biased_value(biased_value, NUM_CLASSES)
-    return write_label_dir(_checked_labels(labels, NUM_CLASSES), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)
+    v = check_biased_value(biased_value, NUM_CLASSES)
+    return write_label_dir(checked_labels(labels, NUM_CLASSES), out_dir, mode=LABEL_MODE, biased_value=v, dry_run=dry_run)
