@@ -26,6 +26,7 @@ __all__ = [
     "write_label_dir",
     "check_biased_value",
     "checked_labels",
+    "read_image_list",
 ]
 
 #: PASCAL VOC 2012 class names, background first (21 entries, ids 0..20).
@@ -163,3 +164,24 @@ def checked_labels(
             bad = sorted(set(t[~ok].tolist()))[:5]
             raise ValueError(f"label of {stem} holds {bad}; expected -1 (biased), 0..{num_classes} or 255{hint}")
         yield str(stem), t
+
+
+def read_image_list(path: PathLike) -> List[str]:
+    """Image ids of a list file: the first whitespace-separated field of each non-empty line,
+    without folder or image extension, so plain lists (``2007_000032``) and deeplab/SEAM lines
+    (``/JPEGImages/2007_000032.jpg /SegmentationClassAug/2007_000032.png``) give the same ids.
+    Ids stay strings."""
+    try:
+        with open(os.fspath(path), "r", encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"{os.fspath(path)}: cannot read the image list ({e})") from e
+    out = []
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        name = fields[0].replace("\\", "/").rsplit("/", 1)[-1]
+        stem, dot, ext = name.rpartition(".")
+        out.append(stem if dot and ext.lower() in ("jpg", "jpeg", "png") else name)
+    return out

@@ -63,6 +63,7 @@ from mars_plugin.files import BIASED_VALUE, IGNORE_VALUE
 
 from ._common import (
     VOC_CLASSES,
+    read_image_list,
     check_biased_value,
     checked_labels,
     decode_voc_id,
@@ -350,26 +351,10 @@ def load_image_list(path: PathLike) -> List[str]:
     give the same ids. Ids stay strings (IRNet's ``np.loadtxt(dtype=np.int32)`` breaks on
     numpy >= 1.23).
     """
-    try:
-        with open(os.fspath(path), "r", encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except OSError as e:
-        raise ValueError(f"{os.fspath(path)}: cannot read the image list ({e})") from e
-    out = []
-    for line in lines:
-        fields = line.split()
-        if not fields:
-            continue
-        name = fields[0].replace("\\", "/").rsplit("/", 1)[-1]
-        stem, dot, ext = name.rpartition(".")
-        out.append(stem if dot and ext.lower() in ("jpg", "jpeg", "png") else name)
-    return out
+    return read_image_list(path)
 
 
 # --------------------------------------------------------------------------- writing
-
-
-
 
 
 def write_debiased(

@@ -394,8 +394,6 @@ def load_image_list(path: PathLike) -> List[str]:
 # --------------------------------------------------------------------------- writing
 
 
-
-
 def write_debiased(
     labels: Iterable[Tuple[str, Any]],
     out_dir: PathLike,

@@ -75,6 +75,7 @@ from mars_plugin.files import BIASED_VALUE, list_stems
 
 from ._common import (
     VOC_CLASSES,
+    read_image_list,
     check_biased_value,
     checked_labels,
     decode_voc_id,
@@ -344,22 +345,10 @@ def load_image_list(path: PathLike) -> List[str]:
     ``'x'``, ``voc12/data.py:51-57``) or of a plain list of names (VOC ImageSets, ssc's
     ``trainaug.txt``). Blank lines are skipped; the first token's file stem is the name (the same
     as SEAM's ``[-15:-4]`` slice for VOC names)."""
-    p = Path(path)
-    try:
-        lines = p.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"{p}: cannot read image list ({e})") from e
-    out = []
-    for line in lines:
-        tok = line.strip().split()
-        if tok:
-            out.append(os.path.splitext(os.path.basename(tok[0]))[0])
-    return out
+    return read_image_list(path)
 
 
 # --------------------------------------------------------------------------- writing
-
-
 
 
 def write_debiased(
