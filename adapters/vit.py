@@ -412,7 +412,7 @@ def load_checkpoint(path: PathLike, *, trust_pickle: bool = False, what: str = "
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except pickle.UnpicklingError:  # a pickle the weights-only parser cannot scan (protocol 0/1)
         unsafe = ["objects in an old pickle protocol"]
-    except Exception as e:  # noqa: BLE001 - not a zip checkpoint at all
+    except Exception:  # noqa: BLE001 - not a zip checkpoint at all
         raise ValueError(
             f"{path}: cannot read {what} with torch.load ({_first_line(first_error)})"
         ) from first_error

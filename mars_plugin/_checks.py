@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, Optional, Sequence, Tuple
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch

@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -10,7 +10,7 @@ for class c with T = ground-truth pixels, P = predicted pixels, TP = both:
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
