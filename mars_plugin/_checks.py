@@ -70,15 +70,19 @@ def check_finite(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s); expected finite values")
 
 
-def check_float_tensor(x: Any, name: str, ndims: Iterable[int], layout: str) -> torch.Tensor:
-    """A finite floating tensor of the given rank (integers are promoted to float32)."""
+def check_float_tensor(x: Any, name: str, ndims: Iterable[int], layout: str, *, finite: bool = True) -> torch.Tensor:
+    """A finite floating tensor of the given rank (integers are promoted to float32).
+
+    ``finite=False`` skips the scan for NaN/Inf, for callers that check a whole batch at once.
+    """
     t = as_tensor(x, name)
     check_ndim(t, name, ndims, layout)
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} must be a real floating tensor, got {describe(t)}")
     if not t.is_floating_point():
         t = t.float()
-    check_finite(t, name)
+    if finite:
+        check_finite(t, name)
     return t
 
 
@@ -91,8 +95,12 @@ def check_label_tensor(
     ignore_index: int,
     allow_biased: bool = False,
     num_classes: Optional[int] = None,
+    values: bool = True,
 ) -> torch.Tensor:
-    """An integer label map with values in {0..C}, ``ignore_index`` and optionally -1."""
+    """An integer label map with values in {0..C}, ``ignore_index`` and optionally -1.
+
+    ``values=False`` checks rank and type only, for callers that check a whole batch at once.
+    """
     t = as_tensor(x, name)
     check_ndim(t, name, ndims, layout)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -101,6 +109,8 @@ def check_label_tensor(
         else:
             raise TypeError(f"{name} must be an integer label map, got {describe(t)}")
     t = t.long()
+    if not values:
+        return t
     special = t == ignore_index
     if allow_biased:
         special |= t == -1

@@ -6,17 +6,17 @@ K_bg for the background. All groups of all images in a call are solved in one ba
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ._checks import check_float_tensor, check_int_param, check_label_tensor, describe
-from .kmeans import batched_kmeans
+from ._checks import check_finite, check_float_tensor, check_int_param, check_label_tensor, describe
+from .kmeans import _kmeans_padded, batched_kmeans
 
-__all__ = ["ImageCentroids", "image_centroids", "resize_label", "problem_seed"]
+__all__ = ["GroupCentroids", "ImageCentroids", "image_centroids", "resize_label", "problem_seed"]
 
 
 @dataclass
@@ -49,6 +49,7 @@ class ImageCentroids:
         return ImageCentroids({c: v.to(device) for c, v in self.fg.items()}, self.bg.to(device))
 
 
+@functools.lru_cache(maxsize=65536)
 def problem_seed(seed: int, class_id: int) -> int:
     """Seed of the K-means problem of one class: independent streams per class, same per image.
 
@@ -94,8 +95,125 @@ def _as_batch(features, pseudo_label, ignore_index):
     return f, y.to(f.device), single
 
 
-def _cluster_images(
-    images: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+@dataclass
+class GroupCentroids:
+    """Centroids of every (image, class) group of a batch of images, in one padded block.
+
+    Groups are ordered by image, then by class id (background 0 first).
+
+    Attributes:
+        image: (G,) long, index of the group's image within the batch.
+        label: (G,) long, class id of the group (0 = background).
+        centroids: (G, Kmax, D) float; rows past a group's ``count`` are zeros.
+        count: (G,) long, number of centroids of each group, min(K, distinct pixels).
+        num_images: images in the batch (some may have no group: only ignored pixels).
+    """
+
+    image: torch.Tensor
+    label: torch.Tensor
+    centroids: torch.Tensor
+    count: torch.Tensor
+    num_images: int
+
+    def to(self, device: Union[str, torch.device]) -> "GroupCentroids":
+        return GroupCentroids(self.image.to(device), self.label.to(device), self.centroids.to(device),
+                              self.count.to(device), self.num_images)
+
+    def per_image(self) -> List[ImageCentroids]:
+        """The same centroids as one :class:`ImageCentroids` per image."""
+        dim = int(self.centroids.shape[-1])
+        out = [ImageCentroids({}, self.centroids.new_zeros(0, dim)) for _ in range(self.num_images)]
+        for g, (i, c, n) in enumerate(zip(self.image.tolist(), self.label.tolist(), self.count.tolist())):
+            cents = self.centroids[g, :n]
+            if c == 0:
+                out[i].bg = cents
+            else:
+                out[i].fg[c] = cents
+        return out
+
+
+def _check_batch_values(features, labels, y_full, x, norms, img, name) -> None:
+    """Batch-level value checks of :func:`_pixels_by_group`, naming the offending image.
+
+    One pass over the batch instead of one per image: a negative label that is not
+    ``ignore_index`` (checked on the full-size labels) and a NaN/Inf feature (a pixel's norm or
+    sum is non-finite exactly when, barring overflow, one of its values is).
+    """
+    bad_label = y_full  # labels with ignore_index already replaced by 0
+    if bad_label is not None:
+        neg = bad_label < 0
+        if bool(neg.any()):
+            i = int(neg.reshape(neg.shape[0], -1).any(1).nonzero()[0])
+            raise ValueError(
+                f"{name(i)}: pseudo_label holds the negative value {int(bad_label[i].min())}; expected class ids "
+                ">= 0 or ignore_index"
+            )
+    probe = (norms if norms is not None else x.sum(1)).reshape(-1)
+    bad = ~torch.isfinite(probe)
+    if bool(bad.any()):
+        for i in torch.unique(img[bad]).tolist():
+            check_finite(features[i], f"{name(i)}: features")  # raises unless it was an overflow
+
+
+def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, ignore_index: int,
+                     normalize: bool, device: Optional[torch.device], name=None):
+    """Every non-ignored pixel of a batch, sorted by (image, class).
+
+    Returns ``(x (P, D), order (P',), image, label, start, size)``: the (normalised) pixel
+    embeddings in row-major order per image, the permutation of the non-ignored pixels that
+    sorts them by group (stable: pixel order within a group is row-major, the order a boolean
+    mask gives), and each group's image, class, offset in ``order`` and size, as Python lists.
+    ``name(i)``, when given, turns on the batch-level value checks and names image i in errors.
+    """
+    dim = int(features[0].shape[0])
+    dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
+    y_full = None
+    if all(tuple(f.shape) == tuple(features[0].shape) for f in features):
+        # The common case (one feature grid for the dataset): one stack, one resize, one copy.
+        grid = tuple(features[0].shape[-2:])
+        f = torch.stack([t.to(dtype) for t in features]).to(device)
+        x = f.reshape(len(features), dim, -1).transpose(1, 2).reshape(-1, dim)
+        if len({tuple(y.shape) for y in labels}) == 1:
+            y_stack = torch.stack(list(labels)).to(f.device)
+            if name is not None:
+                y_full = y_stack.masked_fill(y_stack == ignore_index, 0)
+            y = resize_label(y_stack, grid).reshape(-1)
+        else:
+            y = torch.cat([resize_label(lab.to(f.device), grid).reshape(-1) for lab in labels])
+        n_pix = [grid[0] * grid[1]] * len(features)
+    else:
+        x = torch.cat([f.to(device=device, dtype=dtype).reshape(dim, -1).T for f in features])
+        y = torch.cat([resize_label(lab.to(x.device), tuple(f.shape[-2:])).reshape(-1)
+                       for f, lab in zip(features, labels)])
+        n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()  # K-means sums in half precision would lose the centroids' digits
+    img = torch.repeat_interleave(torch.arange(len(n_pix), device=x.device),
+                                  torch.tensor(n_pix, device=x.device))
+    norms = x.norm(dim=1, keepdim=True) if normalize else None
+    if name is not None:
+        if y_full is None:  # labels of different sizes: check them one by one
+            for i, lab in enumerate(labels):
+                _check_batch_values(features, labels, lab[None].masked_fill(lab[None] == ignore_index, 0),
+                                    x[:0], x.new_zeros(0, 1), img[:0], lambda _: name(i))
+        _check_batch_values(features, labels, y_full, x, norms, img, name)
+    if normalize:
+        x = x / norms.clamp_min_(1e-12)  # F.normalize's rule: x / max(|x|, eps)
+    keep = y != ignore_index
+    n_labels = int(y.masked_fill(~keep, 0).max()) + 1 if y.numel() else 1
+    # One key per pixel, (image, class) in lexicographic order; ignored pixels sort last.
+    key = (img * n_labels + y).masked_fill_(~keep, len(n_pix) * n_labels)
+    sorted_key, order = torch.sort(key, stable=True)
+    n_keep = int(keep.sum())
+    groups, sizes = torch.unique_consecutive(sorted_key[:n_keep], return_counts=True)
+    groups, sizes = groups.tolist(), sizes.tolist()
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
+    return (x, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts, sizes)
+
+
+def _cluster_groups(
+    features: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
     *,
     k_fg: int,
     k_bg: int,
@@ -105,62 +223,63 @@ def _cluster_images(
     max_iter: int,
     tol: float,
     n_init: int,
-) -> List[ImageCentroids]:
-    """Cluster every class of every (features (D,h,w), label (H,W)) pair in one K-means call.
+    device: Optional[torch.device] = None,
+    name=None,
+) -> GroupCentroids:
+    """Cluster every class of every (features (D,h,w), label (H,W)) pair in batched K-means.
 
-    The images may differ in size and in D only if the caller allows it; every group becomes one
-    padded problem, so sizes never need to match.
+    All images must share D; their grids may differ. Runs on ``device`` (default: where the
+    features are). Every group keeps its own seed and stopping rule, so the result of an image
+    does not depend on the other images of the batch. ``name(i)`` turns on batch-level checks
+    of the values (negative labels, NaN/Inf features) and names image i in their errors.
     """
-    dims = sorted({int(f.shape[0]) for f, _ in images})
+    dims = sorted({int(f.shape[0]) for f in features})
     if len(dims) > 1:
         raise ValueError(f"all features in one call must share the embedding size D, got D in {dims}")
-    groups: List[torch.Tensor] = []
-    keys: List[Tuple[int, int]] = []  # (image index, class id)
-    for i, (f, y) in enumerate(images):
-        y = resize_label(y, tuple(f.shape[-2:]))
-        if normalize:
-            f = F.normalize(f, dim=0)
-        flat_f = f.reshape(f.shape[0], -1)
-        flat_y = y.reshape(-1)
-        for c in torch.unique(flat_y).tolist():
-            if c == ignore_index:
-                continue
-            groups.append(flat_f[:, flat_y == c].T)
-            keys.append((i, int(c)))
-
-    out = [ImageCentroids({}, images[i][0].new_zeros(0, images[i][0].shape[0])) for i in range(len(images))]
-    if not groups:
-        return out
-    device = groups[0].device
-    sizes = [int(g.shape[0]) for g in groups]
+    x, order, g_img, g_lab, g_start, g_size = _pixels_by_group(
+        features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name)
+    G, D = len(g_size), dims[0]
+    ks = [k_bg if c == 0 else k_fg for c in g_lab]
+    kmax = max(ks, default=1)
+    cents = x.new_zeros(G, kmax, D)
+    count = torch.zeros(G, dtype=torch.long)
     # Problems are padded to the largest of their call: bucket them by size (each bucket's
     # smallest problem at least half its largest) so that padding never doubles the work.
-    # Every problem keeps its own seed and stopping rule, so bucketing leaves results unchanged.
-    order = sorted(range(len(groups)), key=lambda g: -sizes[g])
+    by_size = sorted(range(G), key=lambda g: -g_size[g])
     buckets: List[List[int]] = []
-    for g in order:
-        if buckets and sizes[g] * 2 >= sizes[buckets[-1][0]]:
+    # On a GPU the padding is nearly free and every kernel launch costs: one bucket.
+    ratio = 2 if x.device.type == "cpu" else 2**62
+    for g in by_size:
+        if buckets and g_size[g] * ratio >= g_size[buckets[-1][0]]:
             buckets[-1].append(g)
         else:
             buckets.append([g])
     for bucket in buckets:
-        n_max = sizes[bucket[0]]
-        pts = torch.zeros(len(bucket), n_max, dims[0], dtype=groups[0].dtype, device=device)
-        mask = torch.zeros(len(bucket), n_max, dtype=torch.bool, device=device)
-        for j, g in enumerate(bucket):
-            pts[j, : sizes[g]] = groups[g]
-            mask[j, : sizes[g]] = True
-        ks = [k_bg if keys[g][1] == 0 else k_fg for g in bucket]
-        seeds = [problem_seed(seed, keys[g][1]) for g in bucket]
-        res = batched_kmeans(pts, mask, ks, seeds=seeds, max_iter=max_iter, tol=tol, n_init=n_init)
-        for j, g in enumerate(bucket):
-            i, c = keys[g]
-            cents = res.centroids[j][res.valid[j]]
-            if c == 0:
-                out[i].bg = cents
-            else:
-                out[i].fg[c] = cents
-    return out
+        n_max = g_size[bucket[0]]
+        idx = torch.tensor(bucket, dtype=torch.long)
+        start = torch.tensor([g_start[g] for g in bucket], device=x.device)
+        size = torch.tensor([g_size[g] for g in bucket], device=x.device)
+        offs = torch.arange(n_max, device=x.device)
+        mask = offs[None, :] < size[:, None]
+        rows = order[(start[:, None] + offs[None, :]).clamp_max_(max(order.numel() - 1, 0))]
+        pts = x[rows].masked_fill_(~mask[:, :, None], 0)
+        b_k = [ks[g] for g in bucket]
+        b_seeds = [problem_seed(seed, g_lab[g]) for g in bucket]
+        if n_init > 1:
+            res = batched_kmeans(pts, mask, b_k, seeds=b_seeds, max_iter=max_iter, tol=tol, n_init=n_init)
+            c, v = res.centroids, res.valid
+        else:
+            c, v, _ = _kmeans_padded(pts, mask, b_k, b_seeds, max_iter, tol)
+        # k-means++ fills the valid centroids first, so each group's centroids are a prefix.
+        cents[idx.to(x.device), : c.shape[1]] = c
+        count[idx] = v.sum(1).cpu()
+    return GroupCentroids(torch.tensor(g_img, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long),
+                          cents, count, len(features))
+
+
+def _cluster_images(images: Sequence[Tuple[torch.Tensor, torch.Tensor]], **kw) -> List[ImageCentroids]:
+    """:func:`_cluster_groups` on (features, label) pairs, one :class:`ImageCentroids` each."""
+    return _cluster_groups([f for f, _ in images], [y for _, y in images], **kw).per_image()
 
 
 def image_centroids(

@@ -11,6 +11,7 @@ Determinism: the random numbers of problem ``b`` come from its own CPU generator
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -41,17 +42,31 @@ class KMeansResult:
     n_iter: int
 
 
+@functools.lru_cache(maxsize=4096)
+def _problem_uniforms(seed: int, rows: int, cols: int) -> torch.Tensor:
+    """The (rows, cols) float64 uniforms of one problem, from its own generator (cached).
+
+    MARS gives every image's problem of one class the same seed, so a batch holds only a few
+    distinct (seed, K, trials) triples: drawing each once saves a generator per problem.
+    The cached tensor is never written to.
+    """
+    g = torch.Generator().manual_seed(int(seed) % (2**63))
+    return torch.rand(rows, cols, generator=g, dtype=torch.float64)
+
+
 def _uniforms(seeds: Sequence[int], rows: Sequence[int], cols: Sequence[int], device: torch.device) -> torch.Tensor:
     """(B, max rows, max cols) uniforms in [0, 1), drawn per problem from its own generator.
 
     Problem b draws exactly its own (rows[b], cols[b]) block (its K and its number of seeding
     candidates), so its stream does not depend on the K of the other problems in the batch.
     """
-    out = torch.full((len(seeds), max(rows), max(cols)), 0.5, dtype=torch.float64)
-    for b, s in enumerate(seeds):
-        g = torch.Generator().manual_seed(int(s) % (2**63))
-        out[b, : rows[b], : cols[b]] = torch.rand(rows[b], cols[b], generator=g, dtype=torch.float64)
-    return out.to(device)
+    keys = list(zip(seeds, rows, cols))
+    distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    table = torch.full((len(distinct), max(rows), max(cols)), 0.5, dtype=torch.float64)
+    for (s, r, c), i in distinct.items():
+        table[i, :r, :c] = _problem_uniforms(int(s), int(r), int(c))
+    index = torch.tensor([distinct[key] for key in keys], dtype=torch.long)
+    return table[index].to(device)
 
 
 def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -190,13 +205,35 @@ def batched_kmeans(
             points.new_zeros(B),
             0,
         )
+    x = points if bool(mask.all()) else points.masked_fill(~mask[:, :, None], 0)
+    centers, valid, n_iter = _kmeans_padded(x, mask, [int(v) for v in k_t.tolist()], seed_list, max_iter, tol)
+    x2 = x.square().sum(-1)
+    d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
+    dmin, labels = d.min(-1)
+    inertia = (dmin.nan_to_num(posinf=0.0) * mask.to(x.dtype)).sum(1)
+    labels = labels.masked_fill(~mask, -1)
+    return KMeansResult(centers, valid, labels, inertia, n_iter)
 
-    all_real = bool(mask.all())
-    x = points if all_real else points.masked_fill(~mask[:, :, None], 0)
+
+def _kmeans_padded(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    k_list: Sequence[int],
+    seed_list: Sequence[int],
+    max_iter: int,
+    tol: float,
+):
+    """The unchecked core of :func:`batched_kmeans` (one seeding per problem).
+
+    ``x`` (B, N, D) must already be zero at padded points (``mask`` False) and B, N >= 1.
+    Returns ``(centroids (B, Kmax, D), valid (B, Kmax), n_iter)``; invalid rows are zeros.
+    """
+    B, N, D = x.shape
+    kmax = max(k_list)
     w = mask.to(x.dtype)
+    k_t = torch.tensor(k_list, dtype=torch.long, device=x.device)
     # Per-problem K and number of seeding candidates: a problem's draws do not depend on the K
     # of the other problems in the batch.
-    k_list = [int(v) for v in k_t.tolist()]
     trial_list = [2 + int(math.log(v)) for v in k_list]
     u = _uniforms(seed_list, k_list, trial_list, x.device)
     trials = torch.tensor(trial_list, dtype=torch.long, device=x.device)
@@ -210,50 +247,55 @@ def batched_kmeans(
     var = ((x2.sum(1) / n_pts - mean.square().sum(1)) / D).clamp_min(0)
     tol_b = tol * var
 
-    labels = torch.full((B, N), -1, dtype=torch.long, device=x.device)
     # A problem stops for good once it meets its own criterion, so its result never depends on
     # which other problems share the batch (batch == one-by-one, exactly). Finished problems
     # are dropped from the working set (once a quarter of it has finished), so the batch costs
     # the sum of its problems' iterations rather than B times the slowest one.
     act = torch.nonzero(mask.any(1)).flatten()
-    xa, x2a, wa, ma, va = x[act], x2[act], w[act], mask[act], valid[act]
-    ca, la, tola = centers[act], labels[act], tol_b[act]
+    xa, pad, va, ca, tola = x[act], ~mask[act], valid[act], centers[act], tol_b[act]
+    la = torch.full(pad.shape, -1, dtype=torch.long, device=x.device)
     fz = torch.zeros(act.numel(), dtype=torch.bool, device=x.device)
+    n_recorded = 0
     kidx = torch.arange(kmax, device=x.device)
     n_iter = 0
-    for n_iter in range(1, max_iter + 1):
-        if act.numel() == 0:
-            break
-        d = _sq_dist_fast(xa, x2a, ca).masked_fill_(~va[:, None, :], float("inf"))
-        new_labels = d.argmin(-1)
+    for n_iter in range(1, max_iter + 1) if act.numel() else ():
+        # argmin_k |x - c_k|^2 = argmin_k (|c_k|^2 - 2 x.c_k): |x|^2 is the same for every k.
+        # An invalid centroid gets |c|^2 = inf, so no point is ever assigned to it.
+        c2 = ca.square().sum(-1).masked_fill_(~va, float("inf"))
+        new_labels = torch.baddbmm(c2[:, None, :], xa, ca.transpose(1, 2), alpha=-2.0).argmin(-1)
+        # Padded points get the label Kmax, which no cluster has: they never count, and their
+        # label never changes, so "no label changed" needs no mask.
+        new_labels.masked_fill_(pad, kmax)
         # Per-cluster sums as one batched matrix product with a (B, N, K) one-hot (K is tiny):
         # BLAS beats scatter-add by ~3x here.
-        onehot = (new_labels[:, :, None] == kidx).to(x.dtype) * wa[:, :, None]
+        onehot = (new_labels[:, :, None] == kidx).to(x.dtype)
         counts = onehot.sum(1)
         sums = torch.bmm(onehot.transpose(1, 2), xa)
         # An emptied cluster keeps its previous centre (it cannot happen on the first step:
         # every seed owns at least the distinct point it was drawn from).
         new_c = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], ca)
         shift = (new_c - ca).square().sum((1, 2))
-        same = ((new_labels == la) | ~ma).all(1)
-        ca = torch.where(fz[:, None, None], ca, new_c)
-        la = torch.where(fz[:, None], la, new_labels)
-        fz = fz | same | (shift <= tola)
-        if bool(fz.all()):
+        done = (new_labels == la).all(1) | (shift <= tola)
+        newly = done & ~fz
+        fz = fz | done
+        ca, la = new_c, new_labels
+        n_frozen = int(fz.sum())
+        if n_frozen > n_recorded:
+            # Record a problem's centres in the iteration it converges; it may ride along a
+            # few more iterations (until the next compaction), but is never read again.
+            centers[act[newly]] = ca[newly]
+        n_recorded = n_frozen
+        if n_frozen == fz.numel():
             break
-        if int(fz.sum()) * 4 >= fz.numel():
-            centers[act[fz]], labels[act[fz]] = ca[fz], la[fz]
+        if n_frozen * 4 >= fz.numel():
             keep = ~fz
-            act, xa, x2a, wa, ma, va = act[keep], xa[keep], x2a[keep], wa[keep], ma[keep], va[keep]
+            act, xa, pad, va = act[keep], xa[keep], pad[keep], va[keep]
             ca, la, tola, fz = ca[keep], la[keep], tola[keep], fz[keep]
-    if act.numel():
-        centers[act], labels[act] = ca, la
-
-    d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
-    dmin, labels = d.min(-1)
-    inertia = (dmin.nan_to_num(posinf=0.0) * w).sum(1)
-    labels = labels.masked_fill(~mask, -1)
-    return KMeansResult(centers * valid[:, :, None], valid, labels, inertia, n_iter)
+            n_recorded = 0
+    else:
+        live = ~fz
+        centers[act[live]] = ca[live]  # problems that hit max_iter
+    return centers * valid[:, :, None], valid, n_iter
 
 
 def kmeans(

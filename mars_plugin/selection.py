@@ -21,8 +21,8 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_fraction, check_int_param, describe
-from .centroids import ImageCentroids, _as_batch, _cluster_images
+from ._checks import check_float_tensor, check_fraction, check_int_param, check_label_tensor, describe
+from .centroids import GroupCentroids, ImageCentroids, _cluster_groups
 from .files import atomic_write
 
 __all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected", "shard_indices"]
@@ -122,38 +122,127 @@ class DebiasedCentroids:
         )
 
 
-def _iter_image_centroids(samples, *, batch_size, progress, total, **kw):
-    """Yield ImageCentroids from samples, clustering (features, label) pairs batch_size at a time."""
+def _light_pair(s, i: int, ignore_index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank and type checks of one (features, pseudo_label) sample; values are checked per batch."""
+    if not isinstance(s, (tuple, list)) or len(s) != 2:
+        raise TypeError(
+            f"samples[{i}] must be a (features, pseudo_label) pair or an ImageCentroids, got {describe(s)}"
+        )
+    try:
+        f = check_float_tensor(s[0], "features", (3,), "(D, H, W) for one image", finite=False)
+        y = check_label_tensor(s[1], "pseudo_label", (2,), "(H, W) for one image", ignore_index=ignore_index,
+                               values=False)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"samples[{i}]: {e}") from None
+    return f, y
+
+
+def _iter_batches(samples, *, batch_size, progress, total, device, seen, **kw):
+    """Yield GroupCentroids (on the CPU) of batch_size (features, label) pairs at a time, or an
+    ImageCentroids passed through, in stream order. ``device`` (None: the features' device) runs
+    the K-means."""
     pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    ignore_index = kw["ignore_index"]
+    first = 0  # stream index of pending[0]
+    dim: Optional[int] = None
     it = samples
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(samples, total=total, desc="select_centroids", unit="img")
+
+    def flush():
+        name = lambda j, first=first: f"samples[{first + j}]"  # noqa: E731
+        gc = _cluster_groups([f for f, _ in pending], [y for _, y in pending], device=device, name=name, **kw)
+        return gc.to("cpu")
+
     for i, s in enumerate(it):
         if isinstance(s, ImageCentroids):
+            if dim is not None and s.dim != dim:
+                raise ValueError(f"samples[{i}]: features have embedding size D={s.dim}, but the first image has D={dim}")
+            dim = s.dim
+            seen.setdefault("device", s.bg.device)
             if pending:
-                yield from _cluster_images(pending, **kw)
+                yield flush()
                 pending = []
             yield s
             continue
-        if not isinstance(s, (tuple, list)) or len(s) != 2:
-            raise TypeError(
-                f"samples[{i}] must be a (features, pseudo_label) pair or an ImageCentroids, got {describe(s)}"
+        f, y = _light_pair(s, i, kw["ignore_index"])
+        if dim is not None and f.shape[0] != dim:
+            raise ValueError(
+                f"samples[{i}]: features have embedding size D={f.shape[0]}, but the first image has D={dim}"
             )
-        try:
-            f, y, single = _as_batch(s[0], s[1], ignore_index)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"samples[{i}]: {e}") from None
-        if not single:
-            raise ValueError(f"samples[{i}] must hold one image ((D, H, W), (H, W)), got a batch of {f.shape[0]}")
-        pending.append((f[0], y[0]))
+        dim = int(f.shape[0])
+        seen.setdefault("device", f.device)
+        if not pending:
+            first = i
+        pending.append((f, y))
         if len(pending) >= batch_size:
-            yield from _cluster_images(pending, **kw)
+            yield flush()
             pending = []
     if pending:
-        yield from _cluster_images(pending, **kw)
+        yield flush()
+
+
+class _Accumulator:
+    """One process's running state: the background sum and every class's tagged candidates.
+
+    Candidates are kept as chunks ``(tags (M,), centroids (M, D))`` on the CPU, where a tag is
+    the image's global stream index: sorting by tag (stably) restores the single-process order
+    whatever the batching and the number of ranks.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int, rank: int, world: int) -> None:
+        self.num_classes, self.ignore_index, self.rank, self.world = num_classes, ignore_index, rank, world
+        self.bg_sum: Optional[torch.Tensor] = None
+        self.n_bg = 0
+        self.n_images = 0
+        self.dim: Optional[int] = None
+        self.candidates: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _check_classes(self, labels: torch.Tensor, images: torch.Tensor) -> None:
+        bad = labels > self.num_classes
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0])
+            raise ValueError(
+                f"samples[{self.n_images + int(images[j])}]: pseudo_label holds class {int(labels[j])} but "
+                f"num_classes={self.num_classes}; expected ids 0..{self.num_classes} or "
+                f"ignore_index={self.ignore_index}"
+            )
+
+    def add(self, batch: Union[GroupCentroids, ImageCentroids]) -> None:
+        if isinstance(batch, ImageCentroids):
+            fg = sorted(batch.fg.items())
+            kmax = max([batch.bg.shape[0]] + [v.shape[0] for _, v in fg] + [1])
+            rows = [(0, batch.bg)] if batch.bg.shape[0] else []
+            rows += fg
+            cents = torch.zeros(len(rows), kmax, batch.dim, dtype=batch.bg.dtype)
+            for g, (_, v) in enumerate(rows):
+                cents[g, : v.shape[0]] = v.detach().cpu()
+            batch = GroupCentroids(torch.zeros(len(rows), dtype=torch.long),
+                                   torch.tensor([c for c, _ in rows], dtype=torch.long), cents,
+                                   torch.tensor([v.shape[0] for _, v in rows], dtype=torch.long), 1)
+        self._check_classes(batch.label, batch.image)
+        dim = int(batch.centroids.shape[-1])
+        if self.dim is None:
+            self.dim = dim
+        valid = torch.arange(batch.centroids.shape[1])[None, :] < batch.count[:, None]  # (G, Kmax)
+        is_bg = batch.label == 0
+        if bool(is_bg.any()):
+            bg = F.normalize(batch.centroids[is_bg].double(), dim=-1) * valid[is_bg][:, :, None]
+            s = bg.sum((0, 1))
+            self.bg_sum = s if self.bg_sum is None else self.bg_sum + s
+            self.n_bg += int(valid[is_bg].sum())
+        tags = (self.n_images + batch.image) * self.world + self.rank  # global stream index per group
+        for c in torch.unique(batch.label[~is_bg]).tolist():
+            sel = batch.label == c
+            v = valid[sel]
+            self.candidates.setdefault(int(c), []).append(
+                (tags[sel][:, None].expand_as(v)[v], batch.centroids[sel][v].detach()))
+        self.n_images += batch.num_images
+
+    def state(self) -> Dict[str, object]:
+        return dict(bg_sum=self.bg_sum, n_bg=self.n_bg, n_images=self.n_images, dim=self.dim,
+                    candidates=self.candidates)
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> List[int]:
@@ -171,47 +260,10 @@ def _dist_info(process_group) -> Tuple[int, int]:
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
-def _accumulate(samples, num_classes, batch_size, progress, total, kw, rank, world) -> Dict[str, object]:
-    """One process's share: the background sum and every class's (image index, centroids)."""
-    bg_sum: Optional[torch.Tensor] = None
-    n_bg = 0
-    candidates: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
-    dim: Optional[int] = None
-    n_images = 0
-    for ic in _iter_image_centroids(samples, batch_size=batch_size, progress=progress, total=total, **kw):
-        if dim is None:
-            dim = ic.dim
-        elif ic.dim != dim:
-            raise ValueError(
-                f"samples[{n_images}]: features have embedding size D={ic.dim}, but the first image has D={dim}"
-            )
-        bad = [c for c in ic.fg if c > num_classes]
-        if bad:
-            raise ValueError(
-                f"samples[{n_images}]: pseudo_label holds class {max(bad)} but num_classes={num_classes}; "
-                f"expected ids 0..{num_classes} or ignore_index={kw['ignore_index']}"
-            )
-        if ic.bg.shape[0]:
-            s = F.normalize(ic.bg.double(), dim=1).sum(0)
-            bg_sum = s if bg_sum is None else bg_sum + s.to(bg_sum.device)
-            n_bg += int(ic.bg.shape[0])
-        global_index = n_images * world + rank
-        for c, v in ic.fg.items():
-            candidates.setdefault(int(c), []).append((global_index, v.detach()))
-        n_images += 1
-    return dict(bg_sum=bg_sum, n_bg=n_bg, n_images=n_images, dim=dim, candidates=candidates)
-
-
 def _gather_states(state, error, process_group) -> Dict[str, object]:
-    """Merge every rank's state on every rank (objects travel through the process group only)."""
+    """Merge every rank's state (all on the CPU) on every rank, through the process group only."""
     import torch.distributed as dist
 
-    device = None
-    if state is not None:
-        if state["bg_sum"] is not None:
-            device = state["bg_sum"].device
-            state["bg_sum"] = state["bg_sum"].cpu()
-        state["candidates"] = {c: [(i, v.cpu()) for i, v in lst] for c, lst in state["candidates"].items()}
     payload = {"state": state, "error": None if error is None else f"{type(error).__name__}: {error}"}
     gathered: List[object] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(gathered, payload, group=process_group)
@@ -231,8 +283,6 @@ def _gather_states(state, error, process_group) -> Dict[str, object]:
         merged["n_images"] += st["n_images"]
         for c, lst in st["candidates"].items():
             merged["candidates"].setdefault(c, []).extend(lst)
-    if merged["bg_sum"] is not None and device is not None:
-        merged["bg_sum"] = merged["bg_sum"].to(device)
     return merged
 
 
@@ -253,6 +303,7 @@ def select_centroids(
     progress: bool = False,
     total: Optional[int] = None,
     process_group: Optional[object] = None,
+    device: Optional[Union[str, torch.device]] = None,
 ) -> DebiasedCentroids:
     """Debiased centroid of every class from a stream of images (Eq. 1-3).
 
@@ -273,6 +324,9 @@ def select_centroids(
             :func:`shard_indices`). Ranks cluster their shards, the background sums and the
             per-class candidates are gathered, and every rank returns the identical result,
             equal to one process on the whole list.
+        device: where the K-means runs, e.g. ``"cuda"`` for features read on the CPU (each
+            batch is moved there in one copy). Default: where each batch's features are. The
+            result lives on this device (default: the first sample's).
 
     Returns:
         :class:`DebiasedCentroids`.
@@ -292,10 +346,17 @@ def select_centroids(
     kw = dict(k_fg=check_int_param(k_fg, "k_fg", 1), k_bg=check_int_param(k_bg, "k_bg", 1),
               ignore_index=ignore_index, normalize=normalize, seed=seed, max_iter=max_iter, tol=tol,
               n_init=n_init)
+    if device is not None:
+        device = torch.device(device)
     rank, world = _dist_info(process_group)
     error: Optional[BaseException] = None
+    acc = _Accumulator(num_classes, ignore_index, rank, world)
+    seen: Dict[str, torch.device] = {}
     try:
-        state = _accumulate(samples, num_classes, batch_size, progress, total, kw, rank, world)
+        for batch in _iter_batches(samples, batch_size=batch_size, progress=progress, total=total, device=device,
+                                   seen=seen, **kw):
+            acc.add(batch)
+        state = acc.state()
     except (ValueError, TypeError) as e:
         if world == 1:
             raise
@@ -314,19 +375,18 @@ def select_centroids(
         )
     assert dim is not None
     bg_mean = bg_sum / n_bg
-    device = bg_mean.device
     C1 = num_classes + 1
-    cents = torch.zeros(C1, dim, dtype=torch.float32, device=device)
-    valid = torch.zeros(C1, dtype=torch.bool, device=device)
-    n_cand = torch.zeros(C1, dtype=torch.long, device=device)
-    n_sel = torch.zeros(C1, dtype=torch.long, device=device)
-    cut = torch.full((C1,), float("nan"), dtype=torch.float64, device=device)
+    cents = torch.zeros(C1, dim, dtype=torch.float32)
+    valid = torch.zeros(C1, dtype=torch.bool)
+    n_cand = torch.zeros(C1, dtype=torch.long)
+    n_sel = torch.zeros(C1, dtype=torch.long)
+    cut = torch.full((C1,), float("nan"), dtype=torch.float64)
     n_cand[0] = n_bg
-    for c, tagged in sorted(candidates.items()):
+    for c, chunks in sorted(candidates.items()):
         # Stream order (global image index, then centroid order within the image): the order
-        # that decides ties, identical for one process and for any number of ranks.
-        tagged.sort(key=lambda t: t[0])
-        v = torch.cat([x.to(device) for _, x in tagged])
+        # that decides ties, identical for one process, any batching and any number of ranks.
+        tags = torch.cat([t for t, _ in chunks])
+        v = torch.cat([x for _, x in chunks])[torch.sort(tags, stable=True).indices]
         dist = background_distance(v, bg_mean)
         order = torch.sort(dist, descending=True, stable=True).indices
         k = num_selected(v.shape[0], alpha)
@@ -336,4 +396,5 @@ def select_centroids(
         n_sel[c] = k
         cut[c] = dist[order[k - 1]]
     config = dict(alpha=alpha, k_fg=kw["k_fg"], k_bg=kw["k_bg"], normalize=bool(normalize), seed=int(seed))
-    return DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, config)
+    out = DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, config)
+    return out.to(device if device is not None else seen.get("device", "cpu"))
