@@ -132,22 +132,25 @@ class GroupCentroids:
         return out
 
 
-def _check_batch_values(features, labels, y_full, x, norms, img, name) -> None:
+def _check_batch_values(features, y_full, x, norms, img, name, max_label) -> None:
     """Batch-level value checks of :func:`_pixels_by_group`, naming the offending image.
 
     One pass over the batch instead of one per image: a negative label that is not
-    ``ignore_index`` (checked on the full-size labels) and a NaN/Inf feature (a pixel's norm or
-    sum is non-finite exactly when, barring overflow, one of its values is).
+    ``ignore_index`` or one above ``max_label`` (checked on the full-size labels, ignored pixels
+    already set to 0), and a NaN/Inf feature (a pixel's norm or sum is non-finite exactly when,
+    barring overflow, one of its values is).
     """
-    bad_label = y_full  # labels with ignore_index already replaced by 0
-    if bad_label is not None:
-        neg = bad_label < 0
-        if bool(neg.any()):
-            i = int(neg.reshape(neg.shape[0], -1).any(1).nonzero()[0])
-            raise ValueError(
-                f"{name(i)}: pseudo_label holds the negative value {int(bad_label[i].min())}; expected class ids "
-                ">= 0 or ignore_index"
-            )
+    if y_full is not None:
+        flat = y_full.reshape(y_full.shape[0], -1)
+        lo, hi = flat.min(1).values, flat.max(1).values
+        bad = (lo < 0) | (hi > max_label) if max_label is not None else lo < 0
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            if int(lo[i]) < 0:
+                raise ValueError(f"{name(i)}: pseudo_label holds the negative value {int(lo[i])}; expected class "
+                                 "ids >= 0 or ignore_index")
+            raise ValueError(f"{name(i)}: pseudo_label holds class {int(hi[i])} but num_classes={max_label}; "
+                             f"expected ids 0..{max_label} or ignore_index")
     probe = (norms if norms is not None else x.sum(1)).reshape(-1)
     bad = ~torch.isfinite(probe)
     if bool(bad.any()):
@@ -156,14 +159,15 @@ def _check_batch_values(features, labels, y_full, x, norms, img, name) -> None:
 
 
 def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, ignore_index: int,
-                     normalize: bool, device: Optional[torch.device], name=None):
+                     normalize: bool, device: Optional[torch.device], name=None, max_label: Optional[int] = None):
     """Every non-ignored pixel of a batch, sorted by (image, class).
 
     Returns ``(x (P, D), order (P',), image, label, start, size)``: the (normalised) pixel
     embeddings in row-major order per image, the permutation of the non-ignored pixels that
     sorts them by group (stable: pixel order within a group is row-major, the order a boolean
     mask gives), and each group's image, class, offset in ``order`` and size, as Python lists.
-    ``name(i)``, when given, turns on the batch-level value checks and names image i in errors.
+    ``name(i)``, when given, turns on the batch-level value checks and names image i in errors;
+    ``max_label`` (C) then bounds the class ids.
     """
     dim = int(features[0].shape[0])
     dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
@@ -194,9 +198,9 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     if name is not None:
         if y_full is None:  # labels of different sizes: check them one by one
             for i, lab in enumerate(labels):
-                _check_batch_values(features, labels, lab[None].masked_fill(lab[None] == ignore_index, 0),
-                                    x[:0], x.new_zeros(0, 1), img[:0], lambda _: name(i))
-        _check_batch_values(features, labels, y_full, x, norms, img, name)
+                _check_batch_values(features, lab[None].masked_fill(lab[None] == ignore_index, 0),
+                                    x[:0], x.new_zeros(0, 1), img[:0], lambda _, i=i: name(i), max_label)
+        _check_batch_values(features, y_full, x, norms, img, name, max_label)
     if normalize:
         x = x / norms.clamp_min_(1e-12)  # F.normalize's rule: x / max(|x|, eps)
     keep = y != ignore_index
@@ -225,6 +229,8 @@ def _cluster_groups(
     n_init: int,
     device: Optional[torch.device] = None,
     name=None,
+    max_label: Optional[int] = None,
+    bucket_ratio: Optional[float] = None,
 ) -> GroupCentroids:
     """Cluster every class of every (features (D,h,w), label (H,W)) pair in batched K-means.
 
@@ -232,12 +238,15 @@ def _cluster_groups(
     features are). Every group keeps its own seed and stopping rule, so the result of an image
     does not depend on the other images of the batch. ``name(i)`` turns on batch-level checks
     of the values (negative labels, NaN/Inf features) and names image i in their errors.
+    ``bucket_ratio`` (default: 2 on the CPU, one bucket on a GPU) bounds the ratio of the largest
+    to the smallest group padded together; it changes the speed, never the result.
     """
     dims = sorted({int(f.shape[0]) for f in features})
     if len(dims) > 1:
         raise ValueError(f"all features in one call must share the embedding size D, got D in {dims}")
     x, order, g_img, g_lab, g_start, g_size = _pixels_by_group(
-        features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name)
+        features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
+        max_label=max_label)
     G, D = len(g_size), dims[0]
     ks = [k_bg if c == 0 else k_fg for c in g_lab]
     kmax = max(ks, default=1)
@@ -248,7 +257,7 @@ def _cluster_groups(
     by_size = sorted(range(G), key=lambda g: -g_size[g])
     buckets: List[List[int]] = []
     # On a GPU the padding is nearly free and every kernel launch costs: one bucket.
-    ratio = 2 if x.device.type == "cpu" else 2**62
+    ratio = bucket_ratio if bucket_ratio is not None else (2 if x.device.type == "cpu" else float("inf"))
     for g in by_size:
         if buckets and g_size[g] * ratio >= g_size[buckets[-1][0]]:
             buckets[-1].append(g)

@@ -137,7 +137,7 @@ def _light_pair(s, i: int, ignore_index: int) -> Tuple[torch.Tensor, torch.Tenso
     return f, y
 
 
-def _iter_batches(samples, *, batch_size, progress, total, device, seen, **kw):
+def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_classes, **kw):
     """Yield GroupCentroids (on the CPU) of batch_size (features, label) pairs at a time, or an
     ImageCentroids passed through, in stream order. ``device`` (None: the features' device) runs
     the K-means."""
@@ -152,7 +152,8 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, **kw):
 
     def flush():
         name = lambda j, first=first: f"samples[{first + j}]"  # noqa: E731
-        gc = _cluster_groups([f for f, _ in pending], [y for _, y in pending], device=device, name=name, **kw)
+        gc = _cluster_groups([f for f, _ in pending], [y for _, y in pending], device=device, name=name,
+                             max_label=num_classes, **kw)
         return gc.to("cpu")
 
     for i, s in enumerate(it):
@@ -354,7 +355,7 @@ def select_centroids(
     seen: Dict[str, torch.device] = {}
     try:
         for batch in _iter_batches(samples, batch_size=batch_size, progress=progress, total=total, device=device,
-                                   seen=seen, **kw):
+                                   seen=seen, num_classes=num_classes, **kw):
             acc.add(batch)
         state = acc.state()
     except (ValueError, TypeError) as e:

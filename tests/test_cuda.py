@@ -35,3 +35,14 @@ def test_pipeline_cuda_matches_cpu():
         assert torch.equal(a.cpu(), b) if not a.is_floating_point() else torch.allclose(a.cpu(), b, atol=1e-6)
     torch.testing.assert_close(gpu[4].cpu(), cpu[4], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gpu[5].cpu(), cpu[5], atol=1e-6, rtol=1e-5)
+
+
+def test_select_on_cuda_for_cpu_features_matches_cpu():
+    import numpy as np
+    from test_select_centroids import assert_same_result, random_pairs
+
+    pairs = [(torch.from_numpy(f).half(), torch.from_numpy(y)) for f, y in random_pairs(np.random.default_rng(0), n=40)]
+    cpu = select_centroids(pairs, num_classes=6, batch_size=16)
+    gpu = select_centroids(pairs, num_classes=6, batch_size=16, device="cuda")  # one bucket per batch on CUDA
+    assert gpu.centroids.device.type == "cuda"
+    assert_same_result(gpu.to("cpu"), cpu, atol=1e-5)
