@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--k-fg", type=int, default=2, help="K-means clusters per foreground class")
     c.add_argument("--k-bg", type=int, default=2, help="K-means clusters for the background")
     c.add_argument("--seed", type=int, default=0, help="K-means seed")
-    c.add_argument("--batch-size", type=int, default=8, help="images clustered per batched K-means call")
+    c.add_argument("--batch-size", type=int, default=64,
+                   help="images clustered per batched K-means call (512 suits a GPU)")
+    c.add_argument("--device", default="cpu",
+                   help="where the K-means runs: cpu, cuda, cuda:1, or auto (this rank's GPU if any)")
     _add_wsss(c)
     _add_common(c)
 
@@ -171,6 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
                 ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
+                device=args.device,
             )
             print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):

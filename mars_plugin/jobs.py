@@ -198,6 +198,22 @@ def _centroid_samples(
         yield feats, label
 
 
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: under torchrun, GPU ``LOCAL_RANK`` (mod the GPU count) when CUDA is available,
+    else the CPU; anything else is passed to ``torch.device``."""
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use cpu or auto")
+    return dev
+
+
 def centroids_job(
     features_dir: os.PathLike,
     labels_dir: os.PathLike,
@@ -209,14 +225,16 @@ def centroids_job(
     k_fg: int = 2,
     k_bg: int = 2,
     seed: int = 0,
-    batch_size: int = 8,
+    batch_size: int = 64,
     ignore_index: int = IGNORE_VALUE,
     on_error: str = "stop",
     progress: bool = True,
     fmt: Optional[LabelFormat] = None,
+    device: str = "cpu",
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
-    and save the result to ``out`` (a ``.pt`` file, written atomically).
+    and save the result to ``out`` (a ``.pt`` file, written atomically). ``device`` runs the
+    K-means (``"auto"``: this rank's GPU when CUDA is available, else the CPU).
 
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
@@ -232,8 +250,8 @@ def centroids_job(
     samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, ignore_index, on_error, summary, progress)
     V = select_centroids(
         samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
-        ignore_index=ignore_index,
-    )
+        ignore_index=ignore_index, device=resolve_device(device),
+    ).to("cpu")
     if rank == 0:
         V.save(out)
     return V, summary

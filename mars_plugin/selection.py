@@ -297,7 +297,7 @@ def select_centroids(
     ignore_index: int = 255,
     normalize: bool = True,
     seed: int = 0,
-    batch_size: int = 8,
+    batch_size: int = 64,
     max_iter: int = 100,
     tol: float = 1e-4,
     n_init: int = 1,

@@ -53,6 +53,24 @@ def test_centroids_equals_the_library_on_the_same_files(world_dir, tmp_path):
     assert torch.equal(V.valid, ref.valid) and V.num_images == len(stems)
 
 
+def test_centroids_device_option(world_dir, tmp_path, capsys):
+    root, _ = world_dir
+    assert _centroids(root, tmp_path / "a.pt") == 0
+    # auto falls back to the CPU without CUDA; cpu is the default: all three files agree
+    assert _centroids(root, tmp_path / "b.pt", ["--device", "cpu", "--batch-size", "3"]) == 0
+    assert _centroids(root, tmp_path / "c.pt", ["--device", "auto"]) == 0
+    a = DebiasedCentroids.load(tmp_path / "a.pt")
+    for other in ("b.pt", "c.pt"):
+        torch.testing.assert_close(DebiasedCentroids.load(tmp_path / other).centroids, a.centroids, atol=1e-6, rtol=0)
+    capsys.readouterr()
+    assert _centroids(root, tmp_path / "d.pt", ["--device", "gpu0"]) == 2
+    assert "device must be cpu, cuda, cuda:N or auto, got 'gpu0'" in capsys.readouterr().err
+    assert not (tmp_path / "d.pt").exists()
+    if not torch.cuda.is_available():
+        assert _centroids(root, tmp_path / "e.pt", ["--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
 def test_debias_writes_voc_pngs_equal_to_the_library_and_resumes(world_dir, tmp_path):
     root, world = world_dir
     _centroids(root, tmp_path / "V.pt")
