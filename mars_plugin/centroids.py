@@ -158,12 +158,32 @@ def _check_batch_values(features, y_full, x, norms, img, name, max_label) -> Non
             check_finite(features[i], f"{name(i)}: features")  # raises unless it was an overflow
 
 
+class _Workspace:
+    """Grow-only scratch buffers reused from batch to batch of one call.
+
+    On the CPU a fresh tensor of tens of MB is returned to the OS when freed and page-faulted
+    in again at the next batch, which costs more than the arithmetic done in it.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: Dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(n + n // 4, dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+
 def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, ignore_index: int,
-                     normalize: bool, device: Optional[torch.device], name=None, max_label: Optional[int] = None):
+                     normalize: bool, device: Optional[torch.device], name=None, max_label: Optional[int] = None,
+                     workspace: Optional[_Workspace] = None):
     """Every non-ignored pixel of a batch, sorted by (image, class).
 
-    Returns ``(x (P, D), order (P',), image, label, start, size)``: the (normalised) pixel
-    embeddings in row-major order per image, the permutation of the non-ignored pixels that
+    Returns ``(x (P + 1, D), order (P',), image, label, start, size)``: the (normalised) pixel
+    embeddings in row-major order per image followed by one zero row, the permutation of the non-ignored pixels that
     sorts them by group (stable: pixel order within a group is row-major, the order a boolean
     mask gives), and each group's image, class, offset in ``order`` and size, as Python lists.
     ``name(i)``, when given, turns on the batch-level value checks and names image i in errors;
@@ -171,30 +191,44 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     """
     dim = int(features[0].shape[0])
     dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
+    # K-means sums in half precision would lose the centroids' digits: work in float32.
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    dev = torch.device(device) if device is not None else features[0].device
+    ws = workspace if workspace is not None else _Workspace()
     y_full = None
     if all(tuple(f.shape) == tuple(features[0].shape) for f in features):
-        # The common case (one feature grid for the dataset): one stack, one resize, one copy.
+        # The common case (one feature grid for the dataset): every image is transposed to
+        # (pixels, D) and converted in one copy into a reused buffer. Fresh tensors of tens of
+        # MB cost more in page faults than the copy itself on the CPU.
         grid = tuple(features[0].shape[-2:])
-        f = torch.stack([t.to(dtype) for t in features]).to(device)
-        x = f.reshape(len(features), dim, -1).transpose(1, 2).reshape(-1, dim)
+        B, P = len(features), grid[0] * grid[1]
+        x3 = ws.get("x", (B * P + 1, dim), work, dev)
+        x3[-1].zero_()  # a zero row: padded points of the K-means problems read it
+        if dev.type == "cpu":
+            for i, t in enumerate(features):
+                x3[i * P : (i + 1) * P].copy_(t.reshape(dim, P).T)
+        else:  # one host-to-device copy of the stacked batch, in its own dtype
+            f = torch.stack([t.to(dtype) for t in features]).to(dev, non_blocking=True)
+            x3[:-1].view(B, P, dim).copy_(f.view(B, dim, P).transpose(1, 2))
+        x = x3[:-1]
         if len({tuple(y.shape) for y in labels}) == 1:
-            y_stack = torch.stack(list(labels)).to(f.device)
+            y_stack = torch.stack(list(labels)).to(dev)
             if name is not None:
                 y_full = y_stack.masked_fill(y_stack == ignore_index, 0)
             y = resize_label(y_stack, grid).reshape(-1)
         else:
-            y = torch.cat([resize_label(lab.to(f.device), grid).reshape(-1) for lab in labels])
-        n_pix = [grid[0] * grid[1]] * len(features)
+            y = torch.cat([resize_label(lab.to(dev), grid).reshape(-1) for lab in labels])
+        n_pix = [P] * B
     else:
-        x = torch.cat([f.to(device=device, dtype=dtype).reshape(dim, -1).T for f in features])
-        y = torch.cat([resize_label(lab.to(x.device), tuple(f.shape[-2:])).reshape(-1)
+        x3 = torch.cat([f.to(device=dev, dtype=work).reshape(dim, -1).T for f in features] +
+                       [torch.zeros(1, dim, dtype=work, device=dev)])
+        x = x3[:-1]
+        y = torch.cat([resize_label(lab.to(dev), tuple(f.shape[-2:])).reshape(-1)
                        for f, lab in zip(features, labels)])
         n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()  # K-means sums in half precision would lose the centroids' digits
     img = torch.repeat_interleave(torch.arange(len(n_pix), device=x.device),
                                   torch.tensor(n_pix, device=x.device))
-    norms = x.norm(dim=1, keepdim=True) if normalize else None
+    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize else None
     if name is not None:
         if y_full is None:  # labels of different sizes: check them one by one
             for i, lab in enumerate(labels):
@@ -202,7 +236,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
                                     x[:0], x.new_zeros(0, 1), img[:0], lambda _, i=i: name(i), max_label)
         _check_batch_values(features, y_full, x, norms, img, name, max_label)
     if normalize:
-        x = x / norms.clamp_min_(1e-12)  # F.normalize's rule: x / max(|x|, eps)
+        x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
     keep = y != ignore_index
     n_labels = int(y.masked_fill(~keep, 0).max()) + 1 if y.numel() else 1
     # One key per pixel, (image, class) in lexicographic order; ignored pixels sort last.
@@ -212,7 +246,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     groups, sizes = torch.unique_consecutive(sorted_key[:n_keep], return_counts=True)
     groups, sizes = groups.tolist(), sizes.tolist()
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
-    return (x, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts, sizes)
+    return (x3, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts, sizes)
 
 
 def _cluster_groups(
@@ -231,6 +265,7 @@ def _cluster_groups(
     name=None,
     max_label: Optional[int] = None,
     bucket_ratio: Optional[float] = None,
+    workspace: Optional[_Workspace] = None,
 ) -> GroupCentroids:
     """Cluster every class of every (features (D,h,w), label (H,W)) pair in batched K-means.
 
@@ -240,13 +275,16 @@ def _cluster_groups(
     of the values (negative labels, NaN/Inf features) and names image i in their errors.
     ``bucket_ratio`` (default: 2 on the CPU, one bucket on a GPU) bounds the ratio of the largest
     to the smallest group padded together; it changes the speed, never the result.
+    ``workspace`` keeps scratch buffers from one call to the next (see :class:`_Workspace`).
     """
     dims = sorted({int(f.shape[0]) for f in features})
     if len(dims) > 1:
         raise ValueError(f"all features in one call must share the embedding size D, got D in {dims}")
+    ws = workspace if workspace is not None else _Workspace()
     x, order, g_img, g_lab, g_start, g_size = _pixels_by_group(
         features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
-        max_label=max_label)
+        max_label=max_label, workspace=ws)
+    zero_row = x.shape[0] - 1
     G, D = len(g_size), dims[0]
     ks = [k_bg if c == 0 else k_fg for c in g_lab]
     kmax = max(ks, default=1)
@@ -271,7 +309,9 @@ def _cluster_groups(
         offs = torch.arange(n_max, device=x.device)
         mask = offs[None, :] < size[:, None]
         rows = order[(start[:, None] + offs[None, :]).clamp_max_(max(order.numel() - 1, 0))]
-        pts = x[rows].masked_fill_(~mask[:, :, None], 0)
+        rows = torch.where(mask, rows, zero_row)  # padded points read the zero row
+        pts = ws.get("pts", (len(bucket), n_max, D), x.dtype, x.device)
+        torch.index_select(x, 0, rows.reshape(-1), out=pts.view(-1, D))
         b_k = [ks[g] for g in bucket]
         b_seeds = [problem_seed(seed, g_lab[g]) for g in bucket]
         if n_init > 1:

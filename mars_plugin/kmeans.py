@@ -241,7 +241,7 @@ def _kmeans_padded(
 
     # Mean per-dimension variance of each problem (scikit-learn's tolerance scale), as
     # E|x|^2 - |E x|^2 over D: no (B, N, D) temporary. Padded points are zeros.
-    x2 = x.square().sum(-1)
+    x2 = torch.linalg.vector_norm(x, dim=-1).square()  # no (B, N, D) temporary
     n_pts = w.sum(1).clamp_min(1)
     mean = x.sum(1) / n_pts[:, None]
     var = ((x2.sum(1) / n_pts - mean.square().sum(1)) / D).clamp_min(0)
@@ -252,7 +252,10 @@ def _kmeans_padded(
     # are dropped from the working set (once a quarter of it has finished), so the batch costs
     # the sum of its problems' iterations rather than B times the slowest one.
     act = torch.nonzero(mask.any(1)).flatten()
-    xa, pad, va, ca, tola = x[act], ~mask[act], valid[act], centers[act], tol_b[act]
+    if act.numel() == B:  # the usual case: no empty problem, no copy of the points
+        xa, pad, va, ca, tola = x, ~mask, valid, centers.clone(), tol_b
+    else:
+        xa, pad, va, ca, tola = x[act], ~mask[act], valid[act], centers[act], tol_b[act]
     la = torch.full(pad.shape, -1, dtype=torch.long, device=x.device)
     fz = torch.zeros(act.numel(), dtype=torch.bool, device=x.device)
     n_recorded = 0

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_float_tensor, check_fraction, check_int_param, check_label_tensor, describe
-from .centroids import GroupCentroids, ImageCentroids, _cluster_groups
+from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace
 from .files import atomic_write
 
 __all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected", "shard_indices"]
@@ -143,6 +143,7 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_cla
     the K-means."""
     pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
     first = 0  # stream index of pending[0]
+    workspace = _Workspace()  # scratch buffers reused by every batch of this call
     dim: Optional[int] = None
     it = samples
     if progress:
@@ -153,7 +154,7 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_cla
     def flush():
         name = lambda j, first=first: f"samples[{first + j}]"  # noqa: E731
         gc = _cluster_groups([f for f, _ in pending], [y for _, y in pending], device=device, name=name,
-                             max_label=num_classes, **kw)
+                             max_label=num_classes, workspace=workspace, **kw)
         return gc.to("cpu")
 
     for i, s in enumerate(it):
