@@ -252,6 +252,10 @@ def _kmeans_padded(
     # are dropped from the working set (once a quarter of it has finished), so the batch costs
     # the sum of its problems' iterations rather than B times the slowest one.
     act = torch.nonzero(mask.any(1)).flatten()
+    if kmax == 2 and min(k_list) == 2:
+        # MARS's own case (K_fg = K_bg = 2): a two-centroid Lloyd with half the arithmetic.
+        n_iter = _lloyd_two(x, mask, act, centers, valid, tol_b, mean * n_pts[:, None], max_iter)
+        return centers * valid[:, :, None], valid, n_iter
     if act.numel() == B:  # the usual case: no empty problem, no copy of the points
         xa, pad, va, ca, tola = x, ~mask, valid, centers.clone(), tol_b
     else:
@@ -299,6 +303,65 @@ def _kmeans_padded(
         live = ~fz
         centers[act[live]] = ca[live]  # problems that hit max_iter
     return centers * valid[:, :, None], valid, n_iter
+
+
+def _lloyd_two(x, mask, act, centers, valid, tol_b, total, max_iter) -> int:
+    """Lloyd iterations when every problem has K = 2, writing the final centres into ``centers``.
+
+    Same iterations, stopping rule and results as the general loop of :func:`_kmeans_padded`,
+    with the two-centroid algebra: a point joins centroid 1 exactly when
+    ``|c1|^2 - |c0|^2 - 2 x.(c1 - c0) < 0`` (ties go to centroid 0, as argmin does), which is one
+    matrix-vector product per problem instead of two; and cluster 0's sum is the problem's total
+    minus cluster 1's, so the sums need one more matrix-vector product instead of a one-hot
+    product. The points are laid out (B, D, N), the fast layout of both products.
+    """
+    xt = x.transpose(1, 2).contiguous()
+    n_all = mask.sum(1).to(x.dtype)
+    B = x.shape[0]
+    if act.numel() == B:
+        xa, ra, va, ca, tola, ta, na = xt, mask, valid, centers.clone(), tol_b, total, n_all
+    else:
+        xa, ra, va, ca, tola = xt[act], mask[act], valid[act], centers[act], tol_b[act]
+        ta, na = total[act], n_all[act]
+    prev: Optional[torch.Tensor] = None  # cluster-1 membership of the previous step
+    fz = torch.zeros(act.numel(), dtype=torch.bool, device=x.device)
+    n_recorded = 0
+    n_iter = 0
+    for n_iter in range(1, max_iter + 1) if act.numel() else ():
+        c2 = ca.square().sum(-1)  # (A, 2)
+        # An invalid centroid 1 (one distinct point only) gets an infinite bias: nobody joins it.
+        bias = (c2[:, 1] - c2[:, 0]).masked_fill(~va[:, 1], float("inf"))[:, None, None]
+        in1 = (torch.baddbmm(bias, (ca[:, 1] - ca[:, 0])[:, None, :], xa, alpha=-2.0)[:, 0] < 0) & ra
+        n1 = in1.sum(1).to(x.dtype)
+        # (A, 1, N) @ (A, N, D) with the second operand a transposed view: BLAS reads it in
+        # place, ~3x faster here than the same product against an (A, N, 1) column.
+        s1 = torch.bmm(in1.to(x.dtype)[:, None, :], xa.transpose(1, 2))[:, 0]  # (A, D)
+        sums = torch.stack([ta - s1, s1], 1)
+        counts = torch.stack([na - n1, n1], 1)
+        # An emptied cluster keeps its previous centre, as in the general loop.
+        new_c = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], ca)
+        shift = (new_c - ca).square().sum((1, 2))
+        done = shift <= tola
+        if prev is not None:
+            done |= (in1 == prev).all(1)
+        newly = done & ~fz
+        fz = fz | done
+        ca, prev = new_c, in1
+        n_frozen = int(fz.sum())
+        if n_frozen > n_recorded:
+            centers[act[newly]] = ca[newly]
+        n_recorded = n_frozen
+        if n_frozen == fz.numel():
+            break
+        if n_frozen * 4 >= fz.numel():
+            keep = ~fz
+            act, xa, ra, va, ta, na = act[keep], xa[keep], ra[keep], va[keep], ta[keep], na[keep]
+            ca, prev, tola, fz = ca[keep], prev[keep], tola[keep], fz[keep]
+            n_recorded = 0
+    else:
+        live = ~fz
+        centers[act[live]] = ca[live]  # problems that hit max_iter
+    return n_iter
 
 
 def kmeans(

@@ -305,3 +305,31 @@ def test_cuda_matches_cpu(seed):
     np.testing.assert_allclose(gpu.centroids.cpu().numpy(), cpu.centroids.numpy(), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(gpu.labels.cpu().numpy(), cpu.labels.numpy())
     np.testing.assert_allclose(gpu.inertia.cpu().numpy(), cpu.inertia.numpy(), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the K = 2 loop
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("tol", [0.0, 1e-4])
+def test_two_centroid_loop_equals_general_loop(seed, tol):
+    """Problems with K = 2 take a dedicated two-centroid loop when the whole batch has K = 2.
+    Adding one K = 3 problem sends the same problems through the general loop; since a
+    problem's result never depends on its batch, the two must agree."""
+    rng = np.random.default_rng(seed + 300)
+    probs = [rng.normal(size=(int(rng.integers(3, 60)), 5)) for _ in range(9)]
+    probs.append(np.repeat(rng.normal(size=(1, 5)), 4, axis=0))  # one distinct point: 1 centroid
+    probs.append(np.concatenate([np.zeros((3, 5)), np.ones((2, 5))]))  # exactly 2 distinct points
+    probs.append(blobs(rng, 40, 2, 5))
+    seeds = [int(s) for s in rng.integers(0, 1000, size=len(probs))]
+    pts, mask = pad(probs)
+    two = batched_kmeans(pts, mask, 2, seeds=seeds, tol=tol)
+    extra = rng.normal(size=(30, 5))
+    pts3, mask3 = pad(probs + [extra])
+    general = batched_kmeans(pts3, mask3, [2] * len(probs) + [3], seeds=seeds + [7], tol=tol)
+    n = len(probs)
+    assert torch.equal(two.valid, general.valid[:n, :2]) and not general.valid[:n, 2].any()
+    torch.testing.assert_close(two.centroids, general.centroids[:n, :2], atol=1e-10, rtol=0)
+    assert torch.equal(two.labels, general.labels[:n, : two.labels.shape[1]])
+    assert two.valid[n - 3].tolist() == [True, False] and two.valid[n - 2].tolist() == [True, True]
+    for b, p in enumerate(probs):
+        assert_lloyd_fixed_point(p, two.centroids[b][two.valid[b]].numpy())
+
