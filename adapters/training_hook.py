@@ -18,7 +18,7 @@ weighs them by its certainty. Like pytorch-grad-cam's ``reshape_transform``, an
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -57,7 +57,10 @@ class MARSTrainingHook:
             labels to the logits by nearest neighbour (what deeplab-pytorch does), ``"logits"``
             up-samples the logits bilinearly to the labels.
         output_transform: maps a model output to (B, C+1, h, w) logits.
-        refine: teacher refinement, None or ``"crf"`` (needs ``images_rgb`` in the call).
+        refine: teacher refinement, None, ``"crf"`` (pydensecrf per image, CPU) or
+            ``"local_crf"`` (batched windowed CRF on the GPU with the logits); both need
+            ``images_rgb`` in the call.
+        crf_params: overrides of the CRF parameters (see :func:`mars_plugin.complement_labels`).
         multi_scale: when the student returns a list/tuple of logits (multi-scale training),
             sum the MARS loss over all of them, as the repositories sum their CE.
     """
@@ -73,11 +76,12 @@ class MARSTrainingHook:
         output_transform: Callable[[Any], torch.Tensor] = default_output_transform,
         refine: Optional[str] = None,
         multi_scale: bool = True,
+        crf_params: Optional[Mapping[str, Any]] = None,
     ) -> None:
         if match not in ("labels", "logits"):
             raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
-        if refine not in (None, "crf"):
-            raise ValueError(f"refine must be None or 'crf', got {refine!r}")
+        if refine not in (None, "crf", "local_crf"):
+            raise ValueError(f"refine must be None, 'crf' or 'local_crf', got {refine!r}")
         self.teacher = EMATeacher(model, momentum=momentum)
         self.loss = WCELoss(ignore_index=ignore_index)
         self.ignore_index = int(ignore_index)
@@ -85,6 +89,7 @@ class MARSTrainingHook:
         self.match = match
         self.output_transform = output_transform
         self.refine = refine
+        self.crf_params = crf_params
         self.multi_scale = bool(multi_scale)
 
     def targets(self, labels: torch.Tensor, size) -> torch.Tensor:
@@ -112,7 +117,7 @@ class MARSTrainingHook:
                 or a raw model output (see output_transform).
             labels: (B, H', W') debiased labels as loaded (254 or -1 = biased, 255 = ignore).
             image_classes: (B, C) multi-hot, or a list of 1-based class-id lists.
-            images_rgb: (B, H', W', 3) uint8 images, only for ``refine="crf"``.
+            images_rgb: (B, H', W', 3) uint8 images, only for ``refine="crf"|"local_crf"``.
         """
         t_out = self.output_transform(self.teacher(images))
         if self.multi_scale and isinstance(logits, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in logits):
@@ -130,7 +135,7 @@ class MARSTrainingHook:
             t_logits = F.interpolate(t_logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
         y_co, w = complement_labels(
             y, t_logits.float().softmax(1), image_classes, refine=self.refine, image=images_rgb,
-            ignore_index=self.ignore_index,
+            ignore_index=self.ignore_index, crf_params=self.crf_params,
         )
         return self.loss(logits, y_co, w)
 

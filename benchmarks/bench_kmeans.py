@@ -54,8 +54,8 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, cpus={os.cpu_count()}, "
           f"torch threads={torch.get_num_threads()}, device=cpu, torch {torch.__version__}")
     print(f"{args.problems} problems, <= {args.points} points, D={args.dim}, K={args.k}")
-    print(f"| method | wall s | problems/s |")
-    print(f"| --- | --- | --- |")
+    print("| method | wall s | problems/s |")
+    print("| --- | --- | --- |")
     print(f"| mars_plugin batched_kmeans (n_init=1) | {t_ours:.3f} | {args.problems / t_ours:.0f} |")
     print(f"| scikit-learn KMeans(n_init=10) per problem | {t_sk:.3f} | {args.problems / t_sk:.0f} |")
     print(f"speed-up: {t_sk / t_ours:.1f}x; inertia ratio ours/sklearn: median {np.median(ratio):.5f}, "

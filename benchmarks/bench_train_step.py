@@ -1,8 +1,9 @@
 """One segmentation training step with plain CE vs with MARS (complement + WCE + EMA update).
 
 A small DeepLab-like network (the demo's TinySegNet at width 64) on a batch of 8 images of
-320x320; times the mean of --steps steps after 2 warm-up steps, and the ratio. With --crf, also
-the teacher refined by a per-image dense CRF (CPU only, the slow path).
+320x320; times the mean of --steps steps after 2 warm-up steps, and the ratio. Also with the
+teacher refined by the batched local CRF (any device), and with --crf by the per-image dense CRF
+(pydensecrf, CPU only, the slow path).
 
     python benchmarks/bench_train_step.py [--steps 5] [--crf] [--device cuda]
 """
@@ -44,7 +45,9 @@ def main():
         torch.manual_seed(0)
         net = TinySegNet(args.classes + 1, width=64).to(dev)
         opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
-        hook = MARSTrainingHook(net, refine="crf" if kind == "mars+crf" else None) if kind != "plain" else None
+        refine = {"mars+crf": "crf", "mars+local_crf": "local_crf"}.get(kind)
+        hook = MARSTrainingHook(net, refine=refine) if kind != "plain" else None
+        img = rgb.to(dev) if refine == "local_crf" else rgb
         target = torch.where(y == 254, torch.zeros_like(y), y)
         times = []
         for step in range(args.steps + 2):
@@ -55,7 +58,7 @@ def main():
             if hook is None:
                 loss = F.cross_entropy(logits, target, ignore_index=255)
             else:
-                loss = hook(x, logits, y, classes.to(dev), images_rgb=rgb if kind == "mars+crf" else None)
+                loss = hook(x, logits, y, classes.to(dev), images_rgb=img if refine else None)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -73,7 +76,7 @@ def main():
     print("| step | s/step | ratio to plain CE |")
     print("| --- | --- | --- |")
     print(f"| plain CE | {base:.4f} | 1.00 |")
-    kinds = ["mars"] + (["mars+crf"] if args.crf else [])
+    kinds = ["mars", "mars+local_crf"] + (["mars+crf"] if args.crf else [])
     for k in kinds:
         t = run(k)
         print(f"| {k} (teacher fwd + complement + WCE + EMA) | {t:.4f} | {t / base:.2f} |", flush=True)

@@ -12,6 +12,7 @@ from .complement import complement_labels
 from .debias import BIASED, DebiasResult, debias_labels, debiased_similarity
 from .ema import EMATeacher
 from .kmeans import batched_kmeans, kmeans
+from .local_crf import local_crf
 from .losses import WCELoss, weighted_cross_entropy
 from .selection import DebiasedCentroids, select_centroids
 
@@ -30,6 +31,7 @@ __all__ = [
     "debiased_similarity",
     "image_centroids",
     "kmeans",
+    "local_crf",
     "select_centroids",
     "weighted_cross_entropy",
 ]

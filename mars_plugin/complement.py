@@ -13,6 +13,7 @@ import torch
 
 from ._checks import as_tensor, check_finite, check_image_classes, check_label_tensor, check_ndim, describe
 from .crf import check_crf_params, dense_crf, image_to_hwc_uint8
+from .local_crf import check_local_crf_params, local_crf
 from .debias import BIASED
 
 __all__ = ["complement_labels", "teacher_labels"]
@@ -62,7 +63,10 @@ def teacher_labels(
     crf_params: Optional[Mapping[str, Any]] = None,
 ) -> torch.Tensor:
     """Teacher label Y^te: argmax of (B, C+1, H, W) probabilities over the ``allowed`` (B, C+1)
-    channels (background + the image's classes), after a dense CRF when ``refine="crf"``.
+    channels (background + the image's classes), after a dense CRF when ``refine="crf"``
+    (pydensecrf, one image at a time on the CPU) or the batched windowed CRF of
+    :func:`mars_plugin.local_crf.local_crf` when ``refine="local_crf"`` (on the probabilities'
+    device; ``crf_params`` then also takes ``window`` and ``scale``).
 
     The CRF sees only the allowed channels, renormalised to sum to 1, as the WSSS repositories
     do with image-level labels.
@@ -70,16 +74,28 @@ def teacher_labels(
     masked = teacher_probs.masked_fill(~allowed[:, :, None, None], float("-inf"))
     if refine is None:
         return masked.argmax(1)
-    if refine != "crf":
-        raise ValueError(f"refine must be None or 'crf', got {refine!r}")
+    if refine not in ("crf", "local_crf"):
+        raise ValueError(f"refine must be None, 'crf' or 'local_crf', got {refine!r}")
     if image is None:
-        raise ValueError("refine='crf' needs the RGB images: pass image=(B, H, W, 3) or (B, 3, H, W)")
+        raise ValueError(f"refine={refine!r} needs the RGB images: pass image=(B, H, W, 3) or (B, 3, H, W)")
     imgs = as_tensor(image, "image")
     if imgs.ndim == 3:
         imgs = imgs[None]
     B, _, H, W = teacher_probs.shape
     if imgs.ndim != 4 or imgs.shape[0] != B:
         raise ValueError(f"image must hold B={B} RGB images, got {describe(imgs)}")
+    if refine == "local_crf":
+        # The whole batch at once on the probabilities' device; each image's allowed channels
+        # are gathered to the front (padding channels are disallowed), renormalised as below.
+        check_local_crf_params(crf_params)
+        n_allowed = allowed.sum(1)
+        order = torch.sort((~allowed).to(torch.int8), dim=1, stable=True).indices[:, : int(n_allowed.max())]
+        ok = torch.arange(order.shape[1], device=allowed.device)[None, :] < n_allowed[:, None]
+        p = teacher_probs.detach().gather(1, order[:, :, None, None].expand(-1, -1, H, W)).masked_fill(
+            ~ok[:, :, None, None], 0)
+        p = p / p.sum(1, keepdim=True).clamp_min(1e-12)
+        q = local_crf(p, imgs, crf_params, valid=ok)
+        return order.gather(1, q.argmax(1).flatten(1)).view(B, H, W)
     params = check_crf_params(crf_params)
     out = torch.empty(B, H, W, dtype=torch.long)
     for b in range(B):
@@ -107,7 +123,10 @@ def complement_labels(
         debiased: (H, W) or (B, H, W) debiased labels Y^db with -1 = biased, 255 = ignore.
         teacher_probs: (C+1, H, W) or (B, C+1, H, W) softmax of the EMA teacher (no grad needed).
         image_classes: (C,) / (B, C) multi-hot, or 1-based class-id lists.
-        image: RGB images for ``refine="crf"``, (B, H, W, 3) or (B, 3, H, W), uint8 or [0, 1].
+        refine: None (argmax), ``"crf"`` (pydensecrf per image, CPU) or ``"local_crf"`` (batched
+            windowed CRF on the probabilities' device, see :mod:`mars_plugin.local_crf`).
+        image: RGB images for ``refine="crf"|"local_crf"``, (B, H, W, 3) or (B, 3, H, W), uint8
+            or [0, 1].
 
     Returns:
         ``(complemented, certainty)``: complemented labels Y^co (long, -1 replaced by Y^te,

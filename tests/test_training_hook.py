@@ -122,3 +122,22 @@ def test_multi_scale_list_sums_the_loss_of_every_scale():
     off = MARSTrainingHook(net, multi_scale=False)
     off.teacher = hook.teacher
     torch.testing.assert_close(off(x, [full, half], y, classes), single(x, full, y, classes))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_local_crf_teacher_equals_complement_by_hand(seed):
+    torch.manual_seed(seed)
+    net = Net()
+    prm = {"window": 5, "scale": 2}
+    hook = MARSTrainingHook(net, momentum=0.9, refine="local_crf", crf_params=prm)
+    x, y, classes = _batch(seed)
+    g = torch.Generator().manual_seed(seed)
+    rgb = torch.randint(0, 256, (2, 12, 10, 3), generator=g, dtype=torch.uint8)
+    loss = hook(x, net(x), y, classes, images_rgb=rgb)
+    with torch.no_grad():
+        t = hook.teacher.module(x)
+    y_ref = torch.where(y == 254, torch.full_like(y, -1), y)
+    y_co, w = complement_labels(y_ref, t.softmax(1), classes, refine="local_crf", image=rgb, crf_params=prm)
+    torch.testing.assert_close(loss, WCELoss()(net(x), y_co, w))
+    plain = MARSTrainingHook(net, momentum=0.9)(x, net(x), y, classes)
+    assert not torch.equal(loss, plain)  # the refinement changed some teacher labels
