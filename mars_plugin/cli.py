@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images clustered per batched K-means call (512 suits a GPU)")
     c.add_argument("--device", default="cpu",
                    help="where the K-means runs: cpu, cuda, cuda:1, or auto (this rank's GPU if any)")
+    c.add_argument("--spill-dir", default=None,
+                   help="existing folder: candidate centroids beyond --spill-mb go to a temporary folder in it")
+    c.add_argument("--spill-mb", type=float, default=1024, help="MB of candidate centroids held in memory")
     _add_wsss(c)
     _add_common(c)
 
@@ -174,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
                 ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
-                device=args.device,
+                device=args.device, spill_dir=args.spill_dir, spill_mb=args.spill_mb,
             )
             print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):

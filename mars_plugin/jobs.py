@@ -231,10 +231,13 @@ def centroids_job(
     progress: bool = True,
     fmt: Optional[LabelFormat] = None,
     device: str = "cpu",
+    spill_dir: Optional[os.PathLike] = None,
+    spill_mb: float = 1024,
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
     and save the result to ``out`` (a ``.pt`` file, written atomically). ``device`` runs the
-    K-means (``"auto"``: this rank's GPU when CUDA is available, else the CPU).
+    K-means (``"auto"``: this rank's GPU when CUDA is available, else the CPU); ``spill_dir``
+    and ``spill_mb`` are passed to :func:`select_centroids`.
 
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
@@ -250,7 +253,7 @@ def centroids_job(
     samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, ignore_index, on_error, summary, progress)
     V = select_centroids(
         samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
-        ignore_index=ignore_index, device=resolve_device(device),
+        ignore_index=ignore_index, device=resolve_device(device), spill_dir=spill_dir, spill_mb=spill_mb,
     ).to("cpu")
     if rank == 0:
         V.save(out)

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -188,18 +191,55 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_cla
 class _Accumulator:
     """One process's running state: the background sum and every class's tagged candidates.
 
-    Candidates are kept as chunks ``(tags (M,), centroids (M, D))`` on the CPU, where a tag is
-    the image's global stream index: sorting by tag (stably) restores the single-process order
-    whatever the batching and the number of ranks.
+    Candidates are kept as chunks ``[tags (M,), centroids (M, D)]`` on the CPU, where a tag is
+    the image's global stream index: ordering by (tag, row within the chunk) restores the
+    single-process stream order whatever the batching and the number of ranks (the rows of one
+    image always sit together, in centroid order, in one chunk).
+
+    With ``spill_dir``, once the centroids held exceed ``spill_bytes``, every class's chunks in
+    memory are concatenated and written to one ``.npy`` file per class in a temporary folder
+    inside ``spill_dir`` (removed by :meth:`cleanup`); only the tags stay in memory.
     """
 
-    def __init__(self, num_classes: int, ignore_index: int, rank: int, world: int) -> None:
+    def __init__(self, num_classes: int, ignore_index: int, rank: int, world: int,
+                 spill_dir: Optional[str] = None, spill_bytes: int = 0) -> None:
         self.num_classes, self.ignore_index, self.rank, self.world = num_classes, ignore_index, rank, world
         self.bg_sum: Optional[torch.Tensor] = None
         self.n_bg = 0
         self.n_images = 0
         self.dim: Optional[int] = None
-        self.candidates: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.candidates: Dict[int, List[list]] = {}
+        self.spill_dir, self.spill_bytes = spill_dir, spill_bytes
+        self.held_bytes = 0
+        self.spilled_files = 0
+        self._tmp: Optional[str] = None
+
+    def _spill(self) -> None:
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="mars_candidates_", dir=self.spill_dir)
+        for c, chunks in self.candidates.items():
+            in_memory = [ch for ch in chunks if isinstance(ch[1], torch.Tensor)]
+            if not in_memory:
+                continue
+            # Chunks in memory always follow the spilled ones (stream order), so they merge
+            # into one chunk; row order inside it stays the stream order.
+            tags = torch.cat([ch[0] for ch in in_memory])
+            path = os.path.join(self._tmp, f"class{c}_{self.spilled_files:06d}.npy")
+            np.save(path, torch.cat([ch[1] for ch in in_memory]).numpy(), allow_pickle=False)
+            self.spilled_files += 1
+            self.candidates[c] = [ch for ch in chunks if not isinstance(ch[1], torch.Tensor)] + [[tags, path]]
+        self.held_bytes = 0
+
+    @staticmethod
+    def vectors(chunk: list) -> torch.Tensor:
+        """A chunk's centroids, read back from disk if it was spilled (plain .npy, no pickle)."""
+        v = chunk[1]
+        return v if isinstance(v, torch.Tensor) else torch.from_numpy(np.load(v, allow_pickle=False))
+
+    def cleanup(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def _check_classes(self, labels: torch.Tensor, images: torch.Tensor) -> None:
         bad = labels > self.num_classes
@@ -238,13 +278,40 @@ class _Accumulator:
         for c in torch.unique(batch.label[~is_bg]).tolist():
             sel = batch.label == c
             v = valid[sel]
-            self.candidates.setdefault(int(c), []).append(
-                (tags[sel][:, None].expand_as(v)[v], batch.centroids[sel][v].detach()))
+            vec = batch.centroids[sel][v].detach()
+            self.candidates.setdefault(int(c), []).append([tags[sel][:, None].expand_as(v)[v], vec])
+            self.held_bytes += vec.numel() * vec.element_size()
         self.n_images += batch.num_images
+        if self.spill_dir is not None and self.held_bytes > self.spill_bytes:
+            self._spill()
 
-    def state(self) -> Dict[str, object]:
-        return dict(bg_sum=self.bg_sum, n_bg=self.n_bg, n_images=self.n_images, dim=self.dim,
-                    candidates=self.candidates)
+    def summary(self) -> Dict[str, object]:
+        """What the other ranks need first: sums and counts, never the candidates."""
+        return dict(bg_sum=self.bg_sum, n_bg=self.n_bg, n_images=self.n_images, dim=self.dim)
+
+    def distances(self, bg_mean: torch.Tensor) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per class, Eq. 1 distance, tag and row-in-chunk of every local candidate (in chunk order)."""
+        out = {}
+        for c, chunks in self.candidates.items():
+            d = [background_distance(self.vectors(ch), bg_mean) for ch in chunks]
+            rows = [torch.arange(ch[0].numel()) for ch in chunks]
+            out[c] = (torch.cat(d), torch.cat([ch[0] for ch in chunks]), torch.cat(rows))
+        return out
+
+    def selected_sums(self, chosen: Dict[int, torch.Tensor], dim: int) -> Dict[int, torch.Tensor]:
+        """Per class, the float64 sum of the local candidates flagged in ``chosen[c]`` (local order)."""
+        out = {}
+        for c, flags in chosen.items():
+            total = torch.zeros(dim, dtype=torch.float64)
+            start = 0
+            for ch in self.candidates.get(c, []):
+                n = ch[0].numel()
+                f = flags[start : start + n]
+                if bool(f.any()):
+                    total += self.vectors(ch)[f].double().sum(0)
+                start += n
+            out[c] = total
+        return out
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> List[int]:
@@ -262,13 +329,23 @@ def _dist_info(process_group) -> Tuple[int, int]:
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
-def _gather_states(state, error, process_group) -> Dict[str, object]:
-    """Merge every rank's state (all on the CPU) on every rank, through the process group only."""
+def _all_gather(obj, process_group) -> List[object]:
     import torch.distributed as dist
 
-    payload = {"state": state, "error": None if error is None else f"{type(error).__name__}: {error}"}
     gathered: List[object] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, payload, group=process_group)
+    dist.all_gather_object(gathered, obj, group=process_group)
+    return gathered
+
+
+def _merge_summaries(summary, error, world, process_group) -> Dict[str, object]:
+    """Every rank's background sum and counts, added in rank order (the same on every rank).
+
+    An error on any rank is raised on every rank, so that none is left waiting.
+    """
+    if world == 1:
+        return summary
+    payload = {"state": summary, "error": None if error is None else f"{type(error).__name__}: {error}"}
+    gathered = _all_gather(payload, process_group)
     errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
     if errors:
         r, msg = errors[0]
@@ -276,16 +353,21 @@ def _gather_states(state, error, process_group) -> Dict[str, object]:
     dims = {g["state"]["dim"] for g in gathered if g["state"]["dim"] is not None}
     if len(dims) > 1:
         raise ValueError(f"ranks hold features of different embedding sizes D: {sorted(dims)}")
-    merged: Dict[str, object] = dict(bg_sum=None, n_bg=0, n_images=0, dim=dims.pop() if dims else None, candidates={})
+    merged: Dict[str, object] = dict(bg_sum=None, n_bg=0, n_images=0, dim=dims.pop() if dims else None)
     for g in gathered:
         st = g["state"]
         if st["bg_sum"] is not None:
             merged["bg_sum"] = st["bg_sum"] if merged["bg_sum"] is None else merged["bg_sum"] + st["bg_sum"]
         merged["n_bg"] += st["n_bg"]
         merged["n_images"] += st["n_images"]
-        for c, lst in st["candidates"].items():
-            merged["candidates"].setdefault(c, []).extend(lst)
     return merged
+
+
+def _stream_order(dist: torch.Tensor, tags: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Candidates sorted by descending distance, ties in stream order (tag, then row)."""
+    idx = torch.sort(rows, stable=True).indices
+    idx = idx[torch.sort(tags[idx], stable=True).indices]
+    return idx[torch.sort(dist[idx], descending=True, stable=True).indices]
 
 
 def select_centroids(
@@ -306,6 +388,8 @@ def select_centroids(
     total: Optional[int] = None,
     process_group: Optional[object] = None,
     device: Optional[Union[str, torch.device]] = None,
+    spill_dir: Optional[Union[str, os.PathLike]] = None,
+    spill_mb: float = 1024,
 ) -> DebiasedCentroids:
     """Debiased centroid of every class from a stream of images (Eq. 1-3).
 
@@ -323,12 +407,17 @@ def select_centroids(
         process_group: under ``torch.distributed`` (initialised; this group or the default one),
             each rank passes its own shard of the image list, split DistributedSampler-style
             without shuffling: rank r holds images r, r + W, r + 2W, ... (see
-            :func:`shard_indices`). Ranks cluster their shards, the background sums and the
-            per-class candidates are gathered, and every rank returns the identical result,
-            equal to one process on the whole list.
+            :func:`shard_indices`). Ranks cluster their shards; the background sums, then one
+            (distance, tag, row) triple per candidate, then the per-class sums of the selected
+            candidates are gathered (candidate vectors never travel), and every rank returns the
+            identical result, equal to one process on the whole list.
         device: where the K-means runs, e.g. ``"cuda"`` for features read on the CPU (each
             batch is moved there in one copy). Default: where each batch's features are. The
             result lives on this device (default: the first sample's).
+        spill_dir: an existing folder; when given, candidate centroids beyond ``spill_mb`` MB
+            held in memory are written to a temporary folder inside it (plain ``.npy``, read
+            back without unpickling, removed at the end). Use it when the candidates of a data
+            set do not fit in memory (Open Images: ~4 per image x D floats).
 
     Returns:
         :class:`DebiasedCentroids`.
@@ -351,23 +440,40 @@ def select_centroids(
     if device is not None:
         device = torch.device(device)
     rank, world = _dist_info(process_group)
+    if spill_dir is not None and not os.path.isdir(spill_dir):
+        raise ValueError(f"spill_dir must be an existing folder, got {os.fspath(spill_dir)!r}")
+    if isinstance(spill_mb, bool) or not isinstance(spill_mb, (int, float)) or not spill_mb >= 0:
+        raise ValueError(f"spill_mb must be a number >= 0, got {spill_mb!r}")
     error: Optional[BaseException] = None
-    acc = _Accumulator(num_classes, ignore_index, rank, world)
+    acc = _Accumulator(num_classes, ignore_index, rank, world,
+                       None if spill_dir is None else os.fspath(spill_dir), int(spill_mb * 2**20))
     seen: Dict[str, torch.device] = {}
     try:
-        for batch in _iter_batches(samples, batch_size=batch_size, progress=progress, total=total, device=device,
-                                   seen=seen, num_classes=num_classes, **kw):
-            acc.add(batch)
-        state = acc.state()
-    except (ValueError, TypeError) as e:
-        if world == 1:
-            raise
-        state, error = None, e  # let the other ranks know instead of leaving them waiting
-    if world > 1:
-        state = _gather_states(state, error, process_group)
+        try:
+            for batch in _iter_batches(samples, batch_size=batch_size, progress=progress, total=total,
+                                       device=device, seen=seen, num_classes=num_classes, **kw):
+                acc.add(batch)
+        except (ValueError, TypeError) as e:
+            if world == 1:
+                raise
+            error = e  # let the other ranks know instead of leaving them waiting
+        state = _merge_summaries(acc.summary(), error, world, process_group)
+        out = _select(acc, state, num_classes, alpha, world, process_group)
+    finally:
+        acc.cleanup()
+    out.config = dict(alpha=alpha, k_fg=kw["k_fg"], k_bg=kw["k_bg"], normalize=bool(normalize), seed=int(seed))
+    return out.to(device if device is not None else seen.get("device", "cpu"))
 
-    bg_sum, n_bg, n_images, dim, candidates = (
-        state["bg_sum"], state["n_bg"], state["n_images"], state["dim"], state["candidates"])
+
+def _select(acc: _Accumulator, state, num_classes, alpha, world, process_group) -> DebiasedCentroids:
+    """Eq. 1-3 from every rank's candidates, without moving a candidate between ranks.
+
+    Each rank scores its own candidates (Eq. 1); only (distance, tag, row) triples are gathered,
+    every rank sorts them the same way and flags its own top-alpha candidates; the per-class
+    sums of the flagged vectors are gathered and added in rank order. Memory per class: a few
+    numbers per candidate, plus one spilled chunk at a time.
+    """
+    n_bg, n_images, dim, bg_sum = state["n_bg"], state["n_images"], state["dim"], state["bg_sum"]
     if n_images == 0:
         raise ValueError("samples is empty: select_centroids needs at least one image")
     if n_bg == 0 or bg_sum is None:
@@ -375,28 +481,32 @@ def select_centroids(
             f"samples: no background centroid in any of the {n_images} images: Eq. 1 measures distances to "
             "the background, so at least one pseudo_label must contain background (0) pixels"
         )
-    assert dim is not None
     bg_mean = bg_sum / n_bg
+    local = acc.distances(bg_mean)
+    per_rank = [local] if world == 1 else _all_gather(local, process_group)
     C1 = num_classes + 1
-    cents = torch.zeros(C1, dim, dtype=torch.float32)
-    valid = torch.zeros(C1, dtype=torch.bool)
     n_cand = torch.zeros(C1, dtype=torch.long)
     n_sel = torch.zeros(C1, dtype=torch.long)
     cut = torch.full((C1,), float("nan"), dtype=torch.float64)
     n_cand[0] = n_bg
-    for c, chunks in sorted(candidates.items()):
-        # Stream order (global image index, then centroid order within the image): the order
-        # that decides ties, identical for one process, any batching and any number of ranks.
-        tags = torch.cat([t for t, _ in chunks])
-        v = torch.cat([x for _, x in chunks])[torch.sort(tags, stable=True).indices]
-        dist = background_distance(v, bg_mean)
-        order = torch.sort(dist, descending=True, stable=True).indices
-        k = num_selected(v.shape[0], alpha)
-        cents[c] = v[order[:k]].double().mean(0).float()
+    chosen: Dict[int, torch.Tensor] = {}
+    for c in sorted({c for part in per_rank for c in part}):
+        parts = [part.get(c, (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
+                              torch.zeros(0, dtype=torch.long))) for part in per_rank]
+        dist = torch.cat([p[0] for p in parts])
+        order = _stream_order(dist, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
+        k = num_selected(dist.numel(), alpha)
+        flags = torch.zeros(dist.numel(), dtype=torch.bool)
+        flags[order[:k]] = True
+        start = sum(p[0].numel() for p in parts[:acc.rank])  # this rank's slice of the concatenation
+        chosen[c] = flags[start : start + parts[acc.rank][0].numel()]
+        n_cand[c], n_sel[c], cut[c] = dist.numel(), k, dist[order[k - 1]]
+    sums = acc.selected_sums(chosen, dim)
+    per_rank_sums = [sums] if world == 1 else _all_gather(sums, process_group)
+    cents = torch.zeros(C1, dim, dtype=torch.float32)
+    valid = torch.zeros(C1, dtype=torch.bool)
+    for c in chosen:
+        total = sum(s[c] for s in per_rank_sums)  # rank order: the same float sum on every rank
+        cents[c] = (total / int(n_sel[c])).float()
         valid[c] = True
-        n_cand[c] = v.shape[0]
-        n_sel[c] = k
-        cut[c] = dist[order[k - 1]]
-    config = dict(alpha=alpha, k_fg=kw["k_fg"], k_bg=kw["k_bg"], normalize=bool(normalize), seed=int(seed))
-    out = DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, config)
-    return out.to(device if device is not None else seen.get("device", "cpu"))
+    return DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, {})

@@ -1,7 +1,5 @@
 """The mars command line end to end on a tiny world written to a temp dir."""
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ from PIL import Image
 from mars_plugin import DebiasedCentroids, debias_labels, select_centroids
 from mars_plugin.cli import build_parser, main
 from mars_plugin.files import BIASED_VALUE, read_features, read_label, voc_palette
-from mars_plugin.metrics import confusion_matrix, segmentation_scores
 from mars_plugin.synthetic import make_world, write_world
 
 
@@ -53,7 +50,7 @@ def test_centroids_equals_the_library_on_the_same_files(world_dir, tmp_path):
     assert torch.equal(V.valid, ref.valid) and V.num_images == len(stems)
 
 
-def test_centroids_device_option(world_dir, tmp_path, capsys):
+def test_centroids_device_and_spill_options(world_dir, tmp_path, capsys):
     root, _ = world_dir
     assert _centroids(root, tmp_path / "a.pt") == 0
     # auto falls back to the CPU without CUDA; cpu is the default: all three files agree
@@ -62,6 +59,11 @@ def test_centroids_device_option(world_dir, tmp_path, capsys):
     a = DebiasedCentroids.load(tmp_path / "a.pt")
     for other in ("b.pt", "c.pt"):
         torch.testing.assert_close(DebiasedCentroids.load(tmp_path / other).centroids, a.centroids, atol=1e-6, rtol=0)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    assert _centroids(root, tmp_path / "s.pt", ["--spill-dir", str(spill), "--spill-mb", "0"]) == 0
+    torch.testing.assert_close(DebiasedCentroids.load(tmp_path / "s.pt").centroids, a.centroids, atol=1e-6, rtol=0)
+    assert list(spill.iterdir()) == []
     capsys.readouterr()
     assert _centroids(root, tmp_path / "d.pt", ["--device", "gpu0"]) == 2
     assert "device must be cpu, cuda, cuda:N or auto, got 'gpu0'" in capsys.readouterr().err

@@ -42,7 +42,8 @@ def _worker(rank, world_size, port, result_dir, mode):
         if mode == "bad" and rank == 1:
             mine[0] = (mine[0][0], torch.full((9, 9), 9))  # a label above num_classes, on one rank
         try:
-            V = select_centroids(iter(mine), num_classes=3, alpha=0.5, batch_size=3)
+            spill = dict(spill_dir=result_dir, spill_mb=0) if mode == "spill" else {}
+            V = select_centroids(iter(mine), num_classes=3, alpha=0.5, batch_size=3, **spill)
             torch.save(V.state_dict(), os.path.join(result_dir, f"rank{rank}.pt"))
         except ValueError as e:
             with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as fh:
@@ -55,8 +56,9 @@ def _spawn(tmp_path, mode):
     tmp.spawn(_worker, args=(2, _free_port(), str(tmp_path), mode), nprocs=2, join=True)
 
 
-def test_two_gloo_ranks_equal_one_process(tmp_path):
-    _spawn(tmp_path, "ok")
+@pytest.mark.parametrize("mode", ["ok", "spill"])
+def test_two_gloo_ranks_equal_one_process(tmp_path, mode):
+    _spawn(tmp_path, mode)
     single = select_centroids(iter(_world()), num_classes=3, alpha=0.5, batch_size=3).state_dict()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
@@ -70,6 +72,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     assert all(torch.equal(r0[k], r1[k]) for k in ("centroids", "valid", "num_candidates", "background_mean"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]  # spill folders removed
 
 
 def test_an_error_on_one_rank_reaches_every_rank(tmp_path):

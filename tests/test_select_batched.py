@@ -126,3 +126,45 @@ def test_huge_finite_features_are_not_called_non_finite():
     pairs[2] = (f, pairs[2][1])
     V = select_centroids(pairs, num_classes=6)
     assert bool(V.valid.any())
+
+
+# ----------------------------------------------------------------------------- spilling to disk
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_spilled_candidates_give_the_same_result(tmp_path, seed, batch_size):
+    pairs = _pairs(seed + 40, n=14)
+    ref = select_centroids(pairs, num_classes=6, batch_size=batch_size)
+    # spill_mb=0: every batch's candidates go to disk as soon as they are made
+    got = select_centroids(pairs, num_classes=6, batch_size=batch_size, spill_dir=tmp_path, spill_mb=0)
+    assert_same_result(got, ref, atol=1e-6)
+    assert list(tmp_path.iterdir()) == []  # the temporary folder is gone
+
+
+def test_spill_files_are_plain_npy_and_removed_on_error(tmp_path, monkeypatch):
+    import mars_plugin.selection as sel
+
+    pairs = _pairs(50, n=10)
+    seen = []
+    real_load = np.load
+
+    def spy(path, *a, **kw):
+        assert kw.get("allow_pickle") is False  # never unpickled
+        seen.append(str(path))
+        return real_load(path, *a, **kw)
+
+    monkeypatch.setattr(sel.np, "load", spy)
+    select_centroids(pairs, num_classes=6, batch_size=3, spill_dir=tmp_path, spill_mb=0)
+    assert seen and all(p.endswith(".npy") and str(tmp_path) in p for p in seen)
+    bad = list(pairs)
+    bad[7] = (bad[7][0], torch.full_like(bad[7][1], 9))
+    with pytest.raises(ValueError, match=r"samples\[7\]"):
+        select_centroids(bad, num_classes=6, batch_size=3, spill_dir=tmp_path, spill_mb=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spill_arguments_are_checked(tmp_path):
+    pairs = _pairs(51, n=3)
+    with pytest.raises(ValueError, match="spill_dir"):
+        select_centroids(pairs, num_classes=6, spill_dir=tmp_path / "missing")
+    with pytest.raises(ValueError, match="spill_mb"):
+        select_centroids(pairs, num_classes=6, spill_dir=tmp_path, spill_mb=-1)
