@@ -29,9 +29,11 @@ DEFAULT_CRF_PARAMS: Dict[str, float] = {
 }
 
 
-def check_crf_params(params: Optional[Mapping[str, Any]]) -> Dict[str, float]:
-    """Merge user overrides into the defaults; unknown keys and non-positive values are errors."""
-    out = dict(DEFAULT_CRF_PARAMS)
+def check_crf_params(params: Optional[Mapping[str, Any]], defaults: Mapping[str, float] = DEFAULT_CRF_PARAMS,
+                     integers: Tuple[str, ...] = ("iterations",)) -> Dict[str, float]:
+    """Merge user overrides into ``defaults``; unknown keys, non-positive values and non-integers
+    for the ``integers`` keys are errors."""
+    out = dict(defaults)
     if params is None:
         return out
     if not isinstance(params, Mapping):
@@ -41,8 +43,8 @@ def check_crf_params(params: Optional[Mapping[str, Any]]) -> Dict[str, float]:
             raise ValueError(f"crf_params has the unknown key {key!r}; expected some of {sorted(out)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"crf_params[{key!r}] must be a positive number, got {value!r}")
-        if key == "iterations" and int(value) != value:
-            raise ValueError(f"crf_params['iterations'] must be an integer, got {value!r}")
+        if key in integers and int(value) != value:
+            raise ValueError(f"crf_params[{key!r}] must be an integer, got {value!r}")
         out[key] = value
     return out
 

@@ -215,6 +215,25 @@ def batched_kmeans(
     return KMeansResult(centers, valid, labels, inertia, n_iter)
 
 
+def _freeze(centers, act, ca, done, fz, n_recorded):
+    """Bookkeeping of one Lloyd step shared by both loops.
+
+    Records the centres ``ca`` of the problems that converged in this step (``done`` and not
+    yet frozen ``fz``) into ``centers`` at their rows ``act``: a problem may ride along a few
+    more steps until the next compaction, but its result is never read again. Returns
+    ``(fz, n_recorded, finished, keep)``: ``finished`` when every problem has converged, and
+    ``keep`` (the mask of live problems) when a quarter or more has, so the caller compacts.
+    """
+    newly = done & ~fz
+    fz = fz | done
+    n_frozen = int(fz.sum())
+    if n_frozen > n_recorded:
+        centers[act[newly]] = ca[newly]
+    if n_frozen == fz.numel():
+        return fz, n_frozen, True, None
+    return fz, n_frozen, False, (~fz if n_frozen * 4 >= fz.numel() else None)
+
+
 def _kmeans_padded(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -283,19 +302,11 @@ def _kmeans_padded(
         new_c = torch.where(counts[:, :, None] > 0, sums / counts.clamp_min(1)[:, :, None], ca)
         shift = (new_c - ca).square().sum((1, 2))
         done = (new_labels == la).all(1) | (shift <= tola)
-        newly = done & ~fz
-        fz = fz | done
         ca, la = new_c, new_labels
-        n_frozen = int(fz.sum())
-        if n_frozen > n_recorded:
-            # Record a problem's centres in the iteration it converges; it may ride along a
-            # few more iterations (until the next compaction), but is never read again.
-            centers[act[newly]] = ca[newly]
-        n_recorded = n_frozen
-        if n_frozen == fz.numel():
+        fz, n_recorded, finished, keep = _freeze(centers, act, ca, done, fz, n_recorded)
+        if finished:
             break
-        if n_frozen * 4 >= fz.numel():
-            keep = ~fz
+        if keep is not None:
             act, xa, pad, va = act[keep], xa[keep], pad[keep], va[keep]
             ca, la, tola, fz = ca[keep], la[keep], tola[keep], fz[keep]
             n_recorded = 0
@@ -345,17 +356,11 @@ def _lloyd_two(x, mask, act, centers, valid, tol_b, total, max_iter) -> int:
         done = shift <= tola
         if prev is not None:
             done |= (in1 == prev).all(1)
-        newly = done & ~fz
-        fz = fz | done
         ca, prev = new_c, in1
-        n_frozen = int(fz.sum())
-        if n_frozen > n_recorded:
-            centers[act[newly]] = ca[newly]
-        n_recorded = n_frozen
-        if n_frozen == fz.numel():
+        fz, n_recorded, finished, keep = _freeze(centers, act, ca, done, fz, n_recorded)
+        if finished:
             break
-        if n_frozen * 4 >= fz.numel():
-            keep = ~fz
+        if keep is not None:
             act, xa, ra, va, ta, na = act[keep], xa[keep], ra[keep], va[keep], ta[keep], na[keep]
             ca, prev, tola, fz = ca[keep], prev[keep], tola[keep], fz[keep]
             n_recorded = 0

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import as_tensor, check_finite, describe
-from .crf import DEFAULT_CRF_PARAMS
+from .crf import DEFAULT_CRF_PARAMS, check_crf_params
 
 __all__ = ["LOCAL_CRF_DEFAULTS", "local_crf", "check_local_crf_params"]
 
@@ -35,21 +35,9 @@ LOCAL_CRF_DEFAULTS: Dict[str, float] = dict(DEFAULT_CRF_PARAMS, window=11, scale
 
 def check_local_crf_params(params: Optional[Mapping[str, Any]]) -> Dict[str, float]:
     """Merge user overrides into :data:`LOCAL_CRF_DEFAULTS`; unknown keys and bad values are errors."""
-    out = dict(LOCAL_CRF_DEFAULTS)
-    if params is None:
-        return out
-    if not isinstance(params, Mapping):
-        raise TypeError(f"crf_params must be a dict, got {describe(params)}")
-    for key, value in params.items():
-        if key not in out:
-            raise ValueError(f"crf_params has the unknown key {key!r}; expected some of {sorted(out)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"crf_params[{key!r}] must be a positive number, got {value!r}")
-        if key in ("iterations", "window", "scale") and int(value) != value:
-            raise ValueError(f"crf_params[{key!r}] must be an integer, got {value!r}")
-        if key == "window" and (int(value) < 3 or int(value) % 2 == 0):
-            raise ValueError(f"crf_params['window'] must be an odd integer >= 3, got {value!r}")
-        out[key] = value
+    out = check_crf_params(params, LOCAL_CRF_DEFAULTS, ("iterations", "window", "scale"))
+    if int(out["window"]) < 3 or int(out["window"]) % 2 == 0:
+        raise ValueError(f"crf_params['window'] must be an odd integer >= 3, got {out['window']!r}")
     return out
 
 
