@@ -132,30 +132,29 @@ class GroupCentroids:
         return out
 
 
-def _check_batch_values(features, y_full, x, norms, img, name, max_label) -> None:
-    """Batch-level value checks of :func:`_pixels_by_group`, naming the offending image.
+def _check_label_values(y: torch.Tensor, name, max_label: Optional[int]) -> None:
+    """Batch-level label check: (B, H, W) full-size labels with ignored pixels already set to 0
+    hold no negative id and none above ``max_label``; the error names image i by ``name(i)``."""
+    flat = y.reshape(y.shape[0], -1)
+    lo, hi = flat.min(1).values, flat.max(1).values
+    bad = (lo < 0) | (hi > max_label) if max_label is not None else lo < 0
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        if int(lo[i]) < 0:
+            raise ValueError(f"{name(i)}: pseudo_label holds the negative value {int(lo[i])}; expected class "
+                             "ids >= 0 or ignore_index")
+        raise ValueError(f"{name(i)}: pseudo_label holds class {int(hi[i])} but num_classes={max_label}; "
+                         f"expected ids 0..{max_label} or ignore_index")
 
-    One pass over the batch instead of one per image: a negative label that is not
-    ``ignore_index`` or one above ``max_label`` (checked on the full-size labels, ignored pixels
-    already set to 0), and a NaN/Inf feature (a pixel's norm or sum is non-finite exactly when,
-    barring overflow, one of its values is).
-    """
-    if y_full is not None:
-        flat = y_full.reshape(y_full.shape[0], -1)
-        lo, hi = flat.min(1).values, flat.max(1).values
-        bad = (lo < 0) | (hi > max_label) if max_label is not None else lo < 0
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            if int(lo[i]) < 0:
-                raise ValueError(f"{name(i)}: pseudo_label holds the negative value {int(lo[i])}; expected class "
-                                 "ids >= 0 or ignore_index")
-            raise ValueError(f"{name(i)}: pseudo_label holds class {int(hi[i])} but num_classes={max_label}; "
-                             f"expected ids 0..{max_label} or ignore_index")
-    probe = (norms if norms is not None else x.sum(1)).reshape(-1)
-    bad = ~torch.isfinite(probe)
+
+def _check_feature_values(features, probe: torch.Tensor, img: torch.Tensor, name) -> None:
+    """Batch-level NaN/Inf check through one number per pixel (its norm or its sum), which is
+    non-finite exactly when one of its values is, barring overflow; a flagged image is then
+    checked exactly, so an overflow alone raises nothing."""
+    bad = ~torch.isfinite(probe.reshape(-1))
     if bool(bad.any()):
         for i in torch.unique(img[bad]).tolist():
-            check_finite(features[i], f"{name(i)}: features")  # raises unless it was an overflow
+            check_finite(features[i], f"{name(i)}: features")
 
 
 class _Workspace:
@@ -183,8 +182,8 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     """Every non-ignored pixel of a batch, sorted by (image, class).
 
     Returns ``(x (P + 1, D), order (P',), image, label, start, size)``: the (normalised) pixel
-    embeddings in row-major order per image followed by one zero row, the permutation of the non-ignored pixels that
-    sorts them by group (stable: pixel order within a group is row-major, the order a boolean
+    embeddings in row-major order per image followed by one zero row, the permutation of the
+    non-ignored pixels that sorts them by group (stable: pixel order within a group is row-major, the order a boolean
     mask gives), and each group's image, class, offset in ``order`` and size, as Python lists.
     ``name(i)``, when given, turns on the batch-level value checks and names image i in errors;
     ``max_label`` (C) then bounds the class ids.
@@ -230,11 +229,13 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
                                   torch.tensor(n_pix, device=x.device))
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize else None
     if name is not None:
-        if y_full is None:  # labels of different sizes: check them one by one
+        if y_full is not None:
+            _check_label_values(y_full, name, max_label)
+        else:  # labels of different sizes: one by one
             for i, lab in enumerate(labels):
-                _check_batch_values(features, lab[None].masked_fill(lab[None] == ignore_index, 0),
-                                    x[:0], x.new_zeros(0, 1), img[:0], lambda _, i=i: name(i), max_label)
-        _check_batch_values(features, y_full, x, norms, img, name, max_label)
+                _check_label_values(lab[None].masked_fill(lab[None] == ignore_index, 0), lambda _, i=i: name(i),
+                                    max_label)
+        _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
     if normalize:
         x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
     keep = y != ignore_index

@@ -276,7 +276,7 @@ def _kmeans_padded(
         n_iter = _lloyd_two(x, mask, act, centers, valid, tol_b, mean * n_pts[:, None], max_iter)
         return centers * valid[:, :, None], valid, n_iter
     if act.numel() == B:  # the usual case: no empty problem, no copy of the points
-        xa, pad, va, ca, tola = x, ~mask, valid, centers.clone(), tol_b
+        xa, pad, va, ca, tola = x, ~mask, valid, centers, tol_b
     else:
         xa, pad, va, ca, tola = x[act], ~mask[act], valid[act], centers[act], tol_b[act]
     la = torch.full(pad.shape, -1, dtype=torch.long, device=x.device)
@@ -331,7 +331,7 @@ def _lloyd_two(x, mask, act, centers, valid, tol_b, total, max_iter) -> int:
     n_all = mask.sum(1).to(x.dtype)
     B = x.shape[0]
     if act.numel() == B:
-        xa, ra, va, ca, tola, ta, na = xt, mask, valid, centers.clone(), tol_b, total, n_all
+        xa, ra, va, ca, tola, ta, na = xt, mask, valid, centers, tol_b, total, n_all
     else:
         xa, ra, va, ca, tola = xt[act], mask[act], valid[act], centers[act], tol_b[act]
         ta, na = total[act], n_all[act]
