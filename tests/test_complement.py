@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from _assertions import assert_close
 from mars_plugin import complement_labels
 from mars_plugin.crf import DEFAULT_CRF_PARAMS
 
@@ -15,17 +16,6 @@ SEEDS = [0, 1, 2, 3]
 IGNORE = 255
 TOL = 1e-5
 
-
-def assert_close(a, b, atol=0.0):
-    """Same shape and values within atol (numpy; avoids torch.testing's slow first call)."""
-    a = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-    b = b.detach().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if a.dtype == bool or b.dtype == bool or np.issubdtype(a.dtype, np.integer):
-        assert a.dtype == b.dtype, (a.dtype, b.dtype)
-        np.testing.assert_array_equal(a, b)
-    else:
-        np.testing.assert_allclose(a, b, atol=atol, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------
