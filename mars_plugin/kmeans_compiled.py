@@ -1,0 +1,375 @@
+"""The K-means of every (image, class) group compiled with numba, for the CPU.
+
+On the CPU the batched torch K-means (:mod:`mars_plugin.kmeans`) spends most of its time in
+per-operation overhead and in passes over padded (B, N, D) blocks that do not fit the cache.
+This kernel solves one group at a time per thread instead (groups handed out one by one, as
+their sizes differ tenfold): the group's pixels are gathered once into a (D, n) block that
+stays in the core's cache for the seeding and every Lloyd step, with no padding and no Python
+in the loop; once few points move, the cluster sums are updated by the moved points only.
+
+It is the same algorithm as :func:`mars_plugin.kmeans._kmeans_padded`, step for step: the
+same k-means++ draws (the uniforms of each problem are passed in), the same candidate choice,
+Lloyd updates, empty-cluster rule and stopping rule, in float32 like the torch path. The
+order of the float additions differs, so the two agree to float32 rounding; a point tied
+between two centroids to the last bit may go either way and then move a centroid. On the
+bench_select data that happens to ~0.3% of the groups, as often as between the torch path in
+float32 and in float64.
+
+numba is optional (``pip install 'mars-plugin[fast]'``): :func:`available` says whether it can
+be used, and callers fall back to the torch path when it cannot.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import numpy as np
+
+try:  # numba is an optional extra; the torch path is used without it
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - exercised on machines without numba
+    numba = None
+
+__all__ = ["available", "kmeans_groups"]
+
+
+def available() -> bool:
+    """True when numba is installed and ``MARS_NO_NUMBA`` is not set (a switch for comparisons)."""
+    return numba is not None and not os.environ.get("MARS_NO_NUMBA")
+
+
+if numba is not None:
+    # Reassociation lets LLVM vectorise the reductions over pixels; no-NaN/no-Inf flags stay off
+    # because an invalid centroid is kept out of the assignment by an infinite bias.
+    _FM = {"reassoc", "contract", "nsz"}
+
+    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    def _sample(weights, n, u):
+        """Inverse-CDF draw as ``kmeans._sample``: the first i with cumsum(w)[i] > u * total
+        (float64 running sum), clamped to n - 1; a draw on a zero weight falls back to the last
+        positive weight."""
+        total = 0.0
+        for i in range(n):
+            total += np.float64(weights[i])
+        target = u * total
+        cum = 0.0
+        idx = n - 1
+        for i in range(n):
+            cum += np.float64(weights[i])
+            if cum > target:
+                idx = i
+                break
+        if weights[idx] > 0:
+            return idx
+        for i in range(n - 1, -1, -1):
+            if weights[i] > 0:
+                return i
+        return idx
+
+    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    def _sq_dist_to(xt, n, col, out):
+        """out[i] = |x_i - x_col|^2 from the differences (identical points give exactly 0)."""
+        D = xt.shape[0]
+        for i in range(n):
+            out[i] = 0.0
+        for d in range(D):
+            c = xt[d, col]
+            for i in range(n):
+                diff = xt[d, i] - c
+                out[i] += diff * diff
+
+    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    def _seed(xt, n, k, u, trials, centers, valid, closest, cand_d, best_d):
+        """Greedy k-means++ (``kmeans._kmeanspp``) of one problem, into centers (k, D) / valid (k,)."""
+        D = xt.shape[0]
+        for i in range(n):  # the first draw has unit weights
+            closest[i] = 1.0
+        first = _sample(closest, n, u[0, 0])
+        for d in range(D):
+            centers[0, d] = xt[d, first]
+        valid[0] = True
+        _sq_dist_to(xt, n, first, closest)
+        for j in range(1, k):
+            total = 0.0
+            for i in range(n):
+                total += closest[i]
+            if not total > 0:
+                break  # every remaining point coincides with a chosen centroid
+            best_pot = np.inf
+            best = -1
+            for t in range(trials):
+                c = _sample(closest, n, u[j, t])
+                _sq_dist_to(xt, n, c, cand_d)
+                pot = np.float32(0.0)
+                for i in range(n):
+                    pot += min(closest[i], cand_d[i])
+                if pot < best_pot:  # strict: the first candidate wins ties, as argmin
+                    best_pot = pot
+                    best = c
+                    for i in range(n):
+                        best_d[i] = cand_d[i]
+            for d in range(D):
+                centers[j, d] = xt[d, best]
+            valid[j] = True
+            for i in range(n):
+                closest[i] = min(closest[i], best_d[i])
+
+    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    def _project(xt, n, w, out):
+        """out[i] = x_i . w for the (D, n) block, four dimensions per pass over ``out``."""
+        D = xt.shape[0]
+        for i in range(n):
+            out[i] = 0.0
+        d = 0
+        while d + 4 <= D:
+            r0, r1, r2, r3 = xt[d], xt[d + 1], xt[d + 2], xt[d + 3]
+            w0, w1, w2, w3 = w[d], w[d + 1], w[d + 2], w[d + 3]
+            for i in range(n):
+                out[i] += r0[i] * w0 + r1[i] * w1 + r2[i] * w2 + r3[i] * w3
+            d += 4
+        while d < D:
+            row = xt[d]
+            wd = w[d]
+            for i in range(n):
+                out[i] += row[i] * wd
+            d += 1
+
+    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    def _lloyd(xt, n, k, centers, valid, max_iter, tol, labels, prev, score, member, sums, counts, new_c):
+        """Lloyd iterations of one problem in place on centers (k, D); returns the iterations run.
+
+        Stopping rule of ``kmeans._kmeans_padded``: the total squared centroid shift is at most
+        ``tol * mean per-dimension variance``, or no label changed (from the second step on).
+        Cluster sums are float32 reductions over all points, as the torch path's matrix
+        products, while many points move; once fewer than n / 8 move in a step, the float64
+        sums are updated by the moved points only (the same sums, to rounding).
+        """
+        D = xt.shape[0]
+        # scikit-learn's tolerance scale: mean over dimensions of the points' variance. The
+        # per-dimension totals also give cluster 0's sum when K = 2 (total minus cluster 1).
+        total = np.empty(D, dtype=np.float32)
+        var = 0.0
+        for d in range(D):
+            row = xt[d]
+            s = np.float32(0.0)
+            s2 = np.float32(0.0)
+            for i in range(n):
+                s += row[i]
+                s2 += row[i] * row[i]
+            total[d] = s
+            m = np.float64(s) / n
+            var += np.float64(s2) / n - m * m
+        tol_b = tol * max(var / D, 0.0)
+        w = np.empty(D, dtype=np.float32)
+        c2 = np.empty(k, dtype=np.float32)
+        it = 0
+        for it in range(1, max_iter + 1):
+            # Assignment: argmin_c |c|^2 - 2 x.c (the |x|^2 term is common), first c on ties.
+            # K = 2 uses the sign of one product, as the torch two-centroid loop does.
+            for c in range(k):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += centers[c, d] * centers[c, d]
+                c2[c] = acc if valid[c] else np.float32(np.inf)
+            if k == 2:
+                bias = c2[1] - c2[0] if valid[1] else np.float32(np.inf)
+                for d in range(D):
+                    w[d] = centers[1, d] - centers[0, d]
+                sc = score[0]
+                _project(xt, n, w, sc)
+                for i in range(n):
+                    labels[i] = 1 if bias - np.float32(2.0) * sc[i] < 0 else 0
+            else:
+                for c in range(k):
+                    if valid[c]:
+                        for d in range(D):
+                            w[d] = centers[c, d]
+                        _project(xt, n, w, score[c])
+                for i in range(n):
+                    lab = 0
+                    low = np.float32(np.inf)
+                    for c in range(k):
+                        v = c2[c] - np.float32(2.0) * score[c, i]
+                        if v < low:
+                            low = v
+                            lab = c
+                    labels[i] = lab
+            moved = n
+            if it > 1:
+                moved = 0
+                for i in range(n):
+                    moved += labels[i] != prev[i]
+            if moved * 8 > n:
+                # Update from scratch: masked reductions over all points (a scatter-add by
+                # label would serialise on the accumulators).
+                for c in range(k):
+                    counts[c] = 0
+                for i in range(n):
+                    counts[labels[i]] += 1
+                for c in range(1 if k == 2 else 0, k):
+                    mc = member[c]
+                    for i in range(n):
+                        mc[i] = 1.0 if labels[i] == c else 0.0
+                    for d in range(D):
+                        row = xt[d]
+                        acc = np.float32(0.0)
+                        for i in range(n):
+                            acc += row[i] * mc[i]
+                        sums[c, d] = acc
+            else:  # few points moved: move their coordinates between the sums
+                for i in range(n):
+                    a, b = prev[i], labels[i]
+                    if a != b:
+                        counts[a] -= 1
+                        counts[b] += 1
+                        for d in range(D):
+                            v = np.float64(xt[d, i])
+                            sums[a, d] -= v
+                            sums[b, d] += v
+            if k == 2:
+                for d in range(D):
+                    sums[0, d] = np.float64(total[d]) - sums[1, d]
+            # New centres; an emptied cluster keeps its previous centre.
+            shift = 0.0
+            for c in range(k):
+                for d in range(D):
+                    v = centers[c, d]
+                    if counts[c] > 0:
+                        v = np.float32(sums[c, d] / counts[c])
+                    new_c[c, d] = v
+                    diff = np.float64(v) - np.float64(centers[c, d])
+                    shift += diff * diff
+            for c in range(k):
+                for d in range(D):
+                    centers[c, d] = new_c[c, d]
+            for i in range(n):
+                prev[i] = labels[i]
+            if shift <= tol_b or moved == 0:
+                break
+        return it
+
+    @njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
+    def _kmeans_groups(x, normalize, order, starts, sizes, ks, u, trials, max_iter, tol, out_c, out_valid,
+                       out_iter, out_bad):
+        G = sizes.shape[0]
+        D = x.shape[0]
+        kmax = out_c.shape[1]
+        for g in prange(G):
+            n = sizes[g]
+            k = ks[g]
+            # The group's points as a (D, n) block that stays in this core's cache for the
+            # seeding and every Lloyd step: gathered once.
+            cols = order[starts[g] : starts[g] + n]
+            xt = np.empty((D, n), dtype=np.float32)
+            sq = np.zeros(n, dtype=np.float32)
+            for d in range(D):
+                src = x[d]
+                dst = xt[d]
+                for i in range(n):
+                    v = src[cols[i]]
+                    dst[i] = v
+                    sq[i] += v * v
+            # A NaN/Inf value makes its pixel's squared norm non-finite: flag the group, the
+            # caller names the image.
+            bad = False
+            for i in range(n):
+                if not np.isfinite(sq[i]):
+                    bad = True
+            out_bad[g] = bad
+            if normalize:  # F.normalize's rule, x / max(|x|, 1e-12)
+                for i in range(n):
+                    sq[i] = max(np.sqrt(sq[i]), np.float32(1e-12))
+                for d in range(D):
+                    row = xt[d]
+                    for i in range(n):
+                        row[i] = row[i] / sq[i]
+            closest = np.empty(n, dtype=np.float32)
+            cand_d = np.empty(n, dtype=np.float32)
+            best_d = np.empty(n, dtype=np.float32)
+            centers = np.zeros((kmax, D), dtype=np.float32)
+            valid = np.zeros(kmax, dtype=np.bool_)
+            _seed(xt, n, k, u[g], trials[g], centers, valid, closest, cand_d, best_d)
+            labels = np.empty(n, dtype=np.int64)
+            prev = np.empty(n, dtype=np.int64)
+            score = np.empty((kmax, n), dtype=np.float32)
+            member = np.zeros((kmax, n), dtype=np.float32)
+            sums = np.zeros((kmax, D), dtype=np.float64)
+            counts = np.empty(kmax, dtype=np.int64)
+            new_c = np.empty((kmax, D), dtype=np.float32)
+            out_iter[g] = _lloyd(xt, n, k, centers, valid, max_iter, tol, labels, prev, score, member, sums, counts, new_c)
+            for c in range(kmax):
+                out_valid[g, c] = valid[c]
+                for d in range(D):
+                    out_c[g, c, d] = centers[c, d] if valid[c] else 0.0
+
+
+class _threads:
+    """Run a block with numba's thread count set to ``n`` (None: leave it), then restore it."""
+
+    def __init__(self, n: Optional[int]) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.previous = numba.get_num_threads()
+        if self.n is not None:
+            numba.set_num_threads(max(1, min(int(self.n), numba.config.NUMBA_NUM_THREADS)))
+        # Groups differ in size by 10x or more: hand them out one at a time, not in equal
+        # contiguous blocks per thread.
+        self.chunk = numba.set_parallel_chunksize(1)
+
+    def __exit__(self, *exc) -> None:
+        numba.set_parallel_chunksize(self.chunk)
+        numba.set_num_threads(self.previous)
+
+
+def kmeans_groups(
+    x: np.ndarray,
+    order: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    ks: np.ndarray,
+    uniforms: np.ndarray,
+    trials: np.ndarray,
+    *,
+    normalize: bool,
+    max_iter: int,
+    tol: float,
+    num_threads: Optional[int] = None,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """K-means of G groups of columns of ``x``, one group per thread at a time.
+
+    Shapes:
+        x: (D, P) float32 points, one column per pixel (C-contiguous).
+        order: (M,) int64 column indices; group g is ``x[:, order[starts[g] : starts[g] + sizes[g]]]``.
+        starts, sizes, ks, trials: (G,) int64; sizes >= 1, ks >= 1.
+        uniforms: (G, Kmax, Tmax) float64 k-means++ draws of each problem (see ``kmeans._uniforms``).
+
+    Args:
+        normalize: divide each gathered pixel by max(its L2 norm, 1e-12) first.
+        max_iter, tol: Lloyd controls, as :func:`mars_plugin.kmeans.batched_kmeans`.
+        num_threads: threads for this call (default: numba's current setting).
+
+    Returns:
+        ``(centroids (G, Kmax, D) float32, valid (G, Kmax) bool, n_iter (G,) int64,
+        non_finite (G,) bool)``; invalid centroid rows are zeros, and ``non_finite`` flags the
+        groups holding a NaN or Inf value (their centroids are meaningless).
+    """
+    if not available():
+        raise RuntimeError("kmeans_groups needs numba: pip install 'mars-plugin[fast]'")
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"x must be a (D, P) float32 array, got {x.dtype} {x.shape}")
+    G = int(sizes.shape[0])
+    kmax = int(uniforms.shape[1]) if G else 1
+    D = int(x.shape[0])
+    out_c = np.zeros((G, kmax, D), dtype=np.float32)
+    out_valid = np.zeros((G, kmax), dtype=np.bool_)
+    out_iter = np.zeros(G, dtype=np.int64)
+    out_bad = np.zeros(G, dtype=np.bool_)
+    if G == 0:
+        return out_c, out_valid, out_iter, out_bad
+    with _threads(num_threads):
+        _kmeans_groups(np.ascontiguousarray(x), bool(normalize), order.astype(np.int64), starts.astype(np.int64),
+                       sizes.astype(np.int64), ks.astype(np.int64), np.ascontiguousarray(uniforms, dtype=np.float64),
+                       trials.astype(np.int64), int(max_iter), float(tol), out_c, out_valid, out_iter, out_bad)
+    return out_c, out_valid, out_iter, out_bad
