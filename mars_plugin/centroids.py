@@ -7,6 +7,7 @@ K_bg for the background. All groups of all images in a call are solved in one ba
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -14,9 +15,25 @@ import numpy as np
 import torch
 
 from ._checks import check_finite, check_float_tensor, check_int_param, check_label_tensor, describe
-from .kmeans import _kmeans_padded, batched_kmeans
+from . import kmeans_compiled
+from .kmeans import _kmeans_padded, _uniforms, batched_kmeans
 
-__all__ = ["GroupCentroids", "ImageCentroids", "image_centroids", "resize_label", "problem_seed"]
+__all__ = ["BACKENDS", "GroupCentroids", "ImageCentroids", "check_backend", "image_centroids", "resize_label",
+           "problem_seed"]
+
+#: K-means implementations: "compiled" (numba kernel, CPU), "torch" (batched torch, any
+#: device), "auto" (compiled on the CPU when numba is installed, else torch).
+BACKENDS = ("auto", "compiled", "torch")
+
+
+def check_backend(backend: str) -> Optional[str]:
+    """Validate a ``backend`` argument; returns None for "auto" (decided per batch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "compiled" and not kmeans_compiled.available():
+        raise ValueError("backend='compiled' needs numba (pip install 'mars-plugin[fast]'); "
+                         "it is not installed, or MARS_NO_NUMBA is set")
+    return None if backend == "auto" else backend
 
 
 @dataclass
@@ -178,29 +195,40 @@ class _Workspace:
 
 def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, ignore_index: int,
                      normalize: bool, device: Optional[torch.device], name=None, max_label: Optional[int] = None,
-                     workspace: Optional[_Workspace] = None):
+                     workspace: Optional[_Workspace] = None, columns: bool = False):
     """Every non-ignored pixel of a batch, sorted by (image, class).
 
-    Returns ``(x (P + 1, D), order (P',), image, label, start, size)``: the (normalised) pixel
-    embeddings in row-major order per image followed by one zero row, the permutation of the
-    non-ignored pixels that sorts them by group (stable: pixel order within a group is row-major, the order a boolean
-    mask gives), and each group's image, class, offset in ``order`` and size, as Python lists.
+    Returns ``(x, order (P',), ignored (P - P',), image, label, start, size)``.
+    By default ``x`` is (P + 1, D): the (normalised) pixel embeddings in row-major order per
+    image followed by one zero row. With ``columns=True`` (for the compiled kernel, CPU only)
+    ``x`` is None and the features are neither copied, normalised nor checked: the caller does
+    all three, a few images at a time.
+    ``order`` is the permutation of the non-ignored pixels that sorts them by group (stable:
+    pixel order within a group is row-major, the order a boolean mask gives), ``ignored`` the
+    ignored pixels in increasing order; then come each group's image, class, offset in
+    ``order`` and size, as Python lists.
     ``name(i)``, when given, turns on the batch-level value checks and names image i in errors;
     ``max_label`` (C) then bounds the class ids.
     """
     dim = int(features[0].shape[0])
     dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
-    # K-means sums in half precision would lose the centroids' digits: work in float32.
-    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    dev = torch.device(device) if device is not None else features[0].device
+    # K-means sums in half precision would lose the centroids' digits: work in float32 (the
+    # compiled kernel always does).
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) or columns else dtype
+    dev = torch.device("cpu") if columns else (torch.device(device) if device is not None else features[0].device)
     ws = workspace if workspace is not None else _Workspace()
     y_full = None
-    if all(tuple(f.shape) == tuple(features[0].shape) for f in features):
+    uniform = all(tuple(f.shape) == tuple(features[0].shape) for f in features)
+    n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
+    if columns:
+        # The compiled path copies the features itself, a few images at a time (see
+        # _cluster_groups): only the labels are sorted here.
+        x3 = x = None
+    elif uniform:
         # The common case (one feature grid for the dataset): every image is transposed to
         # (pixels, D) and converted in one copy into a reused buffer. Fresh tensors of tens of
         # MB cost more in page faults than the copy itself on the CPU.
-        grid = tuple(features[0].shape[-2:])
-        B, P = len(features), grid[0] * grid[1]
+        B, P = len(features), n_pix[0]
         x3 = ws.get("x", (B * P + 1, dim), work, dev)
         x3[-1].zero_()  # a zero row: padded points of the K-means problems read it
         if dev.type == "cpu":
@@ -210,24 +238,20 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
             f = torch.stack([t.to(dtype) for t in features]).to(dev, non_blocking=True)
             x3[:-1].view(B, P, dim).copy_(f.view(B, dim, P).transpose(1, 2))
         x = x3[:-1]
-        if len({tuple(y.shape) for y in labels}) == 1:
-            y_stack = torch.stack(list(labels)).to(dev)
-            if name is not None:
-                y_full = y_stack.masked_fill(y_stack == ignore_index, 0)
-            y = resize_label(y_stack, grid).reshape(-1)
-        else:
-            y = torch.cat([resize_label(lab.to(dev), grid).reshape(-1) for lab in labels])
-        n_pix = [P] * B
     else:
         x3 = torch.cat([f.to(device=dev, dtype=work).reshape(dim, -1).T for f in features] +
                        [torch.zeros(1, dim, dtype=work, device=dev)])
         x = x3[:-1]
+    if uniform and len({tuple(y.shape) for y in labels}) == 1:
+        y_stack = torch.stack(list(labels)).to(dev)
+        if name is not None:
+            y_full = y_stack.masked_fill(y_stack == ignore_index, 0)
+        y = resize_label(y_stack, tuple(features[0].shape[-2:])).reshape(-1)
+    else:
         y = torch.cat([resize_label(lab.to(dev), tuple(f.shape[-2:])).reshape(-1)
                        for f, lab in zip(features, labels)])
-        n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
-    img = torch.repeat_interleave(torch.arange(len(n_pix), device=x.device),
-                                  torch.tensor(n_pix, device=x.device))
-    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize else None
+    img = torch.repeat_interleave(torch.arange(len(n_pix), device=dev), torch.tensor(n_pix, device=dev))
+    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize and not columns else None
     if name is not None:
         if y_full is not None:
             _check_label_values(y_full, name, max_label)
@@ -235,8 +259,9 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
             for i, lab in enumerate(labels):
                 _check_label_values(lab[None].masked_fill(lab[None] == ignore_index, 0), lambda _, i=i: name(i),
                                     max_label)
-        _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
-    if normalize:
+        if not columns:  # the kernel checks the pixels it clusters; see _cluster_groups
+            _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
+    if norms is not None:
         x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
     keep = y != ignore_index
     n_labels = int(y.masked_fill(~keep, 0).max()) + 1 if y.numel() else 1
@@ -247,7 +272,8 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     groups, sizes = torch.unique_consecutive(sorted_key[:n_keep], return_counts=True)
     groups, sizes = groups.tolist(), sizes.tolist()
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
-    return (x3, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts, sizes)
+    return (x3, order[:n_keep], order[n_keep:], [g // n_labels for g in groups],
+            [g % n_labels for g in groups], starts, sizes)
 
 
 def _cluster_groups(
@@ -267,6 +293,7 @@ def _cluster_groups(
     max_label: Optional[int] = None,
     bucket_ratio: Optional[float] = None,
     workspace: Optional[_Workspace] = None,
+    backend: Optional[str] = None,
 ) -> GroupCentroids:
     """Cluster every class of every (features (D,h,w), label (H,W)) pair in batched K-means.
 
@@ -277,18 +304,41 @@ def _cluster_groups(
     ``bucket_ratio`` (default: 2 on the CPU, one bucket on a GPU) bounds the ratio of the largest
     to the smallest group padded together; it changes the speed, never the result.
     ``workspace`` keeps scratch buffers from one call to the next (see :class:`_Workspace`).
+    ``backend``: "compiled" (the numba kernel of :mod:`mars_plugin.kmeans_compiled`, CPU,
+    float32), "torch" (batched torch K-means, any device), or None: compiled when numba is
+    installed, the K-means runs on the CPU, n_init == 1 and no feature is float64 (those keep
+    the torch path, which runs n_init seedings and float64 arithmetic).
     """
     dims = sorted({int(f.shape[0]) for f in features})
     if len(dims) > 1:
         raise ValueError(f"all features in one call must share the embedding size D, got D in {dims}")
     ws = workspace if workspace is not None else _Workspace()
-    x, order, g_img, g_lab, g_start, g_size = _pixels_by_group(
+    if backend is None:
+        on_cpu = (torch.device(device) if device is not None else features[0].device).type == "cpu"
+        backend = "compiled" if (on_cpu and n_init == 1 and kmeans_compiled.available()
+                                 and all(f.dtype != torch.float64 for f in features)) else "torch"
+    if backend not in ("compiled", "torch"):
+        raise ValueError(f"backend must be 'compiled', 'torch' or None, got {backend!r}")
+    columns = backend == "compiled"
+    if columns:
+        if n_init != 1:
+            raise ValueError(f"backend='compiled' runs one seeding per problem, got n_init={n_init}; "
+                             "use backend='torch' or 'auto' for n_init > 1")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"backend='compiled' runs on the CPU, got device={device!r}; use 'torch' or 'auto'")
+    x, order, ignored, g_img, g_lab, g_start, g_size = _pixels_by_group(
         features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
-        max_label=max_label, workspace=ws)
-    zero_row = x.shape[0] - 1
+        max_label=max_label, workspace=ws, columns=columns)
     G, D = len(g_size), dims[0]
     ks = [k_bg if c == 0 else k_fg for c in g_lab]
     kmax = max(ks, default=1)
+    img_t, lab_t = torch.tensor(g_img, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long)
+    if columns:
+        cents, count = _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, ks,
+                                         seed=seed, normalize=normalize, max_iter=max_iter, tol=tol, name=name,
+                                         workspace=ws)
+        return GroupCentroids(img_t, lab_t, cents, count, len(features))
+    zero_row = x.shape[0] - 1
     cents = x.new_zeros(G, kmax, D)
     count = torch.zeros(G, dtype=torch.long)
     # Problems are padded to the largest of their call: bucket them by size (each bucket's
@@ -323,8 +373,70 @@ def _cluster_groups(
         # k-means++ fills the valid centroids first, so each group's centroids are a prefix.
         cents[idx.to(x.device), : c.shape[1]] = c
         count[idx] = v.sum(1).cpu()
-    return GroupCentroids(torch.tensor(g_img, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long),
-                          cents, count, len(features))
+    return GroupCentroids(img_t, lab_t, cents, count, len(features))
+
+
+# Bytes of float32 features copied and clustered per kernel call: small enough that the copy
+# is still in the cache when the kernel gathers it (the gather from main memory, not the
+# arithmetic, dominated the kernel on a 2-core machine).
+_COMPILED_CHUNK_BYTES = 8 << 20
+
+
+def _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, ks, *, seed, normalize,
+                      max_iter, tol, name, workspace):
+    """The groups of :func:`_cluster_groups` through the compiled kernel, a few images at a time.
+
+    Returns ``(centroids (G, Kmax, D) float32, count (G,) long)``. Each chunk of images is
+    copied (widened to float32) into one reused (D, pixels) buffer and its groups clustered
+    right away. With ``name``, NaN/Inf values raise: the kernel flags the groups holding one,
+    the ignored pixels are checked here, and ``check_finite`` names the image.
+    """
+    D = int(features[0].shape[0])
+    G = len(g_size)
+    kmax = max(ks, default=1)
+    n_pix = np.array([int(f.shape[-1] * f.shape[-2]) for f in features], dtype=np.int64)
+    offs = np.concatenate([[0], np.cumsum(n_pix)])
+    g_img_a = np.asarray(g_img, dtype=np.int64)
+    g_start_a = np.asarray(g_start, dtype=np.int64)
+    g_size_a = np.asarray(g_size, dtype=np.int64)
+    ks_a = np.asarray(ks, dtype=np.int64)
+    trials = np.array([2 + int(math.log(k)) for k in ks], dtype=np.int64)
+    u = (_uniforms([problem_seed(seed, c) for c in g_lab], ks, trials.tolist(), torch.device("cpu")).numpy()
+         if G else np.zeros((0, kmax, 1)))
+    order_a = order.numpy()
+    ignored_a = ignored.numpy()
+    cents = np.zeros((G, kmax, D), dtype=np.float32)
+    valid = np.zeros((G, kmax), dtype=bool)
+    flagged = set()
+    per_chunk = max(1, _COMPILED_CHUNK_BYTES // max(1, int(n_pix.max()) * D * 4))
+    threads = torch.get_num_threads()
+    for lo in range(0, len(features), per_chunk):
+        hi = min(len(features), lo + per_chunk)
+        base, width = int(offs[lo]), int(offs[hi] - offs[lo])
+        buf = workspace.get("xc", (D, width), torch.float32, torch.device("cpu"))
+        for b in range(lo, hi):
+            buf[:, offs[b] - base : offs[b + 1] - base].copy_(features[b].reshape(D, -1))
+        g0, g1 = np.searchsorted(g_img_a, [lo, hi])
+        if g1 > g0:
+            s0 = int(g_start_a[g0])
+            s1 = int(g_start_a[g1 - 1] + g_size_a[g1 - 1])
+            c, v, _, bad = kmeans_compiled.kmeans_groups(
+                buf.numpy(), order_a[s0:s1] - base, g_start_a[g0:g1] - s0, g_size_a[g0:g1], ks_a[g0:g1], u[g0:g1],
+                trials[g0:g1], normalize=normalize, max_iter=max_iter, tol=tol, num_threads=threads)
+            cents[g0:g1], valid[g0:g1] = c, v
+            flagged.update(g_img_a[g0:g1][bad].tolist())
+        if name is not None and ignored_a.size:
+            # Ignored pixels are clustered by nobody, but the rule is the torch path's: every
+            # value of every image must be finite.
+            i0, i1 = np.searchsorted(ignored_a, [base, base + width])
+            cols = ignored_a[i0:i1] - base
+            if cols.size:
+                finite = np.isfinite(buf.numpy()[:, cols]).all(0)
+                flagged.update((np.searchsorted(offs, cols[~finite] + base, side="right") - 1).tolist())
+    if name is not None:
+        for i in sorted(flagged):
+            check_finite(features[i], f"{name(i)}: features")
+    return torch.from_numpy(cents), torch.from_numpy(valid.sum(1)).long()
 
 
 def _cluster_images(images: Sequence[Tuple[torch.Tensor, torch.Tensor]], **kw) -> List[ImageCentroids]:
@@ -344,6 +456,7 @@ def image_centroids(
     max_iter: int = 100,
     tol: float = 1e-4,
     n_init: int = 1,
+    backend: str = "auto",
 ) -> Union[ImageCentroids, List[ImageCentroids]]:
     """K-means centroids of every class region of one image or a batch (Sec. 3.2).
 
@@ -362,6 +475,13 @@ def image_centroids(
         seed: seed of the k-means++ draws; the same seed gives the same result, whether an image
             is passed alone or inside a batch.
         max_iter, tol, n_init: K-means controls (see :func:`mars_plugin.kmeans.batched_kmeans`).
+        backend: "compiled" runs each K-means problem in the numba kernel of
+            :mod:`mars_plugin.kmeans_compiled` (CPU, float32, one seeding: the fast path on a
+            CPU); "torch" runs them batched in torch on the features' device; "auto" picks
+            compiled when numba is installed, the features are on the CPU, n_init == 1 and not
+            float64, else torch. Both are the same algorithm with the same random draws; they
+            agree to float32 rounding (a point tied between two centroids to the last bit may
+            go either way, which can move a centroid: see the README).
 
     Returns:
         :class:`ImageCentroids` for a single image, a list of them for a batch. A class with
@@ -374,6 +494,6 @@ def image_centroids(
     out = _cluster_images(
         [(f[b], y[b]) for b in range(f.shape[0])],
         k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index, normalize=normalize,
-        seed=seed, max_iter=max_iter, tol=tol, n_init=n_init,
+        seed=seed, max_iter=max_iter, tol=tol, n_init=n_init, backend=check_backend(backend),
     )
     return out[0] if single else out

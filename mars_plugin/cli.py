@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--spill-dir", default=None,
                    help="existing folder: candidate centroids beyond --spill-mb go to a temporary folder in it")
     c.add_argument("--spill-mb", type=float, default=1024, help="MB of candidate centroids held in memory")
+    c.add_argument("--backend", choices=["auto", "compiled", "torch"], default="auto",
+                   help="K-means implementation: compiled (numba, CPU), torch (any device), or auto "
+                        "(compiled on the CPU when numba is installed)")
     _add_wsss(c)
     _add_common(c)
 
@@ -177,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
                 ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
-                device=args.device, spill_dir=args.spill_dir, spill_mb=args.spill_mb,
+                device=args.device, spill_dir=args.spill_dir, spill_mb=args.spill_mb, backend=args.backend,
             )
             print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):

@@ -233,11 +233,12 @@ def centroids_job(
     device: str = "cpu",
     spill_dir: Optional[os.PathLike] = None,
     spill_mb: float = 1024,
+    backend: str = "auto",
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
     and save the result to ``out`` (a ``.pt`` file, written atomically). ``device`` runs the
-    K-means (``"auto"``: this rank's GPU when CUDA is available, else the CPU); ``spill_dir``
-    and ``spill_mb`` are passed to :func:`select_centroids`.
+    K-means (``"auto"``: this rank's GPU when CUDA is available, else the CPU); ``spill_dir``,
+    ``spill_mb`` and ``backend`` are passed to :func:`select_centroids`.
 
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
@@ -254,6 +255,7 @@ def centroids_job(
     V = select_centroids(
         samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
         ignore_index=ignore_index, device=resolve_device(device), spill_dir=spill_dir, spill_mb=spill_mb,
+        backend=backend,
     ).to("cpu")
     if rank == 0:
         V.save(out)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_float_tensor, check_fraction, check_int_param, check_label_tensor, describe
-from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace
+from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend
 from .files import atomic_write
 
 __all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected", "shard_indices"]
@@ -390,6 +390,7 @@ def select_centroids(
     device: Optional[Union[str, torch.device]] = None,
     spill_dir: Optional[Union[str, os.PathLike]] = None,
     spill_mb: float = 1024,
+    backend: str = "auto",
 ) -> DebiasedCentroids:
     """Debiased centroid of every class from a stream of images (Eq. 1-3).
 
@@ -418,6 +419,8 @@ def select_centroids(
             held in memory are written to a temporary folder inside it (plain ``.npy``, read
             back without unpickling, removed at the end). Use it when the candidates of a data
             set do not fit in memory (Open Images: ~4 per image x D floats).
+        backend: K-means implementation, see :func:`image_centroids` ("auto": the compiled
+            kernel on the CPU when numba is installed, batched torch otherwise).
 
     Returns:
         :class:`DebiasedCentroids`.
@@ -436,7 +439,7 @@ def select_centroids(
 
     kw = dict(k_fg=check_int_param(k_fg, "k_fg", 1), k_bg=check_int_param(k_bg, "k_bg", 1),
               ignore_index=ignore_index, normalize=normalize, seed=seed, max_iter=max_iter, tol=tol,
-              n_init=n_init)
+              n_init=n_init, backend=check_backend(backend))
     if device is not None:
         device = torch.device(device)
     rank, world = _dist_info(process_group)

@@ -73,6 +73,26 @@ def test_centroids_device_and_spill_options(world_dir, tmp_path, capsys):
         assert "CUDA is not available" in capsys.readouterr().err
 
 
+def test_centroids_backend_option(world_dir, tmp_path, capsys, monkeypatch):
+    root, _ = world_dir
+    assert _centroids(root, tmp_path / "torch.pt", ["--backend", "torch"]) == 0
+    ref = DebiasedCentroids.load(tmp_path / "torch.pt")
+    monkeypatch.setenv("MARS_NO_NUMBA", "1")
+    capsys.readouterr()
+    # without numba, asking for the compiled kernel is an error, and auto falls back to torch
+    assert _centroids(root, tmp_path / "none.pt", ["--backend", "compiled"]) == 2
+    assert "backend='compiled' needs numba" in capsys.readouterr().err
+    assert not (tmp_path / "none.pt").exists()
+    assert _centroids(root, tmp_path / "auto.pt") == 0
+    assert torch.equal(DebiasedCentroids.load(tmp_path / "auto.pt").centroids, ref.centroids)
+    monkeypatch.delenv("MARS_NO_NUMBA")
+    pytest.importorskip("numba")
+    assert _centroids(root, tmp_path / "compiled.pt", ["--backend", "compiled"]) == 0
+    got = DebiasedCentroids.load(tmp_path / "compiled.pt")
+    assert torch.equal(got.valid, ref.valid) and torch.equal(got.num_candidates, ref.num_candidates)
+    torch.testing.assert_close(got.centroids, ref.centroids, atol=1e-5, rtol=0)
+
+
 def test_debias_writes_voc_pngs_equal_to_the_library_and_resumes(world_dir, tmp_path):
     root, world = world_dir
     _centroids(root, tmp_path / "V.pt")
