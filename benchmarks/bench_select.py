@@ -8,11 +8,13 @@ method, each in its own process: wall time of the whole selection including read
 peak RSS, and the cosine between the two selected centroids of every class. ``read s`` is the
 time to read the stream alone, the floor both methods share. Imports, and for CUDA the context
 start-up and a 16-image warm-up, happen before the clock starts: a fixed cost per process,
-printed apart as ``(+ start-up)``. Prints a table; never a test.
+printed apart as ``(+ start-up)``; so does loading (or, the first time, compiling) the numba
+kernel of the compiled CPU backend. Prints a table; never a test.
 
     python benchmarks/bench_select.py                      # N = 500, 2000, 10000; D = 70, 384
     python benchmarks/bench_select.py --sizes 500 --dims 70 --baseline-max 500
     python benchmarks/bench_select.py --devices cpu,cuda   # ours on both (baseline: CPU)
+    python benchmarks/bench_select.py --backends compiled,torch   # both CPU K-means backends
 """
 from __future__ import annotations
 
@@ -111,7 +113,8 @@ def read_stream(path_f: str, path_y: str, n: int, dim: int):
             yield f, y
 
 
-def run_one(method: str, n: int, dim: int, cache: tuple, out: str, batch_size: int, device: str) -> None:
+def run_one(method: str, n: int, dim: int, cache: tuple, out: str, batch_size: int, device: str,
+            backend: str = "auto") -> None:
     """Run one method in this process and write its timing, RSS and centroids to ``out``."""
     path_f, path_y = cache
     # Imports and, for CUDA, the context and library start-up happen before the clock starts:
@@ -123,11 +126,11 @@ def run_one(method: str, n: int, dim: int, cache: tuple, out: str, batch_size: i
         def ours(m):
             return select_centroids(
                 ((torch.from_numpy(f), torch.from_numpy(y)) for f, y in read_stream(path_f, path_y, m, dim)),
-                NUM_CLASSES, batch_size=batch_size, device=device,
+                NUM_CLASSES, batch_size=batch_size, device=device, backend=backend,
             )
 
+        ours(min(n, 16))  # warm-up: CUDA context and cuBLAS handles, or the numba kernel's load
         if device.startswith("cuda"):
-            ours(min(n, 16))  # warm-up: CUDA context, cuBLAS handles, kernels
             torch.cuda.synchronize()
     elif method == "baseline":
         from paper_literal import paper_literal_select
@@ -148,11 +151,12 @@ def run_one(method: str, n: int, dim: int, cache: tuple, out: str, batch_size: i
         json.dump({"wall": wall, "startup": startup, "rss_mb": rss_mb, "centroids": cents}, fh)
 
 
-def _sub(method, n, dim, cache, batch_size, device):
+def _sub(method, n, dim, cache, batch_size, device, backend="auto"):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         path = tmp.name
     cmd = [sys.executable, os.path.abspath(__file__), "--_run", method, "--sizes", str(n), "--dims", str(dim),
-           "--batch-size", str(batch_size), "--devices", device, "--_out", path, "--_cache", *cache]
+           "--batch-size", str(batch_size), "--devices", device, "--backends", backend, "--_out", path,
+           "--_cache", *cache]
     subprocess.run(cmd, check=True)
     with open(path) as fh:
         res = json.load(fh)
@@ -176,6 +180,9 @@ def main() -> None:
                     help="images per batched K-means call (ours; default 64 on CPU, 512 on CUDA)")
     ap.add_argument("--devices", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="comma-separated devices our K-means runs on (the baseline always runs on the CPU)")
+    ap.add_argument("--backends", default="auto",
+                    help="comma-separated K-means backends of ours on the CPU: auto, compiled, torch "
+                         "(a CUDA device always runs torch)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "mars_bench_select_cache"),
                     help="folder of the generated feature caches (float16; D=384, N=10000 takes 12 GB)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes generating the cache")
@@ -186,16 +193,24 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     dims = [int(d) for d in args.dims.split(",")]
     devices = args.devices.split(",")
+    backends = args.backends.split(",")
     if args._run:
-        run_one(args._run, sizes[0], dims[0], tuple(args._cache), args._out, args.batch_size, devices[0])
+        run_one(args._run, sizes[0], dims[0], tuple(args._cache), args._out, args.batch_size, devices[0],
+                backends[0])
         return
+    from mars_plugin import kmeans_compiled
+
+    # (device, backend) pairs of ours: a GPU always runs the torch backend.
+    runs = [(dev, "torch" if dev.startswith("cuda") else be) for dev in devices for be in backends]
+    runs = list(dict.fromkeys(runs))
 
     for dev in devices:
         print(machine_line(dev))
     print(f"grid {GRID}x{GRID}, {NUM_CLASSES} classes, K_fg=K_bg=2, alpha=0.4, float16 feature cache")
-    print("| N | D | ours on | read s | ours s (+ start-up) | ours peak RSS MB | baseline s | baseline peak RSS MB "
-          "| speed-up | min cos per class |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"numba kernel available: {kmeans_compiled.available()} (auto = compiled on the CPU when available)")
+    print("| N | D | ours on | backend | read s | ours s (+ start-up) | ours peak RSS MB | baseline s "
+          "| baseline peak RSS MB | speed-up | min cos per class |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     per_image = {}
     for dim in dims:
         cache = ensure_cache(args.cache, max(sizes), dim, args.workers)
@@ -204,10 +219,10 @@ def main() -> None:
             base = _sub("baseline", n, dim, cache, 1, "cpu") if n <= args.baseline_max else None
             if base is not None:
                 per_image[("baseline", dim)] = base["wall"] / n
-            for dev in devices:
+            for dev, be in runs:
                 bs = args.batch_size or (512 if dev.startswith("cuda") else 64)
-                ours = _sub("ours", n, dim, cache, bs, dev)
-                per_image[(f"ours ({dev})", dim)] = ours["wall"] / n
+                ours = _sub("ours", n, dim, cache, bs, dev, be)
+                per_image[(f"ours ({dev}, {be})", dim)] = ours["wall"] / n
                 if base is not None:
                     b_s, b_rss = f"{base['wall']:.1f}", f"{base['rss_mb']:.0f}"
                     speed, cos = f"{base['wall'] / ours['wall']:.0f}x", f"{_min_cos(ours['centroids'], base['centroids']):.5f}"
@@ -215,7 +230,7 @@ def main() -> None:
                     est = per_image.get(("baseline", dim), float("nan")) * n
                     b_s, b_rss = f"~{est:.0f} (extrapolated)", "-"
                     speed, cos = f"~{est / ours['wall']:.0f}x", "-"
-                print(f"| {n} | {dim} | {dev} | {read['wall']:.2f} | {ours['wall']:.2f} (+{ours['startup']:.1f}) | "
+                print(f"| {n} | {dim} | {dev} | {be} | {read['wall']:.2f} | {ours['wall']:.2f} (+{ours['startup']:.1f}) | "
                       f"{ours['rss_mb']:.0f} | "
                       f"{b_s} | {b_rss} | {speed} | {cos} |", flush=True)
     print("\nExtrapolation from the per-image time at the largest N measured (one process):")
