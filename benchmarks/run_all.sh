@@ -11,7 +11,7 @@ else
   sel=""; deb=""; step="--crf"; ref=""
 fi
 python3 benchmarks/bench_kmeans.py | tee "$out/bench_kmeans.txt"
-python3 benchmarks/bench_select.py $sel | tee "$out/bench_select.txt"
+python3 benchmarks/bench_select.py --backends compiled,torch $sel | tee "$out/bench_select.txt"
 python3 benchmarks/bench_debias.py $deb | tee "$out/bench_debias.txt"
 python3 benchmarks/bench_train_step.py $step | tee "$out/bench_train_step.txt"
 python3 benchmarks/bench_teacher_refine.py $ref | tee "$out/bench_teacher_refine.txt"
