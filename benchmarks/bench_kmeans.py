@@ -15,7 +15,7 @@ import torch
 from sklearn.cluster import KMeans
 
 from mars_plugin import kmeans_compiled
-from mars_plugin.kmeans import _uniforms, batched_kmeans
+from mars_plugin.kmeans import _uniforms, batched_kmeans, seeding_trials
 
 
 def compiled_inertia(problems, k, max_iter=100, tol=1e-4):
@@ -24,7 +24,7 @@ def compiled_inertia(problems, k, max_iter=100, tol=1e-4):
     sizes = np.array([len(x) for x in problems], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     ks = np.full(len(problems), k, dtype=np.int64)
-    trials = np.full(len(problems), 2 + int(np.log(k)), dtype=np.int64)
+    trials = np.full(len(problems), seeding_trials(k), dtype=np.int64)
     u = _uniforms(list(range(len(problems))), ks.tolist(), trials.tolist(), torch.device("cpu")).numpy()
     args = (cols, np.arange(cols.shape[1]), starts, sizes, ks, u, trials)
     kmeans_compiled.kmeans_groups(*args, normalize=False, max_iter=max_iter, tol=tol)  # load / compile

@@ -7,7 +7,6 @@ K_bg for the background. All groups of all images in a call are solved in one ba
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -16,7 +15,7 @@ import torch
 
 from ._checks import check_finite, check_float_tensor, check_int_param, check_label_tensor, describe
 from . import kmeans_compiled
-from .kmeans import _kmeans_padded, _uniforms, batched_kmeans
+from .kmeans import _kmeans_padded, _uniforms, batched_kmeans, seeding_trials
 
 __all__ = ["BACKENDS", "GroupCentroids", "ImageCentroids", "check_backend", "image_centroids", "resize_label",
            "problem_seed"]
@@ -212,9 +211,8 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     """
     dim = int(features[0].shape[0])
     dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
-    # K-means sums in half precision would lose the centroids' digits: work in float32 (the
-    # compiled kernel always does).
-    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) or columns else dtype
+    # K-means sums in half precision would lose the centroids' digits: work in float32.
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     dev = torch.device("cpu") if columns else (torch.device(device) if device is not None else features[0].device)
     ws = workspace if workspace is not None else _Workspace()
     y_full = None
@@ -222,7 +220,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
     if columns:
         # The compiled path copies the features itself, a few images at a time (see
-        # _cluster_groups): only the labels are sorted here.
+        # _cluster_compiled): only the labels are sorted here.
         x3 = x = None
     elif uniform:
         # The common case (one feature grid for the dataset): every image is transposed to
@@ -259,7 +257,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
             for i, lab in enumerate(labels):
                 _check_label_values(lab[None].masked_fill(lab[None] == ignore_index, 0), lambda _, i=i: name(i),
                                     max_label)
-        if not columns:  # the kernel checks the pixels it clusters; see _cluster_groups
+        if not columns:  # the kernel checks the pixels it clusters; see _cluster_compiled
             _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
     if norms is not None:
         x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
@@ -400,7 +398,7 @@ def _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, k
     g_start_a = np.asarray(g_start, dtype=np.int64)
     g_size_a = np.asarray(g_size, dtype=np.int64)
     ks_a = np.asarray(ks, dtype=np.int64)
-    trials = np.array([2 + int(math.log(k)) for k in ks], dtype=np.int64)
+    trials = np.array([seeding_trials(k) for k in ks], dtype=np.int64)
     u = (_uniforms([problem_seed(seed, c) for c in g_lab], ks, trials.tolist(), torch.device("cpu")).numpy()
          if G else np.zeros((0, kmax, 1)))
     order_a = order.numpy()

@@ -20,7 +20,7 @@ import torch
 
 from ._checks import check_int_param, describe
 
-__all__ = ["KMeansResult", "batched_kmeans", "kmeans"]
+__all__ = ["KMeansResult", "batched_kmeans", "kmeans", "seeding_trials"]
 
 
 @dataclass
@@ -67,6 +67,11 @@ def _uniforms(seeds: Sequence[int], rows: Sequence[int], cols: Sequence[int], de
         table[i, :r, :c] = _problem_uniforms(int(s), int(r), int(c))
     index = torch.tensor([distinct[key] for key in keys], dtype=torch.long)
     return table[index].to(device)
+
+
+def seeding_trials(k: int) -> int:
+    """Candidates per k-means++ step, 2 + floor(ln K) (scikit-learn's greedy rule)."""
+    return 2 + int(math.log(k))
 
 
 def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -253,7 +258,7 @@ def _kmeans_padded(
     k_t = torch.tensor(k_list, dtype=torch.long, device=x.device)
     # Per-problem K and number of seeding candidates: a problem's draws do not depend on the K
     # of the other problems in the batch.
-    trial_list = [2 + int(math.log(v)) for v in k_list]
+    trial_list = [seeding_trials(v) for v in k_list]
     u = _uniforms(seed_list, k_list, trial_list, x.device)
     trials = torch.tensor(trial_list, dtype=torch.long, device=x.device)
     centers, valid = _kmeanspp(x, mask, k_t, u, trials)
