@@ -385,8 +385,8 @@ def _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, k
     """The groups of :func:`_cluster_groups` through the compiled kernel, a few images at a time.
 
     Returns ``(centroids (G, Kmax, D) float32, count (G,) long)``. Each chunk of images is
-    copied (widened to float32) into one reused (D, pixels) buffer and its groups clustered
-    right away. With ``name``, NaN/Inf values raise: the kernel flags the groups holding one,
+    copied (widened to float32) into one reused buffer, one (D, pixels) block per image, and its
+    groups clustered right away. With ``name``, NaN/Inf values raise: the kernel flags the groups holding one,
     the ignored pixels are checked here, and ``check_finite`` names the image.
     """
     D = int(features[0].shape[0])
@@ -410,27 +410,36 @@ def _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, k
     threads = torch.get_num_threads()
     for lo in range(0, len(features), per_chunk):
         hi = min(len(features), lo + per_chunk)
-        base, width = int(offs[lo]), int(offs[hi] - offs[lo])
-        buf = workspace.get("xc", (D, width), torch.float32, torch.device("cpu"))
+        # Image b's (D, pixels) block starts at (offs[b] - offs[lo]) * D in the flat buffer:
+        # every copy is contiguous to contiguous (the fast widening copy).
+        buf = workspace.get("xc", (int(offs[hi] - offs[lo]) * D,), torch.float32, torch.device("cpu"))
         for b in range(lo, hi):
-            buf[:, offs[b] - base : offs[b + 1] - base].copy_(features[b].reshape(D, -1))
+            start = int(offs[b] - offs[lo]) * D
+            buf[start : start + int(n_pix[b]) * D].view(D, -1).copy_(features[b].reshape(D, -1))
         g0, g1 = np.searchsorted(g_img_a, [lo, hi])
         if g1 > g0:
             s0 = int(g_start_a[g0])
             s1 = int(g_start_a[g1 - 1] + g_size_a[g1 - 1])
+            img = g_img_a[g0:g1]
+            # pixel indices within each group's own image
+            cols = order_a[s0:s1] - np.repeat(offs[img], g_size_a[g0:g1])
             c, v, _, bad = kmeans_compiled.kmeans_groups(
-                buf.numpy(), order_a[s0:s1] - base, g_start_a[g0:g1] - s0, g_size_a[g0:g1], ks_a[g0:g1], u[g0:g1],
-                trials[g0:g1], normalize=normalize, max_iter=max_iter, tol=tol, num_threads=threads)
+                buf.numpy(), cols, g_start_a[g0:g1] - s0, g_size_a[g0:g1], ks_a[g0:g1], u[g0:g1], trials[g0:g1],
+                normalize=normalize, max_iter=max_iter, tol=tol, bases=(offs[img] - offs[lo]) * D,
+                strides=n_pix[img], dim=D, num_threads=threads)
             cents[g0:g1], valid[g0:g1] = c, v
-            flagged.update(g_img_a[g0:g1][bad].tolist())
+            flagged.update(img[bad].tolist())
         if name is not None and ignored_a.size:
             # Ignored pixels are clustered by nobody, but the rule is the torch path's: every
             # value of every image must be finite.
-            i0, i1 = np.searchsorted(ignored_a, [base, base + width])
-            cols = ignored_a[i0:i1] - base
-            if cols.size:
-                finite = np.isfinite(buf.numpy()[:, cols]).all(0)
-                flagged.update((np.searchsorted(offs, cols[~finite] + base, side="right") - 1).tolist())
+            i0, i1 = np.searchsorted(ignored_a, [offs[lo], offs[hi]])
+            pix = ignored_a[i0:i1]
+            if pix.size:
+                b_of = np.searchsorted(offs, pix, side="right") - 1
+                flat = buf.numpy()
+                values = flat[((offs[b_of] - offs[lo]) * D)[None, :] + np.arange(D)[:, None] * n_pix[b_of][None, :]
+                              + (pix - offs[b_of])[None, :]]
+                flagged.update(b_of[~np.isfinite(values).all(0)].tolist())
     if name is not None:
         for i in sorted(flagged):
             check_finite(features[i], f"{name(i)}: features")

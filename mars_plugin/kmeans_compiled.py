@@ -250,21 +250,21 @@ if numba is not None:
         return it
 
     @njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
-    def _kmeans_groups(x, normalize, order, starts, sizes, ks, u, trials, max_iter, tol, out_c, out_valid,
-                       out_iter, out_bad):
+    def _kmeans_groups(x, bases, strides, D, normalize, order, starts, sizes, ks, u, trials, max_iter, tol, out_c,
+                       out_valid, out_iter, out_bad):
         G = sizes.shape[0]
-        D = x.shape[0]
         kmax = out_c.shape[1]
         for g in prange(G):
             n = sizes[g]
             k = ks[g]
             # The group's points as a (D, n) block that stays in this core's cache for the
-            # seeding and every Lloyd step: gathered once.
+            # seeding and every Lloyd step: gathered once from its image's (D, pixels) block,
+            # which starts at bases[g] in the flat x with rows strides[g] apart.
             cols = order[starts[g] : starts[g] + n]
             xt = np.empty((D, n), dtype=np.float32)
             sq = np.zeros(n, dtype=np.float32)
             for d in range(D):
-                src = x[d]
+                src = x[bases[g] + d * strides[g] : bases[g] + (d + 1) * strides[g]]
                 dst = xt[d]
                 for i in range(n):
                     v = src[cols[i]]
@@ -335,13 +335,19 @@ def kmeans_groups(
     normalize: bool,
     max_iter: int,
     tol: float,
+    bases: Optional[np.ndarray] = None,
+    strides: Optional[np.ndarray] = None,
+    dim: Optional[int] = None,
     num_threads: Optional[int] = None,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """K-means of G groups of columns of ``x``, one group per thread at a time.
+    """K-means of G groups of pixels, one group per thread at a time.
 
     Shapes:
-        x: (D, P) float32 points, one column per pixel (C-contiguous).
-        order: (M,) int64 column indices; group g is ``x[:, order[starts[g] : starts[g] + sizes[g]]]``.
+        x: (D, P) float32 points, one column per pixel (C-contiguous); or a flat float32 buffer
+            of several images' (D, pixels) blocks, with ``bases``, ``strides`` and ``dim``.
+        order: (M,) int64 column indices; group g is ``x[:, order[starts[g] : starts[g] + sizes[g]]]``
+            (with a flat buffer: columns of the block at ``bases[g]`` whose rows are
+            ``strides[g]`` apart, i.e. of that image's (dim, strides[g]) block).
         starts, sizes, ks, trials: (G,) int64; sizes >= 1, ks >= 1.
         uniforms: (G, Kmax, Tmax) float64 k-means++ draws of each problem (see ``kmeans._uniforms``).
 
@@ -357,19 +363,24 @@ def kmeans_groups(
     """
     if not available():
         raise RuntimeError("kmeans_groups needs numba: pip install 'mars-plugin[fast]'")
-    if x.dtype != np.float32 or x.ndim != 2:
-        raise ValueError(f"x must be a (D, P) float32 array, got {x.dtype} {x.shape}")
+    if x.dtype != np.float32 or x.ndim not in (1, 2) or (x.ndim == 1) != (bases is not None):
+        raise ValueError(f"x must be a (D, P) float32 array, or a flat one with bases/strides/dim, got "
+                         f"{x.dtype} {x.shape}")
     G = int(sizes.shape[0])
+    if x.ndim == 2:
+        dim = int(x.shape[0])
+        bases = np.zeros(G, dtype=np.int64)
+        strides = np.full(G, x.shape[1], dtype=np.int64)
     kmax = int(uniforms.shape[1]) if G else 1
-    D = int(x.shape[0])
-    out_c = np.zeros((G, kmax, D), dtype=np.float32)
+    out_c = np.zeros((G, kmax, int(dim)), dtype=np.float32)
     out_valid = np.zeros((G, kmax), dtype=np.bool_)
     out_iter = np.zeros(G, dtype=np.int64)
     out_bad = np.zeros(G, dtype=np.bool_)
     if G == 0:
         return out_c, out_valid, out_iter, out_bad
     with _threads(num_threads):
-        _kmeans_groups(np.ascontiguousarray(x), bool(normalize), order.astype(np.int64), starts.astype(np.int64),
-                       sizes.astype(np.int64), ks.astype(np.int64), np.ascontiguousarray(uniforms, dtype=np.float64),
+        _kmeans_groups(np.ascontiguousarray(x).reshape(-1), bases.astype(np.int64), strides.astype(np.int64), int(dim),
+                       bool(normalize), order.astype(np.int64), starts.astype(np.int64), sizes.astype(np.int64),
+                       ks.astype(np.int64), np.ascontiguousarray(uniforms, dtype=np.float64),
                        trials.astype(np.int64), int(max_iter), float(tol), out_c, out_valid, out_iter, out_bad)
     return out_c, out_valid, out_iter, out_bad

@@ -212,7 +212,27 @@ def test_auto_picks_compiled_only_where_it_applies(case, expect, monkeypatch):
     assert bool(calls) == expect
 
 
-def test_kernel_rejects_other_dtypes():
-    with pytest.raises(ValueError, match=r"x must be a \(D, P\) float32 array, got float64"):
-        kmeans_compiled.kmeans_groups(np.zeros((3, 4)), np.arange(4), np.array([0]), np.array([4]), np.array([2]),
-                                      np.zeros((1, 2, 2)), np.array([2]), normalize=True, max_iter=10, tol=1e-4)
+def test_kernel_rejects_other_dtypes_and_layouts():
+    args = (np.arange(4), np.array([0]), np.array([4]), np.array([2]), np.zeros((1, 2, 2)), np.array([2]))
+    kw = dict(normalize=True, max_iter=10, tol=1e-4)
+    msg = r"x must be a \(D, P\) float32 array, or a flat one with bases/strides/dim, got "
+    with pytest.raises(ValueError, match=msg + r"float64 \(3, 4\)"):
+        kmeans_compiled.kmeans_groups(np.zeros((3, 4)), *args, **kw)
+    with pytest.raises(ValueError, match=msg + r"float32 \(12,\)"):  # flat, but no bases
+        kmeans_compiled.kmeans_groups(np.zeros(12, dtype=np.float32), *args, **kw)
+
+
+def test_flat_buffer_equals_the_two_dimensional_layout():
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(5, 30)).astype(np.float32)
+    b = rng.normal(size=(5, 17)).astype(np.float32)
+    flat = np.concatenate([a.ravel(), b.ravel()])
+    cols = np.concatenate([np.arange(0, 30, 2), np.arange(17)])
+    common = (np.array([0, 15]), np.array([15, 17]), np.array([2, 2]), np.full((2, 2, 2), 0.4), np.array([2, 2]))
+    kw = dict(normalize=True, max_iter=100, tol=1e-4)
+    got = kmeans_compiled.kmeans_groups(flat, cols, *common, bases=np.array([0, a.size]), strides=np.array([30, 17]),
+                                        dim=5, **kw)
+    one = kmeans_compiled.kmeans_groups(a, cols[:15], np.array([0]), *(c[:1] for c in common[1:]), **kw)
+    two = kmeans_compiled.kmeans_groups(b, cols[15:], np.array([0]), *(c[1:] for c in common[1:]), **kw)
+    assert np.array_equal(got[0], np.concatenate([one[0], two[0]]))
+    assert np.array_equal(got[1], np.concatenate([one[1], two[1]]))
