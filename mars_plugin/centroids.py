@@ -386,8 +386,8 @@ def _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, k
 
     Returns ``(centroids (G, Kmax, D) float32, count (G,) long)``. Each chunk of images is
     copied (widened to float32) into one reused buffer, one (D, pixels) block per image, and its
-    groups clustered right away. With ``name``, NaN/Inf values raise: the kernel flags the groups holding one,
-    the ignored pixels are checked here, and ``check_finite`` names the image.
+    groups clustered right away. With ``name``, NaN/Inf values raise: the kernel flags the groups
+    holding one, the ignored pixels are checked here, and ``check_finite`` names the image.
     """
     D = int(features[0].shape[0])
     G = len(g_size)

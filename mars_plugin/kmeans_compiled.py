@@ -297,7 +297,8 @@ if numba is not None:
             sums = np.zeros((kmax, D), dtype=np.float64)
             counts = np.empty(kmax, dtype=np.int64)
             new_c = np.empty((kmax, D), dtype=np.float32)
-            out_iter[g] = _lloyd(xt, n, k, centers, valid, max_iter, tol, labels, prev, score, member, sums, counts, new_c)
+            out_iter[g] = _lloyd(xt, n, k, centers, valid, max_iter, tol, labels, prev, score, member, sums,
+                                 counts, new_c)
             for c in range(kmax):
                 out_valid[g, c] = valid[c]
                 for d in range(D):
