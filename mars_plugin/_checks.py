@@ -99,7 +99,8 @@ def check_label_tensor(
 ) -> torch.Tensor:
     """An integer label map with values in {0..C}, ``ignore_index`` and optionally -1.
 
-    ``values=False`` checks rank and type only, for callers that check a whole batch at once.
+    ``values=False`` checks rank and type only, for callers that check a whole batch at once;
+    an integer tensor then comes back in its own dtype (the caller widens it if it must).
     """
     t = as_tensor(x, name)
     check_ndim(t, name, ndims, layout)
@@ -108,9 +109,9 @@ def check_label_tensor(
             t = t.long()
         else:
             raise TypeError(f"{name} must be an integer label map, got {describe(t)}")
-    t = t.long()
     if not values:
         return t
+    t = t.long()
     special = t == ignore_index
     if allow_biased:
         special |= t == -1

@@ -152,7 +152,12 @@ def _check_label_values(y: torch.Tensor, name, max_label: Optional[int]) -> None
     """Batch-level label check: (B, H, W) full-size labels with ignored pixels already set to 0
     hold no negative id and none above ``max_label``; the error names image i by ``name(i)``."""
     flat = y.reshape(y.shape[0], -1)
-    lo, hi = flat.min(1).values, flat.max(1).values
+    _check_label_bounds(flat.min(1).values, flat.max(1).values, name, max_label)
+
+
+def _check_label_bounds(lo, hi, name, max_label: Optional[int]) -> None:
+    """:func:`_check_label_values` from each image's smallest and largest id, (B,) tensors or arrays."""
+    lo, hi = torch.as_tensor(lo), torch.as_tensor(hi)
     bad = (lo < 0) | (hi > max_label) if max_label is not None else lo < 0
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
@@ -194,14 +199,12 @@ class _Workspace:
 
 def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, ignore_index: int,
                      normalize: bool, device: Optional[torch.device], name=None, max_label: Optional[int] = None,
-                     workspace: Optional[_Workspace] = None, columns: bool = False):
+                     workspace: Optional[_Workspace] = None):
     """Every non-ignored pixel of a batch, sorted by (image, class).
 
     Returns ``(x, order (P',), ignored (P - P',), image, label, start, size)``.
-    By default ``x`` is (P + 1, D): the (normalised) pixel embeddings in row-major order per
-    image followed by one zero row. With ``columns=True`` (for the compiled kernel, CPU only)
-    ``x`` is None and the features are neither copied, normalised nor checked: the caller does
-    all three, a few images at a time.
+    ``x`` is (P + 1, D): the (normalised) pixel embeddings in row-major order per image
+    followed by one zero row.
     ``order`` is the permutation of the non-ignored pixels that sorts them by group (stable:
     pixel order within a group is row-major, the order a boolean mask gives), ``ignored`` the
     ignored pixels in increasing order; then come each group's image, class, offset in
@@ -210,19 +213,17 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     ``max_label`` (C) then bounds the class ids.
     """
     dim = int(features[0].shape[0])
+    # int64 before any comparison: torch compares a uint8 255 equal to ignore_index=-1.
+    labels = [y.long() for y in labels]
     dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
     # K-means sums in half precision would lose the centroids' digits: work in float32.
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    dev = torch.device("cpu") if columns else (torch.device(device) if device is not None else features[0].device)
+    dev = torch.device(device) if device is not None else features[0].device
     ws = workspace if workspace is not None else _Workspace()
     y_full = None
     uniform = all(tuple(f.shape) == tuple(features[0].shape) for f in features)
     n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
-    if columns:
-        # The compiled path copies the features itself, a few images at a time (see
-        # _cluster_compiled): only the labels are sorted here.
-        x3 = x = None
-    elif uniform:
+    if uniform:
         # The common case (one feature grid for the dataset): every image is transposed to
         # (pixels, D) and converted in one copy into a reused buffer. Fresh tensors of tens of
         # MB cost more in page faults than the copy itself on the CPU.
@@ -249,7 +250,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
         y = torch.cat([resize_label(lab.to(dev), tuple(f.shape[-2:])).reshape(-1)
                        for f, lab in zip(features, labels)])
     img = torch.repeat_interleave(torch.arange(len(n_pix), device=dev), torch.tensor(n_pix, device=dev))
-    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize and not columns else None
+    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize else None
     if name is not None:
         if y_full is not None:
             _check_label_values(y_full, name, max_label)
@@ -257,8 +258,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
             for i, lab in enumerate(labels):
                 _check_label_values(lab[None].masked_fill(lab[None] == ignore_index, 0), lambda _, i=i: name(i),
                                     max_label)
-        if not columns:  # the kernel checks the pixels it clusters; see _cluster_compiled
-            _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
+        _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
     if norms is not None:
         x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
     keep = y != ignore_index
@@ -317,25 +317,22 @@ def _cluster_groups(
                                  and all(f.dtype != torch.float64 for f in features)) else "torch"
     if backend not in ("compiled", "torch"):
         raise ValueError(f"backend must be 'compiled', 'torch' or None, got {backend!r}")
-    columns = backend == "compiled"
-    if columns:
+    if backend == "compiled":
         if n_init != 1:
             raise ValueError(f"backend='compiled' runs one seeding per problem, got n_init={n_init}; "
                              "use backend='torch' or 'auto' for n_init > 1")
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"backend='compiled' runs on the CPU, got device={device!r}; use 'torch' or 'auto'")
+        return _cluster_compiled(features, labels, k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index,
+                                 normalize=normalize, seed=seed, max_iter=max_iter, tol=tol, name=name,
+                                 max_label=max_label)
     x, order, ignored, g_img, g_lab, g_start, g_size = _pixels_by_group(
         features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
-        max_label=max_label, workspace=ws, columns=columns)
+        max_label=max_label, workspace=ws)
     G, D = len(g_size), dims[0]
     ks = [k_bg if c == 0 else k_fg for c in g_lab]
     kmax = max(ks, default=1)
     img_t, lab_t = torch.tensor(g_img, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long)
-    if columns:
-        cents, count = _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, ks,
-                                         seed=seed, normalize=normalize, max_iter=max_iter, tol=tol, name=name,
-                                         workspace=ws)
-        return GroupCentroids(img_t, lab_t, cents, count, len(features))
     zero_row = x.shape[0] - 1
     cents = x.new_zeros(G, kmax, D)
     count = torch.zeros(G, dtype=torch.long)
@@ -374,76 +371,57 @@ def _cluster_groups(
     return GroupCentroids(img_t, lab_t, cents, count, len(features))
 
 
-# Bytes of float32 features copied and clustered per kernel call: small enough that the copy
-# is still in the cache when the kernel gathers it (the gather from main memory, not the
-# arithmetic, dominated the kernel on a 2-core machine).
-_COMPILED_CHUNK_BYTES = 8 << 20
+def _cluster_compiled(features, labels, *, k_fg, k_bg, ignore_index, normalize, seed, max_iter, tol, name,
+                      max_label) -> GroupCentroids:
+    """:func:`_cluster_groups` through the compiled kernels of :mod:`mars_plugin.kmeans_compiled`.
 
-
-def _cluster_compiled(features, order, ignored, g_img, g_lab, g_start, g_size, ks, *, seed, normalize,
-                      max_iter, tol, name, workspace):
-    """The groups of :func:`_cluster_groups` through the compiled kernel, a few images at a time.
-
-    Returns ``(centroids (G, Kmax, D) float32, count (G,) long)``. Each chunk of images is
-    copied (widened to float32) into one reused buffer, one (D, pixels) block per image, and its
-    groups clustered right away. With ``name``, NaN/Inf values raise: the kernel flags the groups
-    holding one, the ignored pixels are checked here, and ``check_finite`` names the image.
+    The labels are grouped by a counting sort (no key sort, no padding); the kernel reads each
+    image's features where they are, in their own dtype when every image is float16 or every
+    one float32 (it widens float16 exactly as it gathers a pixel; anything else is widened to
+    float32 here first). With ``name``, bad values raise: labels through their per-image range;
+    NaN/Inf features through the kernel's flag on the pixels it clusters and a check of the
+    ignored pixels, then ``check_finite`` names the image.
     """
-    D = int(features[0].shape[0])
-    G = len(g_size)
-    kmax = max(ks, default=1)
+    B, D = len(features), int(features[0].shape[0])
     n_pix = np.array([int(f.shape[-1] * f.shape[-2]) for f in features], dtype=np.int64)
     offs = np.concatenate([[0], np.cumsum(n_pix)])
-    g_img_a = np.asarray(g_img, dtype=np.int64)
-    g_start_a = np.asarray(g_start, dtype=np.int64)
-    g_size_a = np.asarray(g_size, dtype=np.int64)
-    ks_a = np.asarray(ks, dtype=np.int64)
-    trials = np.array([seeding_trials(k) for k in ks], dtype=np.int64)
-    u = (_uniforms([problem_seed(seed, c) for c in g_lab], ks, trials.tolist(), torch.device("cpu")).numpy()
-         if G else np.zeros((0, kmax, 1)))
-    order_a = order.numpy()
-    ignored_a = ignored.numpy()
-    cents = np.zeros((G, kmax, D), dtype=np.float32)
-    valid = np.zeros((G, kmax), dtype=bool)
-    flagged = set()
-    per_chunk = max(1, _COMPILED_CHUNK_BYTES // max(1, int(n_pix.max()) * D * 4))
-    threads = torch.get_num_threads()
-    for lo in range(0, len(features), per_chunk):
-        hi = min(len(features), lo + per_chunk)
-        # Image b's (D, pixels) block starts at (offs[b] - offs[lo]) * D in the flat buffer:
-        # every copy is contiguous to contiguous (the fast widening copy).
-        buf = workspace.get("xc", (int(offs[hi] - offs[lo]) * D,), torch.float32, torch.device("cpu"))
-        for b in range(lo, hi):
-            start = int(offs[b] - offs[lo]) * D
-            buf[start : start + int(n_pix[b]) * D].view(D, -1).copy_(features[b].reshape(D, -1))
-        g0, g1 = np.searchsorted(g_img_a, [lo, hi])
-        if g1 > g0:
-            s0 = int(g_start_a[g0])
-            s1 = int(g_start_a[g1 - 1] + g_size_a[g1 - 1])
-            img = g_img_a[g0:g1]
-            # pixel indices within each group's own image
-            cols = order_a[s0:s1] - np.repeat(offs[img], g_size_a[g0:g1])
-            c, v, _, bad = kmeans_compiled.kmeans_groups(
-                buf.numpy(), cols, g_start_a[g0:g1] - s0, g_size_a[g0:g1], ks_a[g0:g1], u[g0:g1], trials[g0:g1],
-                normalize=normalize, max_iter=max_iter, tol=tol, bases=(offs[img] - offs[lo]) * D,
-                strides=n_pix[img], dim=D, num_threads=threads)
-            cents[g0:g1], valid[g0:g1] = c, v
-            flagged.update(img[bad].tolist())
-        if name is not None and ignored_a.size:
+    # Labels on their feature grids, one after the other; the range check reads the full-size
+    # labels (a class can vanish in the resize), the grouping the resized ones.
+    grid = [resize_label(y, tuple(f.shape[-2:])) for f, y in zip(features, labels)]
+    y_flat = torch.cat([y.reshape(-1) for y in grid]).numpy()
+    if all(g is y for g, y in zip(grid, labels)):
+        full_flat, full_offs = y_flat, offs
+    else:
+        full_flat = torch.cat([y.reshape(-1) for y in labels]).numpy()
+        full_offs = np.concatenate([[0], np.cumsum([y.numel() for y in labels])])
+    lo, hi = kmeans_compiled.label_range(full_flat, full_offs, ignore_index)
+    _check_label_bounds(lo, hi, name or (lambda i: f"pseudo_label[{i}]"), max_label if name else None)
+    counts, order, ignored = kmeans_compiled.group_pixels(y_flat, offs, ignore_index, int(hi.max(initial=0)) + 1)
+    g_img, g_lab = np.nonzero(counts)  # row-major: groups in (image, class) order
+    g_size = counts[g_img, g_lab]
+    g_start = np.concatenate([[0], np.cumsum(g_size)[:-1]]).astype(np.int64)
+    G = len(g_size)
+    ks = np.where(g_lab == 0, k_bg, k_fg).astype(np.int64)
+    trials = np.array([seeding_trials(int(k)) for k in ks], dtype=np.int64)
+    u = (_uniforms([problem_seed(seed, int(c)) for c in g_lab], ks.tolist(), trials.tolist(),
+                   torch.device("cpu")).numpy() if G else np.zeros((0, max(k_fg, k_bg), 1)))
+    dtypes = {f.dtype for f in features}
+    dtype = dtypes.pop() if len(dtypes) == 1 and features[0].dtype in (torch.float16, torch.float32) else torch.float32
+    images = [f.detach().reshape(D, -1).to(dtype).numpy() for f in features]
+    cents, valid, _, bad = kmeans_compiled.kmeans_groups(
+        images, order, g_start, g_size, ks, u, trials, image=g_img, normalize=normalize, max_iter=max_iter, tol=tol,
+        num_threads=torch.get_num_threads())
+    if name is not None:
+        flagged = set(g_img[bad].tolist())
+        if ignored.size:
             # Ignored pixels are clustered by nobody, but the rule is the torch path's: every
             # value of every image must be finite.
-            i0, i1 = np.searchsorted(ignored_a, [offs[lo], offs[hi]])
-            pix = ignored_a[i0:i1]
-            if pix.size:
-                b_of = np.searchsorted(offs, pix, side="right") - 1
-                flat = buf.numpy()
-                values = flat[((offs[b_of] - offs[lo]) * D)[None, :] + np.arange(D)[:, None] * n_pix[b_of][None, :]
-                              + (pix - offs[b_of])[None, :]]
-                flagged.update(b_of[~np.isfinite(values).all(0)].tolist())
-    if name is not None:
+            b_of = np.searchsorted(offs, ignored, side="right") - 1
+            flagged.update(b_of[kmeans_compiled.nonfinite_pixels(images, b_of, ignored - offs[b_of])].tolist())
         for i in sorted(flagged):
             check_finite(features[i], f"{name(i)}: features")
-    return torch.from_numpy(cents), torch.from_numpy(valid.sum(1)).long()
+    return GroupCentroids(torch.from_numpy(g_img), torch.from_numpy(g_lab), torch.from_numpy(cents),
+                          torch.from_numpy(valid.sum(1)).long(), B)
 
 
 def _cluster_images(images: Sequence[Tuple[torch.Tensor, torch.Tensor]], **kw) -> List[ImageCentroids]:

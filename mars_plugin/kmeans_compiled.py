@@ -6,6 +6,9 @@ This kernel solves one group at a time per thread instead (groups handed out one
 their sizes differ tenfold): the group's pixels are gathered once into a (D, n) block that
 stays in the core's cache for the seeding and every Lloyd step, with no padding and no Python
 in the loop; once few points move, the cluster sums are updated by the moved points only.
+The pixels are gathered from each image's features where they already are, float16 (what
+``mars features`` writes) widened exactly on the way: nothing is copied beforehand. The labels
+are grouped by a counting sort (:func:`group_pixels`), also compiled.
 
 It is the same algorithm as :func:`mars_plugin.kmeans._kmeans_padded`, step for step: the
 same k-means++ draws (the uniforms of each problem are passed in), the same candidate choice,
@@ -27,11 +30,13 @@ import numpy as np
 
 try:  # numba is an optional extra; the torch path is used without it
     import numba
-    from numba import njit, prange
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic, overload
 except ImportError:  # pragma: no cover - exercised on machines without numba
     numba = None
 
-__all__ = ["available", "kmeans_groups"]
+__all__ = ["available", "kmeans_groups", "group_pixels", "label_range", "nonfinite_pixels"]
 
 
 def available() -> bool:
@@ -43,6 +48,49 @@ if numba is not None:
     # Reassociation lets LLVM vectorise the reductions over pixels; no-NaN/no-Inf flags stay off
     # because an invalid centroid is kept out of the assignment by an infinite bias.
     _FM = {"reassoc", "contract", "nsz"}
+
+    @intrinsic
+    def _half_bits_to_float32(typingctx, bits):
+        """IEEE binary16 bits (uint16) to float32: LLVM's fpext, one F16C instruction on x86.
+        Exact (every half value is a float32 value), so reading float16 features here gives
+        the same numbers as widening them in torch first, without the copy."""
+        if bits != types.uint16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    def _as_float32(v):  # pragma: no cover - replaced by the overload inside compiled code
+        raise NotImplementedError
+
+    @overload(_as_float32)
+    def _as_float32_impl(v):
+        # A uint16 buffer holds float16 bits (numba has no float16 type on the CPU).
+        if v == types.uint16:
+            return lambda v: _half_bits_to_float32(v)
+        if isinstance(v, types.Float):
+            return lambda v: np.float32(v)
+        return None
+
+    @intrinsic
+    def _pointer_to(typingctx, address, like):
+        """The int64 ``address`` as a pointer to ``like``'s element type, for ``numba.carray``.
+
+        The kernel reads each image's (D, pixels) block where the caller's array already is,
+        instead of copying every image into one buffer first (the copy alone took ~10% of
+        select_centroids). Sound only while the arrays live and ``address`` points inside
+        one: :func:`kmeans_groups` holds them and checks every index before the call.
+        """
+        if not isinstance(like, types.Array) or address != types.int64:
+            return None
+        ptr = types.CPointer(like.dtype)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(types.int64, like), codegen
 
     @njit(cache=True, fastmath=_FM, error_model="numpy")
     def _sample(weights, n, u):
@@ -249,25 +297,30 @@ if numba is not None:
                 break
         return it
 
-    @njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
-    def _kmeans_groups(x, bases, strides, D, normalize, order, starts, sizes, ks, u, trials, max_iter, tol, out_c,
-                       out_valid, out_iter, out_bad):
+    @njit(cache=True, parallel=True, nogil=True, fastmath=_FM, error_model="numpy")
+    def _kmeans_groups(addresses, strides, like, D, normalize, order, starts, sizes, ks, u, trials, max_iter, tol,
+                       out_c, out_valid, out_iter, out_bad):
         G = sizes.shape[0]
         kmax = out_c.shape[1]
         for g in prange(G):
             n = sizes[g]
             k = ks[g]
             # The group's points as a (D, n) block that stays in this core's cache for the
-            # seeding and every Lloyd step: gathered once from its image's (D, pixels) block,
-            # which starts at bases[g] in the flat x with rows strides[g] apart.
+            # seeding and every Lloyd step, gathered once from its image's (D, strides[g])
+            # block at addresses[g]. Each row is gathered in its own dtype, then widened in a
+            # second, vectorised loop: widening float16 inside the gather doubled its cost.
+            image = numba.carray(_pointer_to(addresses[g], like), (D * strides[g],))
             cols = order[starts[g] : starts[g] + n]
             xt = np.empty((D, n), dtype=np.float32)
             sq = np.zeros(n, dtype=np.float32)
+            raw = np.empty(n, dtype=like.dtype)
             for d in range(D):
-                src = x[bases[g] + d * strides[g] : bases[g] + (d + 1) * strides[g]]
+                src = image[d * strides[g] : (d + 1) * strides[g]]
+                for i in range(n):
+                    raw[i] = src[cols[i]]
                 dst = xt[d]
                 for i in range(n):
-                    v = src[cols[i]]
+                    v = _as_float32(raw[i])
                     dst[i] = v
                     sq[i] += v * v
             # A NaN/Inf value makes its pixel's squared norm non-finite: flag the group, the
@@ -304,6 +357,107 @@ if numba is not None:
                 for d in range(D):
                     out_c[g, c, d] = centers[c, d] if valid[c] else 0.0
 
+    @njit(cache=True, nogil=True)
+    def _columns_inside(order, starts, sizes, widths):
+        for g in range(sizes.shape[0]):
+            for j in range(starts[g], starts[g] + sizes[g]):
+                if order[j] < 0 or order[j] >= widths[g]:
+                    return False
+        return True
+
+    @njit(cache=True, nogil=True)
+    def _nonfinite_pixels(addresses, strides, like, D, cols, out):
+        for j in range(cols.shape[0]):
+            image = numba.carray(_pointer_to(addresses[j], like), (D * strides[j],))
+            bad = False
+            for d in range(D):
+                if not np.isfinite(_as_float32(image[d * strides[j] + cols[j]])):
+                    bad = True
+            out[j] = bad
+
+    @njit(cache=True, nogil=True)
+    def _label_range(y, offs, ignore_index, lo, hi):
+        for b in range(offs.shape[0] - 1):
+            low, high = 0, 0
+            for p in range(offs[b], offs[b + 1]):
+                v = y[p]
+                if v != ignore_index:
+                    low = min(low, v)
+                    high = max(high, v)
+            lo[b] = low
+            hi[b] = high
+
+    @njit(cache=True, nogil=True)
+    def _group_pixels(y, offs, ignore_index, counts, order, ignored):
+        B = offs.shape[0] - 1
+        n_labels = counts.shape[1]
+        n_ignored = 0
+        for b in range(B):
+            for p in range(offs[b], offs[b + 1]):
+                v = y[p]
+                if v == ignore_index:
+                    n_ignored += 1
+                else:
+                    counts[b, v] += 1
+        # Groups in (image, class) order; a counting sort keeps each group's pixels in
+        # row-major order (what a stable sort of the key, or a boolean mask, gives).
+        pos = np.empty((B, n_labels), dtype=np.int64)
+        start = 0
+        for b in range(B):
+            for c in range(n_labels):
+                pos[b, c] = start
+                start += counts[b, c]
+        k = 0
+        for b in range(B):
+            for p in range(offs[b], offs[b + 1]):
+                v = y[p]
+                if v == ignore_index:
+                    ignored[k] = p
+                    k += 1
+                else:
+                    order[pos[b, v]] = p - offs[b]
+                    pos[b, v] += 1
+        return n_ignored
+
+
+def label_range(labels: np.ndarray, offsets: np.ndarray, ignore_index: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per image, min and max over its class ids and 0 (ignored pixels skipped): negative ids and
+    ids above C show in them, as in the torch path's check of the full-size labels.
+
+    Shapes:
+        labels: (P,) integer labels of B images, one after the other.
+        offsets: (B + 1,) int64; image b is ``labels[offsets[b] : offsets[b + 1]]``.
+
+    Returns:
+        ``(lo (B,), hi (B,))`` int64.
+    """
+    B = int(offsets.shape[0]) - 1
+    lo, hi = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
+    _label_range(labels, offsets.astype(np.int64), int(ignore_index), lo, hi)
+    return lo, hi
+
+
+def group_pixels(labels: np.ndarray, offsets: np.ndarray, ignore_index: int, num_labels: int):
+    """The (image, class) groups of B images' labels: a counting sort of their pixels.
+
+    Shapes:
+        labels: (P,) integer labels, each in 0..num_labels - 1 or ``ignore_index`` (checked by
+            the caller, e.g. through :func:`label_range`).
+        offsets: (B + 1,) int64; image b is ``labels[offsets[b] : offsets[b + 1]]``.
+
+    Returns:
+        ``(counts (B, num_labels) int64, order (P',) int64, ignored (P - P',) int64)``: pixel
+        counts per (image, class); the non-ignored pixels grouped by (image, class) in that
+        order, each as its index within its own image, row-major inside a group; the ignored
+        pixels as indices into ``labels``, in increasing order.
+    """
+    B, P = int(offsets.shape[0]) - 1, int(labels.shape[0])
+    counts = np.zeros((B, int(num_labels)), dtype=np.int64)
+    order = np.empty(P, dtype=np.int64)
+    ignored = np.empty(P, dtype=np.int64)
+    n_ignored = _group_pixels(labels, offsets.astype(np.int64), int(ignore_index), counts, order, ignored)
+    return counts, order[: P - n_ignored], ignored[:n_ignored]
+
 
 class _threads:
     """Run a block with numba's thread count set to ``n`` (None: leave it), then restore it."""
@@ -324,8 +478,37 @@ class _threads:
         numba.set_num_threads(self.previous)
 
 
+def _image_blocks(images) -> Tuple[list, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Checked (D, P_b) C-contiguous blocks of one dtype, their addresses, pixel counts, a
+    typing stand-in of their element type (float16 as its uint16 bits) and D."""
+    blocks = [images] if isinstance(images, np.ndarray) else list(images)
+    if not blocks:
+        raise ValueError("images must hold at least one (D, P) array, got none")
+    for b, a in enumerate(blocks):
+        if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.float16) or a.ndim != 2:
+            raise ValueError(f"images[{b}] must be a (D, P) float32 or float16 array, got "
+                             f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+        if a.dtype != blocks[0].dtype or a.shape[0] != blocks[0].shape[0]:
+            raise ValueError(f"images[{b}] is {a.dtype} (D={a.shape[0]}), but images[0] is {blocks[0].dtype} "
+                             f"(D={blocks[0].shape[0]}): every image must share the dtype and D")
+    blocks = [np.ascontiguousarray(a) for a in blocks]
+    addresses = np.array([a.ctypes.data for a in blocks], dtype=np.int64)
+    pixels = np.array([a.shape[1] for a in blocks], dtype=np.int64)
+    like = np.empty(0, dtype=np.uint16 if blocks[0].dtype == np.float16 else np.float32)
+    return blocks, addresses, pixels, like, int(blocks[0].shape[0])
+
+
+def _image_index(image, count: int, n: int, name: str) -> np.ndarray:
+    image = np.zeros(count, dtype=np.int64) if image is None else np.asarray(image, dtype=np.int64)
+    if image.shape != (count,):
+        raise ValueError(f"{name} must have shape ({count},), got {image.shape}")
+    if count and (image.min() < 0 or image.max() >= n):
+        raise ValueError(f"{name} must index the {n} images, got values in [{image.min()}, {image.max()}]")
+    return image
+
+
 def kmeans_groups(
-    x: np.ndarray,
+    images,
     order: np.ndarray,
     starts: np.ndarray,
     sizes: np.ndarray,
@@ -336,21 +519,21 @@ def kmeans_groups(
     normalize: bool,
     max_iter: int,
     tol: float,
-    bases: Optional[np.ndarray] = None,
-    strides: Optional[np.ndarray] = None,
-    dim: Optional[int] = None,
+    image: Optional[np.ndarray] = None,
     num_threads: Optional[int] = None,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """K-means of G groups of pixels, one group per thread at a time.
 
     Shapes:
-        x: (D, P) float32 points, one column per pixel (C-contiguous); or a flat float32 buffer
-            of several images' (D, pixels) blocks, with ``bases``, ``strides`` and ``dim``.
-        order: (M,) int64 column indices; group g is ``x[:, order[starts[g] : starts[g] + sizes[g]]]``
-            (with a flat buffer: columns of the block at ``bases[g]`` whose rows are
-            ``strides[g]`` apart, i.e. of that image's (dim, strides[g]) block).
+        images: one (D, P) array, or a sequence of (D, P_b) arrays (one per image), float32 or
+            float16, all of one dtype; one column per pixel. They are read where they are (a
+            non-contiguous one is copied first); float16 is widened exactly as each pixel is
+            gathered, which gives the same result as float32 input holding the same values.
+        order: (M,) int64 column indices; group g is
+            ``images[image[g]][:, order[starts[g] : starts[g] + sizes[g]]]``.
         starts, sizes, ks, trials: (G,) int64; sizes >= 1, ks >= 1.
         uniforms: (G, Kmax, Tmax) float64 k-means++ draws of each problem (see ``kmeans._uniforms``).
+        image: (G,) int64 image of each group (default: all 0).
 
     Args:
         normalize: divide each gathered pixel by max(its L2 norm, 1e-12) first.
@@ -364,24 +547,54 @@ def kmeans_groups(
     """
     if not available():
         raise RuntimeError("kmeans_groups needs numba: pip install 'mars-plugin[fast]'")
-    if x.dtype != np.float32 or x.ndim not in (1, 2) or (x.ndim == 1) != (bases is not None):
-        raise ValueError(f"x must be a (D, P) float32 array, or a flat one with bases/strides/dim, got "
-                         f"{x.dtype} {x.shape}")
+    blocks, addresses, pixels, like, dim = _image_blocks(images)
+    order, starts, sizes = (np.asarray(a, dtype=np.int64) for a in (order, starts, sizes))
     G = int(sizes.shape[0])
-    if x.ndim == 2:
-        dim = int(x.shape[0])
-        bases = np.zeros(G, dtype=np.int64)
-        strides = np.full(G, x.shape[1], dtype=np.int64)
+    image = _image_index(image, G, len(blocks), "image")
+    # The kernel reads raw memory: every column it will touch must lie inside its image.
+    if G and (starts.min() < 0 or sizes.min() < 1 or (starts + sizes).max() > order.shape[0]):
+        raise ValueError(f"starts and sizes must describe slices of order (length {order.shape[0]}) of at least "
+                         "one pixel each")
+    if G and not _columns_inside(order, starts, sizes, pixels[image]):
+        raise ValueError("order holds a column outside its group's image")
+    ks, trials = np.asarray(ks, dtype=np.int64), np.asarray(trials, dtype=np.int64)
+    uniforms = np.ascontiguousarray(uniforms, dtype=np.float64)
+    if ks.shape != (G,) or trials.shape != (G,) or uniforms.ndim != 3 or uniforms.shape[0] != G:
+        raise ValueError(f"ks and trials must have shape ({G},) and uniforms ({G}, Kmax, Tmax), got {ks.shape}, "
+                         f"{trials.shape} and {uniforms.shape}")
+    if G and (ks.min() < 1 or ks.max() > uniforms.shape[1] or trials.min() < 1 or trials.max() > uniforms.shape[2]):
+        raise ValueError(f"ks must be in 1..{uniforms.shape[1]} and trials in 1..{uniforms.shape[2]} (the uniforms' "
+                         f"shape), got ks in [{ks.min()}, {ks.max()}] and trials in [{trials.min()}, {trials.max()}]")
     kmax = int(uniforms.shape[1]) if G else 1
-    out_c = np.zeros((G, kmax, int(dim)), dtype=np.float32)
+    out_c = np.zeros((G, kmax, dim), dtype=np.float32)
     out_valid = np.zeros((G, kmax), dtype=np.bool_)
     out_iter = np.zeros(G, dtype=np.int64)
     out_bad = np.zeros(G, dtype=np.bool_)
     if G == 0:
         return out_c, out_valid, out_iter, out_bad
     with _threads(num_threads):
-        _kmeans_groups(np.ascontiguousarray(x).reshape(-1), bases.astype(np.int64), strides.astype(np.int64), int(dim),
-                       bool(normalize), order.astype(np.int64), starts.astype(np.int64), sizes.astype(np.int64),
-                       ks.astype(np.int64), np.ascontiguousarray(uniforms, dtype=np.float64),
-                       trials.astype(np.int64), int(max_iter), float(tol), out_c, out_valid, out_iter, out_bad)
+        _kmeans_groups(addresses[image], pixels[image], like, dim, bool(normalize), order, starts, sizes, ks, uniforms,
+                       trials, int(max_iter), float(tol), out_c, out_valid, out_iter, out_bad)
+    del blocks  # held until here: the kernel read them through their addresses
     return out_c, out_valid, out_iter, out_bad
+
+
+def nonfinite_pixels(images, image: np.ndarray, pixel: np.ndarray) -> np.ndarray:
+    """Which of the listed pixels hold a NaN or Inf value in any dimension.
+
+    Shapes:
+        images: as in :func:`kmeans_groups`.
+        image, pixel: (M,) int64; pixel j is column ``pixel[j]`` of ``images[image[j]]``.
+
+    Returns:
+        (M,) bool.
+    """
+    blocks, addresses, pixels, like, dim = _image_blocks(images)
+    pixel = np.asarray(pixel, dtype=np.int64)
+    image = _image_index(image, int(pixel.shape[0]), len(blocks), "image")
+    if pixel.size and (pixel.min() < 0 or (pixel >= pixels[image]).any()):
+        raise ValueError("pixel holds a column outside its image")
+    out = np.zeros(pixel.shape[0], dtype=np.bool_)
+    _nonfinite_pixels(addresses[image], pixels[image], like, dim, pixel, out)
+    del blocks
+    return out
