@@ -275,12 +275,20 @@ class _Accumulator:
             self.bg_sum = s if self.bg_sum is None else self.bg_sum + s
             self.n_bg += int(valid[is_bg].sum())
         tags = (self.n_images + batch.image) * self.world + self.rank  # global stream index per group
-        for c in torch.unique(batch.label[~is_bg]).tolist():
-            sel = batch.label == c
-            v = valid[sel]
-            vec = batch.centroids[sel][v].detach()
-            self.candidates.setdefault(int(c), []).append([tags[sel][:, None].expand_as(v)[v], vec])
-            self.held_bytes += vec.numel() * vec.element_size()
+        # Every valid foreground centroid as one row, then the rows sorted by class (stable:
+        # inside a class, stream order: image, then centroid) and cut into one chunk per class.
+        fg = ~is_bg
+        v = valid[fg]
+        row_label = batch.label[fg][:, None].expand_as(v)[v]
+        by_class = torch.sort(row_label, stable=True).indices
+        row_label = row_label[by_class]
+        row_tag = tags[fg][:, None].expand_as(v)[v][by_class]
+        row_vec = batch.centroids[fg][v][by_class].detach()
+        classes, sizes = torch.unique_consecutive(row_label, return_counts=True)
+        sizes = sizes.tolist()
+        for c, tag, vec in zip(classes.tolist(), row_tag.split(sizes), row_vec.split(sizes)):
+            self.candidates.setdefault(int(c), []).append([tag, vec])
+        self.held_bytes += row_vec.numel() * row_vec.element_size()
         self.n_images += batch.num_images
         if self.spill_dir is not None and self.held_bytes > self.spill_bytes:
             self._spill()
@@ -289,8 +297,24 @@ class _Accumulator:
         """What the other ranks need first: sums and counts, never the candidates."""
         return dict(bg_sum=self.bg_sum, n_bg=self.n_bg, n_images=self.n_images, dim=self.dim)
 
+    def _merge_chunks(self) -> None:
+        """Join each run of in-memory chunks of a class into one chunk (same rows, same order),
+        so that scoring and summing take one tensor operation per run, not one per batch;
+        spilled chunks stay apart (one is read at a time)."""
+        for c, chunks in self.candidates.items():
+            runs: List[List[list]] = []  # consecutive in-memory chunks together, spilled ones alone
+            for ch in chunks:
+                in_memory = isinstance(ch[1], torch.Tensor)
+                if in_memory and runs and isinstance(runs[-1][-1][1], torch.Tensor):
+                    runs[-1].append(ch)
+                else:
+                    runs.append([ch])
+            self.candidates[c] = [[torch.cat([ch[0] for ch in run]), torch.cat([ch[1] for ch in run])]
+                                  if len(run) > 1 else run[0] for run in runs]
+
     def distances(self, bg_mean: torch.Tensor) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per class, Eq. 1 distance, tag and row-in-chunk of every local candidate (in chunk order)."""
+        self._merge_chunks()
         out = {}
         for c, chunks in self.candidates.items():
             d = [background_distance(self.vectors(ch), bg_mean) for ch in chunks]
