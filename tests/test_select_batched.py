@@ -141,6 +141,27 @@ def test_spilled_candidates_give_the_same_result(tmp_path, seed, batch_size):
     assert list(tmp_path.iterdir()) == []  # the temporary folder is gone
 
 
+@pytest.mark.parametrize("spill_kb", [0.3, 1.0])
+def test_spilled_and_in_memory_chunks_mixed_give_the_same_result(tmp_path, spill_kb, monkeypatch):
+    # A budget of a few batches: spilled chunks alternate with runs of in-memory ones, which
+    # are joined before scoring; ties keep the stream order through both.
+    import mars_plugin.selection as sel
+
+    kinds = []
+    merge = sel._Accumulator._merge_chunks
+
+    def spy(self):
+        kinds.append({isinstance(ch[1], torch.Tensor) for chunks in self.candidates.values() for ch in chunks})
+        merge(self)
+
+    monkeypatch.setattr(sel._Accumulator, "_merge_chunks", spy)
+    pairs = _pairs(45, n=30)
+    ref = select_centroids(pairs, num_classes=6, batch_size=2)
+    got = select_centroids(pairs, num_classes=6, batch_size=2, spill_dir=tmp_path, spill_mb=spill_kb / 1024)
+    assert_same_result(got, ref, atol=1e-6)
+    assert kinds[1] == {True, False}  # the spilled run had both kinds of chunk
+
+
 def test_spill_files_are_plain_npy_and_removed_on_error(tmp_path, monkeypatch):
     import mars_plugin.selection as sel
 
