@@ -121,11 +121,24 @@ if numba is not None:
         D = xt.shape[0]
         for i in range(n):
             out[i] = 0.0
-        for d in range(D):
-            c = xt[d, col]
+        d = 0
+        while d + 4 <= D:  # four dimensions per pass over ``out``, as _project
+            r0, r1, r2, r3 = xt[d], xt[d + 1], xt[d + 2], xt[d + 3]
+            c0, c1, c2, c3 = r0[col], r1[col], r2[col], r3[col]
             for i in range(n):
-                diff = xt[d, i] - c
+                e0 = r0[i] - c0
+                e1 = r1[i] - c1
+                e2 = r2[i] - c2
+                e3 = r3[i] - c3
+                out[i] += e0 * e0 + e1 * e1 + e2 * e2 + e3 * e3
+            d += 4
+        while d < D:
+            row = xt[d]
+            c = row[col]
+            for i in range(n):
+                diff = row[i] - c
                 out[i] += diff * diff
+            d += 1
 
     @njit(cache=True, fastmath=_FM, error_model="numpy")
     def _seed(xt, n, k, u, trials, centers, valid, closest, cand_d, best_d):
