@@ -9,7 +9,8 @@ peak RSS, and the cosine between the two selected centroids of every class. ``re
 time to read the stream alone, the floor both methods share. Imports, and for CUDA the context
 start-up and a 16-image warm-up, happen before the clock starts: a fixed cost per process,
 printed apart as ``(+ start-up)``; so does loading (or, the first time, compiling) the numba
-kernel of the compiled CPU backend. Prints a table; never a test.
+kernel of the compiled CPU backend. Ours and the read run ``--repeat`` times (default 3) and
+report the median; the baseline, minutes long, runs once. Prints a table; never a test.
 
     python benchmarks/bench_select.py                      # N = 500, 2000, 10000; D = 70, 384
     python benchmarks/bench_select.py --sizes 500 --dims 70 --baseline-max 500
@@ -23,6 +24,7 @@ import json
 import multiprocessing
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,7 +116,7 @@ def read_stream(path_f: str, path_y: str, n: int, dim: int):
 
 
 def run_one(method: str, n: int, dim: int, cache: tuple, out: str, batch_size: int, device: str,
-            backend: str = "auto") -> None:
+            backend: str = "auto", repeat: int = 1) -> None:
     """Run one method in this process and write its timing, RSS and centroids to ``out``."""
     path_f, path_y = cache
     # Imports and, for CUDA, the context and library start-up happen before the clock starts:
@@ -135,28 +137,36 @@ def run_one(method: str, n: int, dim: int, cache: tuple, out: str, batch_size: i
     elif method == "baseline":
         from paper_literal import paper_literal_select
     startup = time.perf_counter() - t_start
-    t0 = time.perf_counter()
     cents = {}
-    if method == "read":
-        for f, y in read_stream(path_f, path_y, n, dim):
-            pass
-    elif method == "ours":
-        V = ours(n)
-        cents = {int(c): V.centroids[c].cpu().numpy().tolist() for c in range(1, NUM_CLASSES + 1) if bool(V.valid[c])}
-    else:
-        cents = {c: v.tolist() for c, v in paper_literal_select(read_stream(path_f, path_y, n, dim), NUM_CLASSES).items()}
-    wall = time.perf_counter() - t0
+    walls = []
+    # The baseline runs once (minutes: timing noise averages out); the read and ours run
+    # `repeat` times and report the median, as a run of a second moves by +-20% on a shared
+    # machine.
+    for _ in range(1 if method == "baseline" else repeat):
+        t0 = time.perf_counter()
+        if method == "read":
+            for f, y in read_stream(path_f, path_y, n, dim):
+                pass
+        elif method == "ours":
+            V = ours(n)
+            cents = {int(c): V.centroids[c].cpu().numpy().tolist() for c in range(1, NUM_CLASSES + 1)
+                     if bool(V.valid[c])}
+        else:
+            cents = {c: v.tolist() for c, v in
+                     paper_literal_select(read_stream(path_f, path_y, n, dim), NUM_CLASSES).items()}
+        walls.append(time.perf_counter() - t0)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(out, "w") as fh:
-        json.dump({"wall": wall, "startup": startup, "rss_mb": rss_mb, "centroids": cents}, fh)
+        json.dump({"wall": statistics.median(walls), "walls": walls, "startup": startup, "rss_mb": rss_mb,
+                   "centroids": cents}, fh)
 
 
-def _sub(method, n, dim, cache, batch_size, device, backend="auto"):
+def _sub(method, n, dim, cache, batch_size, device, backend="auto", repeat=1):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         path = tmp.name
     cmd = [sys.executable, os.path.abspath(__file__), "--_run", method, "--sizes", str(n), "--dims", str(dim),
-           "--batch-size", str(batch_size), "--devices", device, "--backends", backend, "--_out", path,
-           "--_cache", *cache]
+           "--batch-size", str(batch_size), "--devices", device, "--backends", backend, "--repeat", str(repeat),
+           "--_out", path, "--_cache", *cache]
     subprocess.run(cmd, check=True)
     with open(path) as fh:
         res = json.load(fh)
@@ -186,6 +196,9 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "mars_bench_select_cache"),
                     help="folder of the generated feature caches (float16; D=384, N=10000 takes 12 GB)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes generating the cache")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of ours and of the read, in one process each; the median is reported (the "
+                         "baseline runs once)")
     ap.add_argument("--_run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_cache", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -196,7 +209,7 @@ def main() -> None:
     backends = args.backends.split(",")
     if args._run:
         run_one(args._run, sizes[0], dims[0], tuple(args._cache), args._out, args.batch_size, devices[0],
-                backends[0])
+                backends[0], args.repeat)
         return
     from mars_plugin import kmeans_compiled
 
@@ -208,6 +221,8 @@ def main() -> None:
         print(machine_line(dev))
     print(f"grid {GRID}x{GRID}, {NUM_CLASSES} classes, K_fg=K_bg=2, alpha=0.4, float16 feature cache")
     print(f"numba kernel available: {kmeans_compiled.available()} (auto = compiled on the CPU when available)")
+    print(f"read s and ours s: median of {args.repeat} runs in one process (ours: min-max in brackets); "
+          "baseline: one run")
     print("| N | D | ours on | backend | read s | ours s (+ start-up) | ours peak RSS MB | baseline s "
           "| baseline peak RSS MB | speed-up | min cos per class |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -215,13 +230,13 @@ def main() -> None:
     for dim in dims:
         cache = ensure_cache(args.cache, max(sizes), dim, args.workers)
         for n in sizes:
-            read = _sub("read", n, dim, cache, 1, "cpu")
+            read = _sub("read", n, dim, cache, 1, "cpu", repeat=args.repeat)
             base = _sub("baseline", n, dim, cache, 1, "cpu") if n <= args.baseline_max else None
             if base is not None:
                 per_image[("baseline", dim)] = base["wall"] / n
             for dev, be in runs:
                 bs = args.batch_size or (512 if dev.startswith("cuda") else 64)
-                ours = _sub("ours", n, dim, cache, bs, dev, be)
+                ours = _sub("ours", n, dim, cache, bs, dev, be, args.repeat)
                 per_image[(f"ours ({dev}, {be})", dim)] = ours["wall"] / n
                 if base is not None:
                     b_s, b_rss = f"{base['wall']:.1f}", f"{base['rss_mb']:.0f}"
@@ -230,7 +245,9 @@ def main() -> None:
                     est = per_image.get(("baseline", dim), float("nan")) * n
                     b_s, b_rss = f"~{est:.0f} (extrapolated)", "-"
                     speed, cos = f"~{est / ours['wall']:.0f}x", "-"
-                print(f"| {n} | {dim} | {dev} | {be} | {read['wall']:.2f} | {ours['wall']:.2f} (+{ours['startup']:.1f}) | "
+                spread = f" [{min(ours['walls']):.2f}-{max(ours['walls']):.2f}]" if len(ours["walls"]) > 1 else ""
+                print(f"| {n} | {dim} | {dev} | {be} | {read['wall']:.2f} | {ours['wall']:.2f}{spread} "
+                      f"(+{ours['startup']:.1f}) | "
                       f"{ours['rss_mb']:.0f} | "
                       f"{b_s} | {b_rss} | {speed} | {cos} |", flush=True)
     print("\nExtrapolation from the per-image time at the largest N measured (one process):")
