@@ -310,6 +310,7 @@ if numba is not None:
                 break
         return it
 
+    # nogil: other Python threads of the caller (e.g. one reading the next images) run meanwhile.
     @njit(cache=True, parallel=True, nogil=True, fastmath=_FM, error_model="numpy")
     def _kmeans_groups(addresses, strides, like, D, normalize, order, starts, sizes, ks, u, trials, max_iter, tol,
                        out_c, out_valid, out_iter, out_bad):
