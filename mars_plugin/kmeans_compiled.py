@@ -411,6 +411,8 @@ if numba is not None:
                 v = y[p]
                 if v == ignore_index:
                     n_ignored += 1
+                elif v < 0 or v >= n_labels:
+                    return -1 - p  # an id outside the counts: the caller raises
                 else:
                     counts[b, v] += 1
         # Groups in (image, class) order; a counting sort keeps each group's pixels in
@@ -445,18 +447,31 @@ def label_range(labels: np.ndarray, offsets: np.ndarray, ignore_index: int) -> T
     Returns:
         ``(lo (B,), hi (B,))`` int64.
     """
+    offsets = _check_offsets(labels, offsets)
     B = int(offsets.shape[0]) - 1
     lo, hi = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
-    _label_range(labels, offsets.astype(np.int64), int(ignore_index), lo, hi)
+    _label_range(labels, offsets, int(ignore_index), lo, hi)
     return lo, hi
+
+
+def _check_offsets(labels: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    if not isinstance(labels, np.ndarray) or labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise ValueError(f"labels must be a (P,) integer array, got {getattr(labels, 'dtype', type(labels).__name__)} "
+                         f"{getattr(labels, 'shape', '')}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != labels.shape[0] \
+            or (np.diff(offsets) < 0).any():
+        raise ValueError(f"offsets must rise from 0 to len(labels)={labels.shape[0]}, got {offsets.tolist()[:8]}"
+                         f"{'...' if offsets.size > 8 else ''}")
+    return offsets
 
 
 def group_pixels(labels: np.ndarray, offsets: np.ndarray, ignore_index: int, num_labels: int):
     """The (image, class) groups of B images' labels: a counting sort of their pixels.
 
     Shapes:
-        labels: (P,) integer labels, each in 0..num_labels - 1 or ``ignore_index`` (checked by
-            the caller, e.g. through :func:`label_range`).
+        labels: (P,) integer labels, each in 0..num_labels - 1 or ``ignore_index`` (another
+            value raises).
         offsets: (B + 1,) int64; image b is ``labels[offsets[b] : offsets[b + 1]]``.
 
     Returns:
@@ -465,11 +480,15 @@ def group_pixels(labels: np.ndarray, offsets: np.ndarray, ignore_index: int, num
         order, each as its index within its own image, row-major inside a group; the ignored
         pixels as indices into ``labels``, in increasing order.
     """
+    offsets = _check_offsets(labels, offsets)
     B, P = int(offsets.shape[0]) - 1, int(labels.shape[0])
     counts = np.zeros((B, int(num_labels)), dtype=np.int64)
     order = np.empty(P, dtype=np.int64)
     ignored = np.empty(P, dtype=np.int64)
-    n_ignored = _group_pixels(labels, offsets.astype(np.int64), int(ignore_index), counts, order, ignored)
+    n_ignored = _group_pixels(labels, offsets, int(ignore_index), counts, order, ignored)
+    if n_ignored < 0:
+        p = -1 - n_ignored
+        raise ValueError(f"labels[{p}] is {labels[p]}: expected 0..{num_labels - 1} or ignore_index={ignore_index}")
     return counts, order[: P - n_ignored], ignored[:n_ignored]
 
 

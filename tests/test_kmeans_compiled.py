@@ -334,6 +334,19 @@ def test_group_pixels_and_label_range_match_a_sort(seed):
         ids = np.append(flat[offs[b] : offs[b + 1]], 0)
         ids = ids[ids != 255]
         assert (lo[b], hi[b]) == (ids.min(), ids.max())
+    # ids outside the counts and bad offsets raise instead of writing or reading out of bounds
+    with pytest.raises(ValueError, match=r"labels\[\d+\] is -3: expected 0..4 or ignore_index=255"):
+        kmeans_compiled.group_pixels(flat, offs, 255, 5)
+    flat[offs[4]] = 5
+    with pytest.raises(ValueError, match=r"labels\[\d+\] is 5: expected 0..4"):
+        kmeans_compiled.group_pixels(flat, offs, 255, 5)
+    for bad in (offs[:-1], offs + 1, offs[::-1]):
+        with pytest.raises(ValueError, match="offsets must rise from 0 to len"):
+            kmeans_compiled.group_pixels(flat, bad, 255, 6)
+        with pytest.raises(ValueError, match="offsets must rise from 0 to len"):
+            kmeans_compiled.label_range(flat, bad, 255)
+    with pytest.raises(ValueError, match=r"labels must be a \(P,\) integer array, got float64"):
+        kmeans_compiled.label_range(flat.astype(float), offs, 255)
 
 
 def test_mixed_dtypes_in_a_batch_are_widened_not_narrowed():
