@@ -395,6 +395,8 @@ def _cluster_compiled(features, labels, *, k_fg, k_bg, ignore_index, normalize, 
         full_flat = torch.cat([y.reshape(-1) for y in labels]).numpy()
         full_offs = np.concatenate([[0], np.cumsum([y.numel() for y in labels])])
     lo, hi = kmeans_compiled.label_range(full_flat, full_offs, ignore_index)
+    # Without ``name`` (callers that checked the labels already) the bound C is not known, but
+    # a negative id is still refused: the counting sort could not place it.
     _check_label_bounds(lo, hi, name or (lambda i: f"pseudo_label[{i}]"), max_label if name else None)
     counts, order, ignored = kmeans_compiled.group_pixels(y_flat, offs, ignore_index, int(hi.max(initial=0)) + 1)
     g_img, g_lab = np.nonzero(counts)  # row-major: groups in (image, class) order
@@ -402,7 +404,7 @@ def _cluster_compiled(features, labels, *, k_fg, k_bg, ignore_index, normalize, 
     g_start = np.concatenate([[0], np.cumsum(g_size)[:-1]]).astype(np.int64)
     G = len(g_size)
     ks = np.where(g_lab == 0, k_bg, k_fg).astype(np.int64)
-    trials = np.array([seeding_trials(int(k)) for k in ks], dtype=np.int64)
+    trials = np.where(g_lab == 0, seeding_trials(k_bg), seeding_trials(k_fg)).astype(np.int64)
     u = (_uniforms([problem_seed(seed, int(c)) for c in g_lab], ks.tolist(), trials.tolist(),
                    torch.device("cpu")).numpy() if G else np.zeros((0, max(k_fg, k_bg), 1)))
     dtypes = {f.dtype for f in features}
