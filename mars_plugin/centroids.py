@@ -202,13 +202,12 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
                      workspace: Optional[_Workspace] = None):
     """Every non-ignored pixel of a batch, sorted by (image, class).
 
-    Returns ``(x, order (P',), ignored (P - P',), image, label, start, size)``.
+    Returns ``(x, order (P',), image, label, start, size)``.
     ``x`` is (P + 1, D): the (normalised) pixel embeddings in row-major order per image
     followed by one zero row.
     ``order`` is the permutation of the non-ignored pixels that sorts them by group (stable:
-    pixel order within a group is row-major, the order a boolean mask gives), ``ignored`` the
-    ignored pixels in increasing order; then come each group's image, class, offset in
-    ``order`` and size, as Python lists.
+    pixel order within a group is row-major, the order a boolean mask gives); then come each
+    group's image, class, offset in ``order`` and size, as Python lists.
     ``name(i)``, when given, turns on the batch-level value checks and names image i in errors;
     ``max_label`` (C) then bounds the class ids.
     """
@@ -270,8 +269,7 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
     groups, sizes = torch.unique_consecutive(sorted_key[:n_keep], return_counts=True)
     groups, sizes = groups.tolist(), sizes.tolist()
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
-    return (x3, order[:n_keep], order[n_keep:], [g // n_labels for g in groups],
-            [g % n_labels for g in groups], starts, sizes)
+    return (x3, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts, sizes)
 
 
 def _cluster_groups(
@@ -326,7 +324,7 @@ def _cluster_groups(
         return _cluster_compiled(features, labels, k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index,
                                  normalize=normalize, seed=seed, max_iter=max_iter, tol=tol, name=name,
                                  max_label=max_label)
-    x, order, ignored, g_img, g_lab, g_start, g_size = _pixels_by_group(
+    x, order, g_img, g_lab, g_start, g_size = _pixels_by_group(
         features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
         max_label=max_label, workspace=ws)
     G, D = len(g_size), dims[0]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from .centroids import BACKENDS
 from .files import atomic_write
 
 
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--spill-dir", default=None,
                    help="existing folder: candidate centroids beyond --spill-mb go to a temporary folder in it")
     c.add_argument("--spill-mb", type=float, default=1024, help="MB of candidate centroids held in memory")
-    c.add_argument("--backend", choices=["auto", "compiled", "torch"], default="auto",
+    c.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="K-means implementation: compiled (numba, CPU), torch (any device), or auto "
                         "(compiled on the CPU when numba is installed)")
     _add_wsss(c)
