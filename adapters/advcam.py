@@ -140,6 +140,7 @@ def cams_to_label(
     image: Any = None,
     crf: Optional[bool] = None,
     crf_params: Optional[Mapping[str, float]] = None,
+    crf_backend: str = "torch",
 ) -> torch.Tensor:
     """AdvCAM's ``ir_label`` (step/cam_to_ir_label.py:29-51): IRNet's rule with 0.35 / 0.15.
 
@@ -153,7 +154,8 @@ def cams_to_label(
     Returns:
         (H, W) long: 0 background, 1..20 classes, 255 uncertain.
     """
-    return _irn.confident_label(cams, conf_fg=conf_fg, conf_bg=conf_bg, image=image, crf=crf, crf_params=crf_params)
+    return _irn.confident_label(cams, conf_fg=conf_fg, conf_bg=conf_bg, image=image, crf=crf, crf_params=crf_params,
+                                crf_backend=crf_backend)
 
 
 def load_image_labels(path: PathLike = "voc12/cls_labels.npy", *, trust_pickle: bool = False) -> Dict[str, torch.Tensor]:

@@ -204,23 +204,18 @@ def _check_thresholds(conf_fg: float, conf_bg: float) -> Tuple[float, float]:
     return float(conf_fg), float(conf_bg)
 
 
-def _crf_inference_label(img: np.ndarray, labels: np.ndarray, n_labels: int, params: Mapping[str, float]) -> np.ndarray:
-    """misc/imutils.py:156-170 ``crf_inference_label``: a dense CRF started from a hard label map."""
-    try:
-        import pydensecrf.densecrf as dcrf
-        from pydensecrf.utils import unary_from_labels
-    except ImportError as e:  # pragma: no cover - only without the extra
-        raise ImportError("the CRF step needs pydensecrf: pip install 'mars-plugin[crf]', or pass crf=False") from e
+def _crf_inference_label(img: np.ndarray, labels: np.ndarray, n_labels: int, params: Mapping[str, float],
+                         backend: str) -> np.ndarray:
+    """misc/imutils.py:156-170 ``crf_inference_label``: a dense CRF started from a hard label map
+    (``unary_from_labels(gt_prob, zero_unsure=False)``), with :func:`mars_plugin.crf.dense_crf_from_unary`."""
+    from mars_plugin.crf import dense_crf_from_unary, unary_from_labels
+
     if n_labels < 2:  # nothing but background: unary_from_labels would divide by zero
         return np.zeros(labels.shape, dtype=np.int64)
-    h, w = img.shape[:2]
-    d = dcrf.DenseCRF2D(w, h, n_labels)
-    d.setUnaryEnergy(unary_from_labels(labels, n_labels, gt_prob=params["gt_prob"], zero_unsure=False))
-    d.addPairwiseGaussian(sxy=params["gaussian_sxy"], compat=params["gaussian_compat"])
-    d.addPairwiseBilateral(sxy=params["bilateral_sxy"], srgb=params["bilateral_srgb"],
-                           rgbim=np.ascontiguousarray(np.copy(img)), compat=params["bilateral_compat"])
-    q = d.inference(int(params["iterations"]))
-    return np.argmax(np.array(q).reshape((n_labels, h, w)), axis=0)
+    unary = unary_from_labels(torch.from_numpy(labels), n_labels, params["gt_prob"], zero_unsure=False)
+    crf = {k: v for k, v in params.items() if k != "gt_prob"}
+    q = dense_crf_from_unary(unary, img, crf, backend=backend)
+    return q.argmax(0).numpy()
 
 
 def confident_label(
@@ -232,6 +227,7 @@ def confident_label(
     crf: Optional[bool] = None,
     crf_params: Optional[Mapping[str, float]] = None,
     num_classes: int = NUM_CLASSES,
+    crf_backend: str = "torch",
 ) -> torch.Tensor:
     """The confident-fg/bg rule of cam_to_ir_label.py (shared by IRNet and AdvCAM); see
     :func:`cams_to_label`."""
@@ -271,7 +267,7 @@ def confident_label(
         # cam_to_ir_label.py:27-30 / 32-35: the background row is the constant threshold
         idx = np.argmax(np.pad(hr, ((1, 0), (0, 0), (0, 0)), mode="constant", constant_values=thres), axis=0)
         if crf:
-            idx = _crf_inference_label(rgb, idx, n_labels, params)
+            idx = _crf_inference_label(rgb, idx, n_labels, params, crf_backend)
         return keys[idx]
 
     fg_conf = side(conf_fg)
@@ -290,6 +286,7 @@ def cams_to_label(
     image: Any = None,
     crf: Optional[bool] = None,
     crf_params: Optional[Mapping[str, float]] = None,
+    crf_backend: str = "torch",
 ) -> torch.Tensor:
     """IRNet's ``ir_label`` from a CAM dict (step/cam_to_ir_label.py:23-40).
 
@@ -299,19 +296,22 @@ def cams_to_label(
     pixel is its class where confident fg, 0 where background for both, 255 in between.
 
     The CRF step (``crf_inference_label`` on each argmax map, misc/imutils.py:156-170, with
-    :data:`CRF_PARAMS` through pydensecrf's ``unary_from_labels`` exactly as IRNet calls it) runs
-    when ``image`` is given (``crf=None``), needs the full-resolution RGB image as IRNet reads it
-    (``imageio.imread`` of the JPEG: (H, W, 3) uint8) and the ``crf`` extra. ``crf=False`` gives
-    the thresholds alone; ``crf=True`` without an image is an error.
+    :data:`CRF_PARAMS` and pydensecrf's ``unary_from_labels`` as IRNet calls them, computed by
+    :func:`mars_plugin.crf.dense_crf_from_unary`) runs when ``image`` is given (``crf=None``) and
+    needs the full-resolution RGB image as IRNet reads it (``imageio.imread`` of the JPEG:
+    (H, W, 3) uint8). ``crf=False`` gives the thresholds alone; ``crf=True`` without an image is
+    an error.
 
     Args:
         cams: the dict of :func:`load_cams` (1-based ``keys``, ``high_res`` (K, H, W)).
         crf_params: overrides of :data:`CRF_PARAMS`.
+        crf_backend: ``"torch"`` or ``"pydensecrf"`` (upstream's own library; the ``crf`` extra).
 
     Returns:
         (H, W) long: 0 background, 1..20 classes, 255 uncertain.
     """
-    return confident_label(cams, conf_fg=conf_fg, conf_bg=conf_bg, image=image, crf=crf, crf_params=crf_params)
+    return confident_label(cams, conf_fg=conf_fg, conf_bg=conf_bg, image=image, crf=crf, crf_params=crf_params,
+                           crf_backend=crf_backend)
 
 
 # --------------------------------------------------------------------------- image labels and lists

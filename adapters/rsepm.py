@@ -267,6 +267,7 @@ def cams_to_label(
     bg_gamma: Optional[float] = BG_GAMMA,
     bg_threshold: Optional[float] = None,
     image: Any = None,
+    crf_backend: str = "torch",
 ) -> torch.Tensor:
     """(H, W) long mask from a :func:`load_cams` dict (or a raw ``{'keys', 'seed'}`` dict),
     following ``convert_seed_to_pseudo_masks.py:109-137``:
@@ -278,8 +279,9 @@ def cams_to_label(
     * DeepLab-stage predictions already hold their classes' softmax (upstream sets
       ``bg_gamma=None`` for them, ``:22-23``): no background is added, ``bg_*`` are unused;
     * with ``image`` ((H, W, 3) uint8 RGB of the seed's size), the dense CRF of
-      ``convert_seed_to_pseudo_masks.py:77-84`` (:data:`CRF_PARAMS`, pydensecrf) runs on those
-      probabilities first: upstream's default ``--mode crf``. Without ``image``, the argmax of the
+      ``convert_seed_to_pseudo_masks.py:77-84`` (:data:`CRF_PARAMS`, with
+      :func:`mars_plugin.crf.dense_crf`; ``crf_backend="pydensecrf"`` runs pydensecrf itself) runs
+      on those probabilities first: upstream's default ``--mode crf``. Without ``image``, the argmax of the
       unnormalised scores (upstream's non-CRF mode, ``:125-128``, when ``bg_threshold`` is given);
     * argmax over channels (ties to the first), mapped through the keys (``:130-131``).
     """
@@ -303,10 +305,9 @@ def cams_to_label(
         probs = np.concatenate([bg, cam], axis=0)
         ids = np.concatenate([[0], keys])
     if image is not None:
-        from mars_plugin.crf import dense_crf, image_to_hwc_uint8
+        from mars_plugin.crf import dense_crf
 
-        rgb = image_to_hwc_uint8(image, "image", tuple(probs.shape[1:]))
-        probs = dense_crf(probs, rgb, CRF_PARAMS)
+        probs = dense_crf(np.ascontiguousarray(probs), image, CRF_PARAMS, backend=crf_backend).numpy()
     return torch.from_numpy(ids[np.argmax(probs, axis=0)].astype(np.int64))
 
 

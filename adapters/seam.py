@@ -250,6 +250,7 @@ def cams_to_label(
     bg_alpha: Optional[float] = None,
     image: Any = None,
     size: Optional[Tuple[int, int]] = None,
+    crf_backend: str = "torch",
 ) -> torch.Tensor:
     """(H, W) long label 0..20 from a :func:`load_cams` dict (or a raw SEAM dict), SEAM's rules.
 
@@ -264,7 +265,8 @@ def cams_to_label(
     CRF dicts (``includes_background``): plain argmax over their channels.
 
     ``image`` ((H, W, 3) uint8 RGB): run SEAM's ``crf_inference`` (:data:`CRF_PARAMS`) on the
-    scores first, as ``infer_SEAM.py:96`` does (needs pydensecrf). Ties go to the first channel
+    scores first, as ``infer_SEAM.py:96`` does, with :func:`mars_plugin.crf.dense_crf`
+    (``crf_backend="pydensecrf"`` runs pydensecrf itself, as upstream). Ties go to the first channel
     (background, then the dict's key order), as ``np.argmax`` upstream. ``size`` gives (H, W)
     for an empty dict (all background).
     """
@@ -288,10 +290,9 @@ def cams_to_label(
         scores = np.concatenate([bg, cam], axis=0)
         ids = np.concatenate([[0], keys])
     if image is not None:
-        from mars_plugin.crf import dense_crf, image_to_hwc_uint8
+        from mars_plugin.crf import dense_crf
 
-        rgb = image_to_hwc_uint8(image, "image", tuple(scores.shape[1:]))
-        scores = dense_crf(scores, rgb, CRF_PARAMS)
+        scores = dense_crf(np.ascontiguousarray(scores), image, CRF_PARAMS, backend=crf_backend).numpy()
     return torch.from_numpy(ids[np.argmax(scores, axis=0)].astype(np.int64))
 
 

@@ -18,7 +18,7 @@ weighs them by its certainty. Like pytorch-grad-cam's ``reshape_transform``, an
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from mars_plugin import EMATeacher, WCELoss, complement_labels
 from mars_plugin.centroids import resize_label
+from mars_plugin.crf import check_crf_backend, check_crf_params
+from mars_plugin.local_crf import check_local_crf_params
 from mars_plugin.files import BIASED_VALUE
 
 __all__ = ["MARSTrainingHook", "default_output_transform"]
@@ -57,10 +59,12 @@ class MARSTrainingHook:
             labels to the logits by nearest neighbour (what deeplab-pytorch does), ``"logits"``
             up-samples the logits bilinearly to the labels.
         output_transform: maps a model output to (B, C+1, h, w) logits.
-        refine: teacher refinement, None, ``"crf"`` (pydensecrf per image, CPU) or
-            ``"local_crf"`` (batched windowed CRF on the GPU with the logits); both need
-            ``images_rgb`` in the call.
-        crf_params: overrides of the CRF parameters (see :func:`mars_plugin.complement_labels`).
+        refine: teacher refinement, None, ``"crf"`` (the dense CRF, batched on the logits'
+            device, :func:`mars_plugin.crf.dense_crf`) or ``"local_crf"`` (its windowed
+            approximation); both need ``images_rgb`` in the call.
+        crf_params: a preset name (``"mars"`` default, ``"psa"``) or a dict of overrides (see
+            :func:`mars_plugin.complement_labels`).
+        crf_backend: ``"torch"`` or ``"pydensecrf"`` (the reference; CPU, one image at a time).
         multi_scale: when the student returns a list/tuple of logits (multi-scale training),
             sum the MARS loss over all of them, as the repositories sum their CE.
     """
@@ -76,7 +80,8 @@ class MARSTrainingHook:
         output_transform: Callable[[Any], torch.Tensor] = default_output_transform,
         refine: Optional[str] = None,
         multi_scale: bool = True,
-        crf_params: Optional[Mapping[str, Any]] = None,
+        crf_params: Union[None, str, Mapping[str, Any]] = None,
+        crf_backend: str = "torch",
     ) -> None:
         if match not in ("labels", "logits"):
             raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
@@ -89,7 +94,9 @@ class MARSTrainingHook:
         self.match = match
         self.output_transform = output_transform
         self.refine = refine
-        self.crf_params = crf_params
+        self.crf_params = None if refine is None else (
+            check_crf_params(crf_params) if refine == "crf" else check_local_crf_params(crf_params))
+        self.crf_backend = check_crf_backend(crf_backend)
         self.multi_scale = bool(multi_scale)
 
     def targets(self, labels: torch.Tensor, size) -> torch.Tensor:
@@ -135,7 +142,7 @@ class MARSTrainingHook:
             t_logits = F.interpolate(t_logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
         y_co, w = complement_labels(
             y, t_logits.float().softmax(1), image_classes, refine=self.refine, image=images_rgb,
-            ignore_index=self.ignore_index, crf_params=self.crf_params,
+            ignore_index=self.ignore_index, crf_params=self.crf_params, crf_backend=self.crf_backend,
         )
         return self.loss(logits, y_co, w)
 

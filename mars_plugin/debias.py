@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,10 +21,10 @@ from ._checks import (
     check_label_tensor,
     describe,
 )
-from .crf import check_crf_params, dense_crf, image_to_hwc_uint8
+from .crf import check_crf_backend, check_crf_params, dense_crf
 from .selection import DebiasedCentroids
 
-__all__ = ["BIASED", "DebiasResult", "debiased_similarity", "debias_labels"]
+__all__ = ["BIASED", "DebiasResult", "debiased_similarity", "debias_labels", "mark_biased", "refine_mask"]
 
 #: Label value of biased pixels in debiased labels (Eq. 5).
 BIASED = -1
@@ -78,6 +77,71 @@ def _similarity(f: torch.Tensor, V: torch.Tensor, usable: torch.Tensor) -> torch
     best = cos.max(1).values
     # An image none of whose classes has a centroid has no similarity: 0 (nothing is kept).
     return torch.relu(best.nan_to_num(neginf=0.0))
+
+
+def _mark(y: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Eq. 5 on checked tensors: foreground pixels of a class with a valid centroid where M = 0
+    become -1."""
+    touched = valid.clone()
+    touched[0] = False
+    C = valid.shape[0] - 1
+    safe = y.clamp(0, C).masked_fill(y == ignore_index, 0)
+    biased = (y != ignore_index) & (y > 0) & ~mask & touched[safe]
+    return y.masked_fill(biased, BIASED)
+
+
+def mark_biased(
+    pseudo_label: Any,
+    mask: Any,
+    centroids: Union[DebiasedCentroids, torch.Tensor],
+    *,
+    ignore_index: int = 255,
+) -> torch.Tensor:
+    """Eq. 5 alone: Y^db from the pseudo label and a binary mask M (see :func:`refine_mask`).
+
+    Shapes:
+        pseudo_label: (H, W) or (B, H, W), 0..C or ``ignore_index``.
+        mask: bool, same shape; True = keep.
+
+    Returns:
+        long Y^db: pixels with a class > 0 that has a valid centroid and M = False become -1.
+    """
+    y = check_label_tensor(pseudo_label, "pseudo_label", (2, 3), "(H, W) or (B, H, W)", ignore_index=ignore_index)
+    m = as_tensor(mask, "mask")
+    if m.dtype != torch.bool or tuple(m.shape) != tuple(y.shape):
+        raise ValueError(f"mask must be a bool tensor of the pseudo label's shape {tuple(y.shape)}, got {describe(m)}")
+    V, valid = _centroid_matrix(centroids)
+    C = V.shape[0] - 1
+    fg_vals = y[y != ignore_index]
+    if fg_vals.numel() and int(fg_vals.max()) > C:
+        raise ValueError(f"pseudo_label holds class {int(fg_vals.max())} but the centroids cover 1..{C}")
+    return _mark(y, m.to(y.device), valid.to(y.device), ignore_index)
+
+
+def refine_mask(
+    similarity: Any,
+    image: Any,
+    crf_params: Union[None, str, Mapping[str, Any]] = None,
+    crf_backend: str = "torch",
+) -> Union[torch.Tensor, List[torch.Tensor]]:
+    """The binary mask M of Eq. 5 from the soft mask M_hat by the dense CRF.
+
+    Shapes:
+        similarity: M_hat, (H, W), (B, H, W) or a list of (H_i, W_i) (images of different
+            sizes, refined as one batch).
+        image: RGB images in the same form ((H, W, 3) or (3, H, W) each, uint8 or [0, 1]).
+
+    Returns:
+        bool M (True = keep) in the form of ``similarity``: argmax of the 2-label CRF
+        marginals over [1 - M_hat, M_hat] (computed in float64 and clipped at 1e-5, as
+        pydensecrf's ``unary_from_softmax`` receives them); a tie keeps nothing.
+    """
+    if isinstance(similarity, (list, tuple)):
+        probs = [torch.stack([1.0 - m.double(), m.double()]) for m in similarity]
+        return [q.argmax(0) == 1 for q in dense_crf(probs, image, crf_params, backend=crf_backend)]
+    m = as_tensor(similarity, "similarity").double()
+    probs = torch.stack([1.0 - m, m], -3)
+    return dense_crf(probs, image, crf_params, backend=crf_backend).argmax(-3) == 1
 
 
 def debiased_similarity(
@@ -134,7 +198,8 @@ def debias_labels(
     refine: str = "crf",
     threshold: float = 0.5,
     ignore_index: int = 255,
-    crf_params: Optional[Mapping[str, Any]] = None,
+    crf_params: Union[None, str, Mapping[str, Any]] = None,
+    crf_backend: str = "torch",
     return_details: bool = False,
 ) -> Union[torch.Tensor, DebiasResult]:
     """Debiased labels Y^db (Eq. 4-5): foreground pixels unlike every debiased centroid become -1.
@@ -151,9 +216,13 @@ def debias_labels(
 
     Args:
         refine: ``"crf"``: M = argmax of a 2-label dense CRF whose unary is -log[1 - M_hat,
-            M_hat] (clipped at 1e-5); ``"threshold"``: M = M_hat > ``threshold``.
+            M_hat] (clipped at 1e-5), the whole batch at once on the features' device;
+            ``"threshold"``: M = M_hat > ``threshold``.
         threshold: used by ``refine="threshold"``; in [0, 1).
-        crf_params: overrides of :data:`mars_plugin.crf.DEFAULT_CRF_PARAMS`.
+        crf_params: a preset name (``"mars"``, the default, or ``"psa"``) or a dict overriding
+            the default's keys; see :data:`mars_plugin.crf.CRF_PRESETS`.
+        crf_backend: ``"torch"`` (:func:`mars_plugin.crf.dense_crf`) or ``"pydensecrf"`` (the
+            reference, CPU, one image at a time; the ``crf`` extra).
         return_details: return a :class:`DebiasResult` (labels, M_hat, M, untouched classes)
             instead of the labels alone.
 
@@ -163,6 +232,8 @@ def debias_labels(
     """
     if refine not in ("crf", "threshold"):
         raise ValueError(f"refine must be 'crf' or 'threshold', got {refine!r}")
+    params = check_crf_params(crf_params)
+    check_crf_backend(crf_backend)
     threshold = check_fraction(threshold, "threshold", low_open=False)
     if threshold >= 1.0:
         raise ValueError(f"threshold must lie in [0, 1), got {threshold}")
@@ -193,26 +264,13 @@ def debias_labels(
         if image is None:
             raise ValueError("refine='crf' needs the RGB image: pass image=..., or use refine='threshold'")
         imgs = as_tensor(image, "image")
-        if not single:
-            if imgs.ndim != 4 or imgs.shape[0] != yb.shape[0]:
-                raise ValueError(f"image must be a batch (B, H, W, 3) or (B, 3, H, W) with B={yb.shape[0]}, got {describe(imgs)}")
-        else:
-            imgs = imgs[None]
-        params = check_crf_params(crf_params)
-        masks = []
-        for b in range(yb.shape[0]):
-            rgb = image_to_hwc_uint8(imgs[b], "image" if single else f"image[{b}]", (H, W))
-            p = m_hat[b].detach().cpu().double().numpy()
-            q = dense_crf(np.stack([1.0 - p, p]), rgb, params)
-            masks.append(torch.from_numpy(q.argmax(0) == 1))
-        mask = torch.stack(masks).to(yb.device)
+        if not single and (imgs.ndim != 4 or imgs.shape[0] != yb.shape[0]):
+            raise ValueError(f"image must be a batch (B, H, W, 3) or (B, 3, H, W) with B={yb.shape[0]}, got {describe(imgs)}")
+        mask = refine_mask(m_hat if not single else m_hat[0], imgs, params, crf_backend)
+        if single:
+            mask = mask[None]
 
-    touched = valid.clone()
-    touched[0] = False
-    safe = yb.clamp(0, C).masked_fill(yb == ignore_index, 0)
-    biased = (yb != ignore_index) & (yb > 0) & ~mask & touched[safe]
-    out = yb.masked_fill(biased, BIASED)
-
+    out = _mark(yb, mask, valid, ignore_index)
     if not return_details:
         return out[0] if single else out
     untouched = []

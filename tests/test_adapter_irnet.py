@@ -175,6 +175,7 @@ def test_cams_to_label_with_crf_is_crf_inference_label(repo):
         keys0, _, high_res = saved[name]
         want = repo_rule(keys0.numpy(), high_res, 0.30, 0.05, crf=lambda idx, n: crf_inference_label(img, idx, n_labels=n))
         np.testing.assert_array_equal(irnet.cams_to_label(d, image=img).numpy(), want)
+        np.testing.assert_array_equal(irnet.cams_to_label(d, image=img, crf_backend="pydensecrf").numpy(), want)
         np.testing.assert_array_equal(irnet.cams_to_label(d, image=img, crf=False).numpy(),
                                       repo_rule(keys0.numpy(), high_res, 0.30, 0.05))
     with pytest.raises(ValueError, match="image"):

@@ -196,6 +196,8 @@ def test_cams_to_label_with_image_runs_rsepm_crf(tmp_path):
     ref = keys[np.argmax(q, axis=0)]
     out = rsepm.cams_to_label(rsepm.load_cams(tmp_path / "c.pkl", trust_pickle=True), image=img)
     np.testing.assert_array_equal(out.numpy(), ref)
+    out = rsepm.cams_to_label(rsepm.load_cams(tmp_path / "c.pkl", trust_pickle=True), image=img, crf_backend="pydensecrf")
+    np.testing.assert_array_equal(out.numpy(), ref)
 
 
 def test_bad_pickles_rejected(tmp_path):

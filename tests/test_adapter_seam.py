@@ -160,6 +160,8 @@ def test_cams_to_label_with_image_runs_seam_crf(tmp_path):
     ref = np.array([0, 5, 15])[np.argmax(q, 0)]
     out = seam.cams_to_label(seam.load_cams(p, trust_pickle=True), bg_alpha=4, image=img)
     np.testing.assert_array_equal(out.numpy(), ref)
+    out = seam.cams_to_label(seam.load_cams(p, trust_pickle=True), bg_alpha=4, image=img, crf_backend="pydensecrf")
+    np.testing.assert_array_equal(out.numpy(), ref)
 
 
 def test_empty_cam_dict_needs_size(tmp_path):
