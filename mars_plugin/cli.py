@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .centroids import BACKENDS
+from .crf import CRF_BACKENDS
 from .files import atomic_write
 
 
@@ -61,6 +62,20 @@ def _class_names(path: Optional[str]) -> Optional[List[str]]:
     return data
 
 
+def _crf_params(text: str):
+    """--crf-params: a preset name or a JSON object of overrides (checked by the job)."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a preset name or a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a preset name or a JSON object")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mars",
@@ -81,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--size", type=int, default=64, help="image side in pixels")
     d.add_argument("--epochs", type=int, default=20, help="training epochs of each segmentation network")
     d.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="refinement of the debiased mask")
+    d.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
     d.add_argument("--no-world", action="store_true", help="do not write the world's folders under --out/world")
 
     c = sub.add_parser("centroids", formatter_class=_Formatter, help="select debiased centroids (Eq. 1-3) from folders",
@@ -118,7 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="dense CRF or a plain threshold")
     b.add_argument("--threshold", type=float, default=0.5, help="similarity threshold of --refine threshold")
     b.add_argument("--image-labels", default=None, help="JSON {stem: [class ids]}; default: classes of each label")
-    b.add_argument("--workers", type=int, default=1, help="processes (the CRF is the bottleneck on CPU)")
+    b.add_argument("--crf-params", type=_crf_params, default="mars",
+                   help="dense-CRF parameters: a preset, mars (= deeplab: the MARS authors' RS+EPM/DHR/STEGO setting, "
+                        "Gaussian sxy 1 compat 3, bilateral sxy 67 srgb 3 compat 4) or psa (= seam: 3/3, 80/13/10), "
+                        "or a JSON dict of overrides of mars, e.g. '{\"iterations\": 5}'")
+    b.add_argument("--crf-backend", choices=CRF_BACKENDS, default="torch",
+                   help="torch (batched, on --device) or pydensecrf (the reference, CPU, one image at a time; "
+                        "needs the crf extra)")
+    b.add_argument("--device", default="cpu", help="where Eq. 4 and the CRF run: cpu, cuda, cuda:1, or auto")
+    b.add_argument("--batch-size", type=int, default=8, help="images per CRF call (64 suits a GPU)")
+    b.add_argument("--workers", type=int, default=1,
+                   help="processes, each with one thread (on a CPU with free cores: one per core)")
     _add_wsss(b)
     _add_common(b)
 
@@ -165,7 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .demo import run_demo
 
             run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
-                     epochs=args.epochs, refine=args.refine, write_world=not args.no_world)
+                     epochs=args.epochs, refine=args.refine, crf_params=args.crf_params,
+                     write_world=not args.no_world)
             return 0
         progress = not args.no_progress
         if args.command == "features":
@@ -194,7 +221,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             s = jobs.debias_job(
                 args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
                 threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,
-                ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
+                batch_size=args.batch_size, device=args.device, crf_params=args.crf_params,
+                crf_backend=args.crf_backend, ignore_index=args.ignore_index, on_error=args.on_error,
+                progress=progress, fmt=fmt,
             )
             print(f"debiased labels -> {args.out}: {s.line()}")
         elif args.command == "evaluate":

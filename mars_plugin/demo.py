@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List, Mapping, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .complement import complement_labels
+from .crf import check_crf_params
 from .debias import debias_labels
 from .ema import EMATeacher
 from .files import atomic_write, write_label
@@ -27,6 +28,9 @@ from .metrics import confusion_matrix, format_scores_table, segmentation_scores
 from .selection import select_centroids
 
 __all__ = ["TinySegNet", "train_segmenter", "predict", "run_demo"]
+
+# Images per debias_labels call: 64 of 64x64 pixels are one lattice of the dense CRF.
+DEBIAS_BATCH = 64
 
 
 class TinySegNet(nn.Module):
@@ -137,6 +141,7 @@ def run_demo(
     size: int = 64,
     epochs: int = 20,
     refine: str = "crf",
+    crf_params: Union[None, str, Mapping[str, Any]] = "mars",
     write_world: bool = True,
     progress: bool = True,
     examples_per_class: int = 2,
@@ -171,15 +176,16 @@ def run_demo(
 
     t0 = time.perf_counter()
     debiased = []
-    it = range(len(world.stems))
+    it = range(0, len(world.stems), DEBIAS_BATCH)
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(it, desc="debias_labels", unit="img")
-    for i in it:
-        debiased.append(debias_labels(world.features[i], world.pseudo[i], V, world.image_classes[i],
-                                      image=world.images[i], refine=refine))
-    debiased_t = torch.stack(debiased)
+        it = tqdm(it, desc="debias_labels", unit="batch")
+    for s in it:
+        part = slice(s, s + DEBIAS_BATCH)
+        debiased.append(debias_labels(world.features[part], world.pseudo[part], V, world.image_classes[part],
+                                      image=world.images[part], refine=refine, crf_params=crf_params))
+    debiased_t = torch.cat(debiased)
     lap("debias_labels", t0)
     db_train, db_val = debiased_t[:num_train], debiased_t[num_train:]
 
@@ -234,6 +240,7 @@ def run_demo(
     gains = {names[c]: {k: columns[k]["iou"][c] for k in columns} for c in world.problematic}
     metrics = {
         "config": dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
+                       crf_params=check_crf_params(crf_params) if refine == "crf" else None,
                        alpha=V.config["alpha"], k_fg=V.config["k_fg"], k_bg=V.config["k_bg"]),
         "class_names": names,
         "problematic": [names[c] for c in world.problematic],

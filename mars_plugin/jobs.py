@@ -12,11 +12,12 @@ import multiprocessing as mp
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .debias import debias_labels
+from .crf import check_crf_backend, check_crf_params
+from .debias import debiased_similarity, mark_biased, refine_mask
 from .files import (
     IGNORE_VALUE,
     atomic_write,
@@ -270,43 +271,68 @@ _WORKER: Dict[str, Any] = {}
 
 
 def _debias_init(config: Dict[str, Any]) -> None:
-    # One thread per worker: N workers use N cores instead of fighting over them.
-    torch.set_num_threads(1)
+    # One thread per worker process: N workers use N cores instead of fighting over them.
+    if config["workers"] > 1:
+        torch.set_num_threads(1)
     _WORKER.clear()
     _WORKER.update(config)
-    _WORKER["centroids"] = DebiasedCentroids.load(config["centroids_path"])
+    _WORKER["centroids"] = DebiasedCentroids.load(config["centroids_path"]).to(config["device"])
 
 
-def _debias_one(stem: str) -> Tuple[str, str, Optional[str]]:
-    """Debias one image; returns (stem, "done"|"existing"|"failed", error message)."""
+def _debias_read(stem: str) -> Dict[str, Any]:
+    """One image's inputs, checked, and its soft mask M_hat (Eq. 4) on the job's device."""
     cfg = _WORKER
-    out_path = Path(cfg["out_dir"]) / f"{stem}.png"
-    if out_path.is_file():
-        return stem, "existing", None
-    try:
-        feat_path = Path(cfg["features_dir"]) / f"{stem}.npy"
-        if not feat_path.is_file():
-            raise ValueError(f"missing feature file {feat_path}")
-        feats = read_features(feat_path)
-        label = read_label(Path(cfg["labels_dir"]) / f"{stem}.png", biased_value=None)
-        V: DebiasedCentroids = cfg["centroids"]
-        if cfg["image_labels"] is not None:
-            if stem not in cfg["image_labels"]:
-                raise ValueError(f"{stem!r} has no entry in the image-labels file")
-            classes = cfg["image_labels"][stem]
-        else:
-            classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
-        image = None
-        if cfg["refine"] == "crf":
-            image = read_image(find_image(cfg["images_dir"], stem))
-        y = debias_labels(
-            feats, label, V, classes, image=image, refine=cfg["refine"], threshold=cfg["threshold"],
-            ignore_index=cfg["ignore_index"], crf_params=cfg["crf_params"],
-        )
-        write_label(out_path, y, mode=cfg["mode"])
-    except ValueError as e:
-        return stem, "failed", str(e)
-    return stem, "done", None
+    V: DebiasedCentroids = cfg["centroids"]
+    feat_path = Path(cfg["features_dir"]) / f"{stem}.npy"
+    if not feat_path.is_file():
+        raise ValueError(f"missing feature file {feat_path}")
+    feats = read_features(feat_path).to(cfg["device"])
+    label = read_label(Path(cfg["labels_dir"]) / f"{stem}.png", biased_value=None)
+    if cfg["image_labels"] is not None:
+        if stem not in cfg["image_labels"]:
+            raise ValueError(f"{stem!r} has no entry in the image-labels file")
+        classes = cfg["image_labels"][stem]
+    else:
+        classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
+    # Eq. 5's checks before the batch's CRF, so that a bad file fails alone.
+    mark_biased(label, torch.ones(label.shape, dtype=torch.bool), V, ignore_index=cfg["ignore_index"])
+    item = {"stem": stem, "label": label,
+            "similarity": debiased_similarity(feats, V, classes, size=tuple(label.shape))}
+    if cfg["refine"] == "crf":
+        image = read_image(find_image(cfg["images_dir"], stem))
+        if image.shape[:2] != tuple(label.shape):
+            raise ValueError(f"image {image.shape[1]}x{image.shape[0]} and pseudo label "
+                             f"{label.shape[1]}x{label.shape[0]} (width x height) differ in size")
+        item["image"] = torch.from_numpy(image).to(cfg["device"])
+    return item
+
+
+def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str]]]:
+    """Debias a batch of images (one CRF call on the job's device); returns (stem,
+    "done"|"existing"|"failed", error message) for each."""
+    cfg = _WORKER
+    results: List[Tuple[str, str, Optional[str]]] = []
+    items = []
+    for stem in stems:
+        if (Path(cfg["out_dir"]) / f"{stem}.png").is_file():
+            results.append((stem, "existing", None))
+            continue
+        try:
+            items.append(_debias_read(stem))
+        except ValueError as e:
+            results.append((stem, "failed", str(e)))
+    if not items:
+        return results
+    sims = [it["similarity"] for it in items]
+    if cfg["refine"] == "crf":
+        masks = refine_mask(sims, [it["image"] for it in items], cfg["crf_params"], cfg["crf_backend"])
+    else:
+        masks = [m > cfg["threshold"] for m in sims]
+    for it, mask in zip(items, masks):
+        y = mark_biased(it["label"], mask.cpu(), cfg["centroids"], ignore_index=cfg["ignore_index"])
+        write_label(Path(cfg["out_dir"]) / f"{it['stem']}.png", y, mode=cfg["mode"])
+        results.append((it["stem"], "done", None))
+    return results
 
 
 def debias_job(
@@ -320,8 +346,11 @@ def debias_job(
     threshold: float = 0.5,
     image_labels: Optional[os.PathLike] = None,
     workers: int = 1,
+    batch_size: int = 8,
+    device: str = "cpu",
     ignore_index: int = IGNORE_VALUE,
-    crf_params: Optional[Mapping[str, Any]] = None,
+    crf_params: Union[None, str, Mapping[str, Any]] = None,
+    crf_backend: str = "torch",
     on_error: str = "stop",
     progress: bool = True,
     fmt: Optional[LabelFormat] = None,
@@ -329,11 +358,15 @@ def debias_job(
     """Write one debiased label PNG per pseudo label (biased pixels as 254, see
     :data:`mars_plugin.files.BIASED_VALUE`).
 
-    Resumable: images whose output already exists are skipped (outputs are written atomically,
-    so an existing file is always complete). ``workers`` > 1 runs images in that many processes
-    (the CRF is the bottleneck on CPU); outputs are identical to one worker. Under
-    torch.distributed each rank debiases its strided shard. ``fmt`` writes in a WSSS
-    repository's PNG mode (see :func:`label_format`).
+    Images are debiased ``batch_size`` at a time on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
+    ``auto``): Eq. 4 per image, then one dense-CRF call for the batch
+    (:func:`mars_plugin.debias.refine_mask`; images of any sizes), then Eq. 5. ``crf_params`` is
+    a preset name or a dict (:data:`mars_plugin.crf.CRF_PRESETS`). Resumable: images whose
+    output already exists are skipped (outputs are written atomically, so an existing file is
+    always complete). ``workers`` > 1 runs batches in that many processes (one thread each);
+    outputs do not depend on ``workers`` or ``batch_size``. Under torch.distributed each rank
+    debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
+    :func:`label_format`).
     """
     _check_on_error(on_error)
     if refine not in ("crf", "threshold"):
@@ -342,6 +375,11 @@ def debias_job(
         raise ValueError("refine='crf' needs images_dir (the RGB images); or use refine='threshold'")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    params = check_crf_params(crf_params)
+    check_crf_backend(crf_backend)
+    dev = resolve_device(device)
     fmt = fmt or LabelFormat()
     stems = _stems(labels_dir, fmt.skip_suffixes)
     rank, world = _rank_world()
@@ -351,13 +389,14 @@ def debias_job(
     config = dict(
         centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
         images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
-        threshold=threshold, ignore_index=ignore_index, crf_params=dict(crf_params) if crf_params else None,
-        image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode,
+        threshold=threshold, ignore_index=ignore_index, crf_params=params, crf_backend=crf_backend,
+        image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
     )
     summary = JobSummary()
+    batches = [stems[i:i + batch_size] for i in range(0, len(stems), batch_size)]
 
     def consume(results) -> None:
-        for stem, status, err in _progress(results, len(stems), "debias", progress):
+        for stem, status, err in _progress((r for batch in results for r in batch), len(stems), "debias", progress):
             if status == "done":
                 summary.done += 1
             elif status == "existing":
@@ -368,15 +407,13 @@ def debias_job(
                 summary.failed.append((stem, err or ""))
 
     if workers == 1:
-        threads = torch.get_num_threads()
         _debias_init(config)
-        torch.set_num_threads(threads)
-        consume(map(_debias_one, stems))
+        consume(map(_debias_batch, batches))
     else:
         # spawn, not fork: forking a process whose torch already started OpenMP threads can hang.
         ctx = mp.get_context("spawn")
         with ctx.Pool(workers, initializer=_debias_init, initargs=(config,)) as pool:
-            consume(pool.imap(_debias_one, stems, chunksize=4))
+            consume(pool.imap(_debias_batch, batches))
     return summary
 
 

@@ -137,6 +137,58 @@ def test_two_workers_and_crf_equal_one_worker(world_dir, tmp_path):
         assert np.array_equal(np.array(Image.open(f)), np.array(Image.open(tmp_path / "w2" / f.name)))
 
 
+def test_crf_debias_equals_the_library_for_any_batch_size_and_preset(world_dir, tmp_path):
+    root, world = world_dir
+    _centroids(root, tmp_path / "V.pt")
+    V = DebiasedCentroids.load(tmp_path / "V.pt")
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "b1", ["--batch-size", "1"]) == 0
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "b7", ["--batch-size", "7", "--device", "auto"]) == 0
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "psa", ["--crf-params", "psa"]) == 0
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "json", ["--crf-params", '{"iterations": 3}']) == 0
+    differs = 0
+    for i, stem in enumerate(world.stems):
+        feats = read_features(root / "features" / f"{stem}.npy")
+        label = read_label(root / "labels" / f"{stem}.png", biased_value=None)
+        classes = [int(c) for c in torch.unique(label).tolist() if 0 < c < 255]
+        img = world.images[i]
+        for out, params in (("b1", "mars"), ("b7", "mars"), ("psa", "psa"), ("json", {"iterations": 3})):
+            expected = debias_labels(feats, label, V, classes, image=img, crf_params=params)
+            assert torch.equal(read_label(tmp_path / out / f"{stem}.png"), expected), (out, stem)
+        differs += not torch.equal(read_label(tmp_path / "psa" / f"{stem}.png"), read_label(tmp_path / "b1" / f"{stem}.png"))
+    assert differs, "the two presets should not give identical labels on every image"
+
+
+@pytest.mark.parametrize("bad", ["potts", '{"sigma": 2}', "{nope"])
+def test_debias_bad_crf_params_is_one_clear_error(world_dir, tmp_path, capsys, bad):
+    root, _ = world_dir
+    _centroids(root, tmp_path / "V.pt")
+    if bad == "{nope":
+        with pytest.raises(SystemExit):
+            _debias(root, tmp_path / "V.pt", tmp_path / "x", ["--crf-params", bad])
+        assert "--crf-params" in capsys.readouterr().err
+        return
+    assert _debias(root, tmp_path / "V.pt", tmp_path / "x", ["--crf-params", bad]) == 2
+    assert "crf_params" in capsys.readouterr().err
+
+
+def test_a_bad_image_in_a_crf_batch_fails_alone(world_dir, tmp_path, capsys):
+    root, world = world_dir
+    bad = tmp_path / "bad"
+    for sub in ("features", "labels", "images"):
+        (bad / sub).mkdir(parents=True)
+        for p in (root / sub).iterdir():
+            (bad / sub / p.name).write_bytes(p.read_bytes())
+    small = world.stems[4]
+    img_path = next((bad / "images").glob(f"{small}.*"))
+    with Image.open(img_path) as im:
+        im.crop((0, 0, 20, 32)).save(img_path)
+    _centroids(root, tmp_path / "V.pt")
+    assert _debias(bad, tmp_path / "V.pt", tmp_path / "skip", ["--on-error", "skip", "--batch-size", "8"]) == 1
+    out = capsys.readouterr().out
+    assert small in out and "differ in size" in out
+    assert {p.stem for p in (tmp_path / "skip").glob("*.png")} == set(world.stems) - {small}
+
+
 def test_corrupt_png_and_missing_features_are_named_and_on_error_decides(world_dir, tmp_path, capsys):
     root, world = world_dir
     bad = tmp_path / "bad"
