@@ -23,6 +23,7 @@ gathers per axis, so the same code runs batched on the CPU and on CUDA.
 """
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Optional, Tuple
@@ -39,6 +40,9 @@ _TABLE_SPAN_PER_POINT = 16
 _TABLE_SPAN_MIN = 1 << 20
 # pydensecrf's SSE code lifts points in blocks of this many (one __m128 of floats).
 _SIMD_BLOCK = 4
+# Room kept around the q coordinates of the packed keys: vertices reach rem0 / (d+1) - 1,
+# their axis neighbours one more on either side.
+_Q_MARGIN = 2
 # Codes are packed into int64 while the mixed radix needs at most this many bits; past it
 # (very fine kernels on large images) the keys are compared as rows instead, with the same
 # result.
@@ -158,17 +162,21 @@ class PermutohedralLattice:
         bary[:, N:] = 0.0  # the padding points splat nothing
 
         # Key of vertex r of point n, coordinate i < d (C++: rem0[i] + canonical[r][rank[i]]):
-        #   key[r, i, n] = rem0[i, n] + r - (d+1) [rank[i, n] > d - r],  within rem0 +- d.
-        # A margin of 2d+1 keeps every key and every axis neighbour (+-d, +-1) inside the range.
-        margin = 2 * d + 1
-        lo = rem0[:d].amin(1) - margin
-        radix = [int(x) for x in (rem0[:d].amax(1) - lo + margin + 1).tolist()]
+        #   key[r, i, n] = rem0[i, n] + r - (d+1) [rank[i, n] > d - r].
+        # rem0 is a multiple of d+1, so every coordinate of vertex r is r modulo d+1: the key is
+        # (r, q) with q[i] = rem0[i] / (d+1) - [rank[i] > d - r], d+1 times fewer values per
+        # coordinate than the key itself (about 10 bits fewer for the bilateral kernel, which
+        # lets most codes be sorted as int32). Axis neighbours move q by at most 1 and r
+        # wraps: q stays within rem0 / (d+1) - 2 .. + 1.
+        q0 = torch.div(rem0[:d], d + 1, rounding_mode="floor")
+        lo = q0.amin(1) - _Q_MARGIN
+        radix = [int(x) for x in (q0.amax(1) - lo + _Q_MARGIN + 1).tolist()]
         num_segments = int(seg.max()) + 1
-        bits = math.log2(num_segments) + sum(math.log2(x) for x in radix)
+        bits = math.log2(num_segments) + math.log2(d + 1) + sum(math.log2(x) for x in radix)
         if bits <= _MAX_CODE_BITS:
-            order, ids, counts, neighbours = self._points_packed(rem0, rank, lo, radix, seg, bits)
+            order, ids, counts, neighbours = self._points_packed(q0, rank, lo, radix, seg, bits)
         else:
-            order, ids, counts, neighbours = self._points_rows(rem0, rank, seg)
+            order, ids, counts, neighbours = self._points_rows(q0, rank, seg)
         # From here on vertices are numbered pixel-major, n * (d+1) + r, as the C++ visits
         # them; ``order`` sorts them by lattice point (stable), ``ids`` is the point of each
         # vertex in that order, ``counts`` the vertices of each point.
@@ -176,12 +184,13 @@ class PermutohedralLattice:
         self.num_lattice_points = M
         # n2 along an axis is the inverse of n1 (a + delta = b  <=>  b - delta = a): one look-up.
         idx = torch.arange(M, device=dev)
+        btype = torch.int32 if M < 2 ** 31 - 1 else torch.long  # as fast, half the memory
         self._blur = []
         for n1 in neighbours:
             n2 = torch.full((M + 1,), M, dtype=torch.long, device=dev)
             found = n1 < M
             n2[n1[found]] = idx[found]
-            self._blur.append((torch.cat([n1, n1.new_full((1,), M)]), n2))
+            self._blur.append((torch.cat([n1, n1.new_full((1,), M)]).to(btype), n2.to(btype)))
 
         nnz = ids.numel()  # (N + padding points) * (d+1)
         itype = torch.int32 if nnz < 2 ** 31 - 1 else torch.long
@@ -204,68 +213,80 @@ class PermutohedralLattice:
         self._slice = _csr(crow, vertex_point.to(itype), weights[:N * (d + 1)] * alpha, (N, M + 1))
 
     # ------------------------------------------------------------ lattice points, packed codes
-    def _points_packed(self, rem0, rank, lo, radix, seg, bits):
-        """Sort the vertices by an int64 (int32 when it fits) mixed-radix code of (segment, key)."""
+    def _points_packed(self, q0, rank, lo, radix, seg, bits):
+        """Sort the vertices by one mixed-radix code of (segment, r, q) in int64, or int32
+        when it fits (twice as fast; the order, and so every result, is the same)."""
         d = rank.shape[0] - 1
-        dev = rem0.device
+        dev = q0.device
         strides = [1] * d
         for i in range(d - 2, -1, -1):
             strides[i] = strides[i + 1] * radix[i + 1]
+        stride_r = strides[0] * radix[0]
         stride_sum = sum(strides)
-        base = seg * (strides[0] * radix[0])
+        base = seg * (stride_r * (d + 1))
         for i in range(d):
-            base += (rem0[i] - int(lo[i])) * strides[i]
+            base += (q0[i] - int(lo[i])) * strides[i]
         # sum_i stride_i [rank_i > d - r] for r = 1..d: a suffix sum over the ranks.
         stride_t = torch.tensor(strides + [0], dtype=torch.long, device=dev)
         by_rank = torch.zeros_like(rank).scatter_(0, rank, stride_t[:, None].expand_as(rank).contiguous())
         above = torch.cumsum(by_rank.flip(0), 0)[:d]
-        code = base + torch.arange(d + 1, device=dev)[:, None] * stride_sum
-        code[1:] -= (d + 1) * above
-        # Sorting int32 is twice as fast; the order (and so every result) is the same.
+        code = base + torch.arange(d + 1, device=dev)[:, None] * stride_r
+        code[1:] -= above
         ctype = torch.int32 if bits <= 31 else torch.long
         sorted_code, order = torch.sort(code.t().reshape(-1).to(ctype), stable=True)
         points, ids, counts = torch.unique_consecutive(sorted_code, return_inverse=True, return_counts=True)
         points = points.long()
-        # Axis j neighbours (C++: n1 = key - 1, n1[j] += d+1; the last axis has no stored
-        # coordinate): a constant shift of the packed code; the margins prevent carries.
-        deltas = [-stride_sum + ((d + 1) * strides[j] if j < d else 0) for j in range(d + 1)]
-        reach = max(abs(x) for x in deltas)
+        # Axis j neighbour n1 (C++: key - 1 everywhere, key[j] + d; the last axis has no stored
+        # coordinate) of a point with remainder r: (r - 1, q + e_j) when r > 0, (d, q - 1 + e_j)
+        # when r = 0; a constant shift of the code within each case, the margins prevent carries.
+        r = torch.div(points, stride_r, rounding_mode="floor") % (d + 1)
+        deltas = [(-stride_r + (strides[j] if j < d else 0), d * stride_r - stride_sum + (strides[j] if j < d else 0))
+                  for j in range(d + 1)]
         M = points.numel()
+        reach = max(max(abs(a), abs(b)) for a, b in deltas)
         span = int(points[-1] - points[0]) + 1 + 2 * reach
+        queries = [points + torch.where(r > 0, a, b) for a, b in deltas]
         if span <= _TABLE_SPAN_PER_POINT * M + _TABLE_SPAN_MIN:
             start = int(points[0]) - reach
             table = torch.full((span,), M, dtype=torch.long, device=dev)
             table[points - start] = torch.arange(M, device=dev)
-            neighbours = [table[points + (delta - start)] for delta in deltas]
+            neighbours = [table[q - start] for q in queries]
         else:
             neighbours = []
-            for delta in deltas:
-                q = points + delta
+            for q in queries:
                 pos = torch.searchsorted(points, q).clamp_max(M - 1)
                 neighbours.append(torch.where(points[pos] == q, pos, M))
         return order, ids, counts, neighbours
 
     # ------------------------------------------------------------ lattice points, key rows
-    def _points_rows(self, rem0, rank, seg):
-        """The same lattice when the packed code would not fit in int64: keys compared as rows."""
+    def _points_rows(self, q0, rank, seg):
+        """The same lattice when the packed code would not fit in int64: (segment, r, q)
+        compared as rows."""
         d = rank.shape[0] - 1
-        dev = rem0.device
-        N = rem0.shape[1]
+        dev = q0.device
+        N = q0.shape[1]
         r = torch.arange(d + 1, device=dev)
-        keys = rem0[None, :d] + r[:, None, None] - (d + 1) * (rank[None, :d] > (d - r)[:, None, None]).long()
-        rows = torch.cat([seg[None, None, :].expand(d + 1, 1, N), keys], 1).permute(2, 0, 1).reshape(-1, d + 1)
+        q = q0[None] - (rank[None, :d] > (d - r)[:, None, None]).long()  # (d+1, d, N)
+        rows = torch.cat([seg[None, None, :].expand(d + 1, 1, N), r[:, None, None].expand(d + 1, 1, N), q], 1)
+        rows = rows.permute(2, 0, 1).reshape(-1, d + 2)
         # unique(dim=0) sorts rows lexicographically, the order of the packed codes, so both
         # builds number the lattice points alike.
         points, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
         ids, order = torch.sort(inverse, stable=True)
         M = points.shape[0]
         neighbours = []
+        positive = (points[:, 1] > 0)[:, None]
         for j in range(d + 1):
-            delta = torch.full((d + 1,), -1, dtype=torch.long, device=dev)
-            delta[0] = 0  # the segment
+            step = torch.zeros(d + 2, dtype=torch.long, device=dev)
             if j < d:
-                delta[1 + j] += d + 1
-            _, inv = torch.unique(torch.cat([points, points + delta]), dim=0, return_inverse=True)
+                step[2 + j] = 1
+            from_pos = step.clone()
+            from_pos[1] = -1
+            from_zero = step.clone()
+            from_zero[1] = d
+            from_zero[2:] -= 1
+            query = points + torch.where(positive, from_pos, from_zero)
+            _, inv = torch.unique(torch.cat([points, query]), dim=0, return_inverse=True)
             table = torch.full((int(inv.max()) + 1,), M, dtype=torch.long, device=dev)
             table[inv[:M]] = torch.arange(M, device=dev)
             neighbours.append(table[inv[M:]])
@@ -277,18 +298,21 @@ class PermutohedralLattice:
         """(N, d+1) lattice-point index of each point's simplex vertices, vertex r in column r."""
         return self._vertices
 
-    def scale(self, before: torch.Tensor, after: torch.Tensor) -> None:
-        """Fold two diagonal scalings into the filter: ``filter(v)`` becomes
-        ``after * K(before * v)`` (before, after: (N,) or (N, 1)), one multiplication of the
-        sparse weights instead of two of the values at every call."""
+    def scaled(self, before: torch.Tensor, after: torch.Tensor) -> "PermutohedralLattice":
+        """The lattice whose ``filter(v)`` is ``after * K(before * v)`` (before, after: (N,) or
+        (N, 1)): the two diagonals folded into the sparse weights once, instead of two
+        multiplications of the values at every call. ``self`` is left as it is (the rest is
+        shared)."""
         b = before.reshape(-1).to(self._splat.values().dtype)
         a = after.reshape(-1).to(self._slice.values().dtype)
+        out = copy.copy(self)
         col = self._splat.col_indices().long()
-        self._splat = _csr(self._splat.crow_indices(), self._splat.col_indices(), self._splat.values() * b[col],
-                           tuple(self._splat.shape))
+        out._splat = _csr(self._splat.crow_indices(), self._splat.col_indices(), self._splat.values() * b[col],
+                          tuple(self._splat.shape))
         rows = torch.repeat_interleave(a, self.dim + 1)
-        self._slice = _csr(self._slice.crow_indices(), self._slice.col_indices(), self._slice.values() * rows,
-                           tuple(self._slice.shape))
+        out._slice = _csr(self._slice.crow_indices(), self._slice.col_indices(), self._slice.values() * rows,
+                          tuple(self._slice.shape))
+        return out
 
     def filter(self, values: torch.Tensor, *, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Shapes: values (N, L) float32 -> (N, L) float32, on the lattice's device.

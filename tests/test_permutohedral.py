@@ -191,18 +191,20 @@ def test_huge_coordinates_take_the_row_path_and_stay_right():
     np.testing.assert_allclose(filtered(features, values), reference_filter(features, values), rtol=1e-5, atol=1e-6)
 
 
-def test_filter_is_linear_and_scale_folds_diagonals():
+def test_filter_is_linear_and_scaled_folds_diagonals():
     rng = np.random.default_rng(7)
     features = torch.from_numpy((rng.standard_normal((33, 2)) * 2).astype(np.float32))
     lat = PermutohedralLattice(features)
     a, b = torch.rand(33, 2), torch.rand(33, 2)
     torch.testing.assert_close(lat.filter(a + 2 * b), lat.filter(a) + 2 * lat.filter(b), rtol=1e-5, atol=1e-6)
     before, after = torch.rand(33), torch.rand(33)
+    plain = lat.filter(a)
     expected = after[:, None] * lat.filter(before[:, None] * a)
-    lat.scale(before, after)
-    torch.testing.assert_close(lat.filter(a), expected, rtol=1e-5, atol=1e-7)
+    scaled = lat.scaled(before, after)
+    torch.testing.assert_close(scaled.filter(a), expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(lat.filter(a), plain)  # the original is untouched
     acc = torch.ones(33, 2)
-    assert lat.filter(a, add_to=acc) is acc
+    assert scaled.filter(a, add_to=acc) is acc
     torch.testing.assert_close(acc, 1 + expected, rtol=1e-5, atol=1e-6)
 
 
