@@ -1,7 +1,12 @@
-"""Images per second of `mars debias` (the folder job) for refine=threshold and refine=crf,
-with 1 and 2 worker processes, on generated 320x480 images with D=70 features at stride 8.
+"""Images per second of `mars debias` (the folder job, reading and writing files included) on
+generated VOC-sized 500x375 images with D=70 features at stride 8, extrapolated to VOC
+train_aug (10,582 images):
 
-    python benchmarks/bench_debias.py [--images 64] [--workers 1,2]
+* refine=threshold, and refine=crf with the torch CRF (workers x threads, --batch-size) and the
+  pydensecrf reference (--crf-backend pydensecrf, one image at a time per worker);
+* with --device cuda (when a GPU is there) the torch CRF at batch 16 and 64.
+
+    python benchmarks/bench_debias.py [--images 32] [--workers 1,2] [--preset mars]
 """
 import argparse
 import os
@@ -20,7 +25,7 @@ from mars_plugin.files import write_features, write_image, write_label  # noqa: 
 from mars_plugin.jobs import debias_job  # noqa: E402
 
 
-def make_folder(root: str, n: int, H: int = 320, W: int = 480, D: int = 70, stride: int = 8, seed: int = 0):
+def make_folder(root: str, n: int, H: int = 375, W: int = 500, D: int = 70, stride: int = 8, seed: int = 0):
     rng = np.random.default_rng(seed)
     protos = rng.normal(size=(8, D)).astype(np.float32)
     colours = rng.integers(0, 256, size=(8, 3))
@@ -31,7 +36,7 @@ def make_folder(root: str, n: int, H: int = 320, W: int = 480, D: int = 70, stri
         kinds[y0 : y0 + H // 3, x0 : x0 + W // 3] = 4 + i % 4
         label = np.where(kinds >= 4, kinds - 3, 0)
         label[y0 + H // 3 : y0 + H // 3 + 20, x0 : x0 + W // 3] = label[y0, x0]  # a biased band
-        small = kinds[stride // 2 :: stride, stride // 2 :: stride]
+        small = kinds[stride // 2 :: stride, stride // 2 :: stride]  # the feature grid, ceil(H / stride)
         feats = protos[small].transpose(2, 0, 1) + 0.05 * rng.normal(size=(D,) + small.shape).astype(np.float32)
         img = np.clip(colours[kinds] + rng.normal(0, 10, size=(H, W, 3)), 0, 255).astype(np.uint8)
         stem = f"img{i:05d}"
@@ -40,11 +45,27 @@ def make_folder(root: str, n: int, H: int = 320, W: int = 480, D: int = 70, stri
         write_image(os.path.join(root, "images", stem + ".png"), img)
 
 
+VOC_TRAIN_AUG = 10582
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=64)
+    ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--preset", default="mars", help="CRF preset (mars or psa)")
+    ap.add_argument("--no-reference", dest="reference", action="store_false", help="skip the pydensecrf rows")
     args = ap.parse_args()
+    try:
+        import pydensecrf  # noqa: F401
+    except ImportError:
+        args.reference = False
+    runs = [("threshold", "torch", "cpu", 8, w) for w in (1,)]
+    for w in (int(x) for x in args.workers.split(",")):
+        runs.append(("crf", "torch", "cpu", 8, w))
+        if args.reference:
+            runs.append(("crf", "pydensecrf", "cpu", 8, w))
+    if torch.cuda.is_available():
+        runs += [("crf", "torch", "cuda", b, 1) for b in (16, 64)]
     with tempfile.TemporaryDirectory() as root:
         make_folder(root, args.images)
         from mars_plugin.files import read_features, read_label
@@ -53,19 +74,31 @@ def main():
         V = select_centroids(((read_features(os.path.join(root, "features", s + ".npy")),
                                read_label(os.path.join(root, "labels", s + ".png"))) for s in stems), 4)
         V.save(os.path.join(root, "V.pt"))
-        print(machine_line())
-        print(f"{args.images} images 320x480, features D=70 at stride 8")
-        print("| refine | workers | s | images/s |")
-        print("| --- | --- | --- | --- |")
-        for refine in ("threshold", "crf"):
-            for w in (int(x) for x in args.workers.split(",")):
-                out = os.path.join(root, f"out_{refine}_{w}")
-                t0 = time.perf_counter()
-                s = debias_job(os.path.join(root, "features"), os.path.join(root, "labels"), os.path.join(root, "V.pt"),
-                               out, images_dir=os.path.join(root, "images"), refine=refine, workers=w, progress=False)
-                dt = time.perf_counter() - t0
-                assert s.done == args.images
-                print(f"| {refine} | {w} | {dt:.2f} | {args.images / dt:.1f} |", flush=True)
+        print(machine_line("cuda" if torch.cuda.is_available() else "cpu"))
+        print(f"{args.images} images 500x375, features D=70 at stride 8, CRF preset {args.preset}")
+        print("| refine | CRF backend | device | batch | workers | s | images/s | VOC train_aug (10,582) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        reference_out = None
+        for refine, backend, device, batch, w in runs:
+            out = os.path.join(root, f"out_{refine}_{backend}_{device}_{batch}_{w}")
+            t0 = time.perf_counter()
+            s = debias_job(os.path.join(root, "features"), os.path.join(root, "labels"), os.path.join(root, "V.pt"),
+                           out, images_dir=os.path.join(root, "images"), refine=refine, workers=w, batch_size=batch,
+                           device=device, crf_params=args.preset, crf_backend=backend, progress=False)
+            dt = time.perf_counter() - t0
+            assert s.done == args.images
+            if refine == "crf" and backend == "pydensecrf":
+                reference_out = out
+            voc = VOC_TRAIN_AUG * dt / args.images
+            print(f"| {refine} | {backend if refine == 'crf' else '-'} | {device} | {batch} | {w} | {dt:.2f} | "
+                  f"{args.images / dt:.2f} | {voc / 60:.1f} min |", flush=True)
+        if reference_out is not None:
+            from mars_plugin.files import read_label as rl
+
+            torch_out = os.path.join(root, "out_crf_torch_cpu_8_1")
+            same = np.mean([float((rl(os.path.join(torch_out, s + ".png")) == rl(os.path.join(reference_out, s + ".png")))
+                                  .float().mean()) for s in stems])
+            print(f"torch CRF labels equal to the pydensecrf backend's on {100 * same:.4f}% of the pixels")
 
 
 if __name__ == "__main__":
