@@ -69,11 +69,22 @@ def _prepare(features, centroids, image_classes, size: Optional[Tuple[int, int]]
 
 
 def _similarity(f: torch.Tensor, V: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
-    """Eq. 4 on a batch: f (B, D, H, W), V (C+1, D), usable (B, C+1) -> (B, H, W)."""
-    fn = F.normalize(f, dim=1)
-    vn = F.normalize(V, dim=1)
-    cos = torch.einsum("bdhw,cd->bchw", fn, vn)
-    cos = cos.masked_fill(~usable[:, :, None, None], float("-inf"))
+    """Eq. 4 on a batch: f (B, D, H, W), V (C+1, D), usable (B, C+1) -> (B, H, W).
+
+    cos = (f . v_hat) / |f|: the pixels are never divided themselves, and only the centroids
+    some image of the batch can use are compared (an image has a few of VOC's 20 classes).
+    """
+    B, _, H, W = f.shape
+    used = torch.nonzero(usable.any(0)).flatten()
+    if used.numel() == 0:
+        # No image has a class with a centroid: no similarity, nothing is kept.
+        return f.new_zeros(B, H, W)
+    vn = F.normalize(V[used], dim=1)
+    dots = torch.einsum("bdhw,cd->bchw", f, vn)
+    # |f| as a contraction: 2-3x faster than vector_norm over the channel axis on the CPU.
+    norm = torch.einsum("bdhw,bdhw->bhw", f, f).sqrt_()[:, None]
+    cos = dots / norm.clamp_min(1e-12)  # F.normalize's eps
+    cos = cos.masked_fill(~usable[:, used, None, None], float("-inf"))
     best = cos.max(1).values
     # An image none of whose classes has a centroid has no similarity: 0 (nothing is kept).
     return torch.relu(best.nan_to_num(neginf=0.0))
@@ -136,12 +147,14 @@ def refine_mask(
         marginals over [1 - M_hat, M_hat] (computed in float64 and clipped at 1e-5, as
         pydensecrf's ``unary_from_softmax`` receives them); a tie keeps nothing.
     """
+    # argmax over the two labels with ties to the first (as numpy's and torch's argmax) is
+    # Q[1] > Q[0], written out: torch's argmax over a leading axis of 2 is slow on the CPU.
     if isinstance(similarity, (list, tuple)):
         probs = [torch.stack([1.0 - m.double(), m.double()]) for m in similarity]
-        return [q.argmax(0) == 1 for q in dense_crf(probs, image, crf_params, backend=crf_backend)]
+        return [q[1] > q[0] for q in dense_crf(probs, image, crf_params, backend=crf_backend)]
     m = as_tensor(similarity, "similarity").double()
-    probs = torch.stack([1.0 - m, m], -3)
-    return dense_crf(probs, image, crf_params, backend=crf_backend).argmax(-3) == 1
+    q = dense_crf(torch.stack([1.0 - m, m], -3), image, crf_params, backend=crf_backend)
+    return q[..., 1, :, :] > q[..., 0, :, :]
 
 
 def debiased_similarity(
