@@ -77,6 +77,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
+from mars_plugin.crf import CRF_PRESETS
 from mars_plugin.files import BIASED_VALUE, list_stems
 
 from ._common import (
@@ -139,14 +140,8 @@ LABEL_MODE = "P"
 BG_GAMMA = 2.0
 #: The ``'deeplab'`` CRF of ``convert_seed_to_pseudo_masks.py:77-84`` in ``mars_plugin.crf`` keys
 #: (pos = Gaussian, bi = bilateral; ``core/refinements/densecrf.py:40-45``).
-CRF_PARAMS: Dict[str, float] = {
-    "iterations": 10,
-    "gaussian_sxy": 1,
-    "gaussian_compat": 3,
-    "bilateral_sxy": 67,
-    "bilateral_srgb": 3,
-    "bilateral_compat": 4,
-}
+#: The MARS authors' setting, which is this package's default preset.
+CRF_PARAMS: Dict[str, float] = dict(CRF_PRESETS["mars"])
 
 _DATASETS = {"voc": CLASS_NAMES, "coco": COCO_CLASSES}
 

@@ -71,6 +71,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
+from mars_plugin.crf import CRF_PRESETS
 from mars_plugin.files import BIASED_VALUE, list_stems
 
 from ._common import (
@@ -120,14 +121,8 @@ CRF_ALPHAS = (4, 24)
 #: Exponent of the background before the random walk (``infer_aff.py:59,100``).
 AFF_ALPHA = 6
 #: SEAM's ``tool/imutils.py:220-237`` ``crf_inference`` in the keys of ``mars_plugin.crf``.
-CRF_PARAMS: Dict[str, float] = {
-    "iterations": 10,
-    "gaussian_sxy": 3,
-    "gaussian_compat": 3,
-    "bilateral_sxy": 80,
-    "bilateral_srgb": 13,
-    "bilateral_compat": 10,
-}
+#: The same numbers as PSA's: the "psa" preset.
+CRF_PARAMS: Dict[str, float] = dict(CRF_PRESETS["psa"])
 
 
 # --------------------------------------------------------------------------- pseudo labels

@@ -9,6 +9,7 @@ Three calls between the pseudo-label and segmentation stages of any WSSS codebas
 """
 from .centroids import ImageCentroids, image_centroids
 from .complement import complement_labels
+from .crf import DenseCRF, dense_crf
 from .debias import BIASED, DebiasResult, debias_labels, debiased_similarity
 from .ema import EMATeacher
 from .kmeans import batched_kmeans, kmeans
@@ -22,6 +23,7 @@ __all__ = [
     "BIASED",
     "DebiasResult",
     "DebiasedCentroids",
+    "DenseCRF",
     "EMATeacher",
     "ImageCentroids",
     "WCELoss",
@@ -29,6 +31,7 @@ __all__ = [
     "complement_labels",
     "debias_labels",
     "debiased_similarity",
+    "dense_crf",
     "image_centroids",
     "kmeans",
     "local_crf",

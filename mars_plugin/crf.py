@@ -218,8 +218,8 @@ def unary_from_probs(probs: Any, clip: float = PROB_CLIP) -> torch.Tensor:
     """pydensecrf's ``unary_from_softmax``: -log(clip(p, clip, 1)) in the input's floating dtype,
     returned as float32 (any shape; the labels are wherever the caller keeps them)."""
     p = as_tensor(probs, "probs")
-    if not p.is_floating_point():
-        p = p.float()
+    if not p.is_floating_point() or p.dtype in (torch.float16, torch.bfloat16):
+        p = p.float()  # the log of a half is too coarse for the unary
     check_finite(p, "probs")
     return (-p.detach().clamp(clip, 1.0).log()).to(torch.float32)
 

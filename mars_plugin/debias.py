@@ -90,6 +90,12 @@ def _similarity(f: torch.Tensor, V: torch.Tensor, usable: torch.Tensor) -> torch
     return torch.relu(best.nan_to_num(neginf=0.0))
 
 
+def _check_covered(y: torch.Tensor, C: int, ignore_index: int) -> None:
+    fg_vals = y[y != ignore_index]
+    if fg_vals.numel() and int(fg_vals.max()) > C:
+        raise ValueError(f"pseudo_label holds class {int(fg_vals.max())} but the centroids cover 1..{C}")
+
+
 def _mark(y: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Eq. 5 on checked tensors: foreground pixels of a class with a valid centroid where M = 0
     become -1."""
@@ -122,10 +128,7 @@ def mark_biased(
     if m.dtype != torch.bool or tuple(m.shape) != tuple(y.shape):
         raise ValueError(f"mask must be a bool tensor of the pseudo label's shape {tuple(y.shape)}, got {describe(m)}")
     V, valid = _centroid_matrix(centroids)
-    C = V.shape[0] - 1
-    fg_vals = y[y != ignore_index]
-    if fg_vals.numel() and int(fg_vals.max()) > C:
-        raise ValueError(f"pseudo_label holds class {int(fg_vals.max())} but the centroids cover 1..{C}")
+    _check_covered(y, V.shape[0] - 1, ignore_index)
     return _mark(y, m.to(y.device), valid.to(y.device), ignore_index)
 
 
@@ -147,13 +150,16 @@ def refine_mask(
         marginals over [1 - M_hat, M_hat] (computed in float64 and clipped at 1e-5, as
         pydensecrf's ``unary_from_softmax`` receives them); a tie keeps nothing.
     """
+    def two_labels(m: Any, name: str) -> torch.Tensor:
+        m = as_tensor(m, name).double()
+        return torch.stack([1.0 - m, m], -3)
+
     # argmax over the two labels with ties to the first (as numpy's and torch's argmax) is
     # Q[1] > Q[0], written out: torch's argmax over a leading axis of 2 is slow on the CPU.
     if isinstance(similarity, (list, tuple)):
-        probs = [torch.stack([1.0 - m.double(), m.double()]) for m in similarity]
+        probs = [two_labels(m, f"similarity[{i}]") for i, m in enumerate(similarity)]
         return [q[1] > q[0] for q in dense_crf(probs, image, crf_params, backend=crf_backend)]
-    m = as_tensor(similarity, "similarity").double()
-    q = dense_crf(torch.stack([1.0 - m, m], -3), image, crf_params, backend=crf_backend)
+    q = dense_crf(two_labels(similarity, "similarity"), image, crf_params, backend=crf_backend)
     return q[..., 1, :, :] > q[..., 0, :, :]
 
 
@@ -262,10 +268,7 @@ def debias_labels(
         raise ValueError(f"features and pseudo_label must hold the same number of images, got {f_in.shape[0]} and {yb.shape[0]}")
     H, W = yb.shape[-2:]
     f, V, valid, cls, _ = _prepare(f_in, centroids, image_classes, (H, W))
-    C = V.shape[0] - 1
-    fg_vals = yb[yb != ignore_index]
-    if fg_vals.numel() and int(fg_vals.max()) > C:
-        raise ValueError(f"pseudo_label holds class {int(fg_vals.max())} but the centroids cover 1..{C}")
+    _check_covered(yb, V.shape[0] - 1, ignore_index)
     yb = yb.to(f.device)
 
     usable = torch.cat([torch.zeros_like(cls[:, :1]), cls], 1) & valid[None]

@@ -14,9 +14,10 @@ it to float32 rounding:
   with the same weights times ``1 / (1 + 2^-d)``.
 
 What differs is the bookkeeping, not the arithmetic: instead of a hash table filled one point
-at a time, every vertex key is packed into one int64 code (mixed radix over the key's range) and
-the lattice points are the sorted unique codes; neighbours along an axis are the codes shifted
-by a constant, found by a table look-up or a binary search. Several images are filtered as one
+at a time, every vertex key is packed into one integer code (mixed radix over the key's range,
+int32 when it fits, else int64, else rows compared as such) and the lattice points are the
+sorted unique codes; neighbours along an axis are the codes shifted by a constant, found by a
+table look-up or a binary search. Several images are filtered as one
 lattice whose keys start with the image's index (``segment``), so their points never mix and no
 image is padded. Splatting and slicing are sparse (CSR) matrix products, blurring is two row
 gathers per axis, so the same code runs batched on the CPU and on CUDA.

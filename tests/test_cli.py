@@ -25,6 +25,15 @@ def _centroids(root, out, extra=()):
                  "--num-classes", "6", "--out", str(out), "--no-progress", *extra])
 
 
+def _copy_world(root, dest):
+    """A copy of the world's input folders, to damage."""
+    for sub in ("features", "labels", "images"):
+        (dest / sub).mkdir(parents=True)
+        for p in (root / sub).iterdir():
+            (dest / sub / p.name).write_bytes(p.read_bytes())
+    return dest
+
+
 def _debias(root, V, out, extra=()):
     return main(["debias", "--features", str(root / "features"), "--labels", str(root / "labels"),
                  "--centroids", str(V), "--images", str(root / "images"), "--out", str(out), "--no-progress", *extra])
@@ -173,11 +182,7 @@ def test_debias_bad_crf_params_is_one_clear_error(world_dir, tmp_path, capsys, b
 
 def test_a_bad_image_in_a_crf_batch_fails_alone(world_dir, tmp_path, capsys):
     root, world = world_dir
-    bad = tmp_path / "bad"
-    for sub in ("features", "labels", "images"):
-        (bad / sub).mkdir(parents=True)
-        for p in (root / sub).iterdir():
-            (bad / sub / p.name).write_bytes(p.read_bytes())
+    bad = _copy_world(root, tmp_path / "bad")
     small = world.stems[4]
     img_path = next((bad / "images").glob(f"{small}.*"))
     with Image.open(img_path) as im:
@@ -191,11 +196,7 @@ def test_a_bad_image_in_a_crf_batch_fails_alone(world_dir, tmp_path, capsys):
 
 def test_corrupt_png_and_missing_features_are_named_and_on_error_decides(world_dir, tmp_path, capsys):
     root, world = world_dir
-    bad = tmp_path / "bad"
-    for sub in ("features", "labels", "images"):
-        (bad / sub).mkdir(parents=True)
-        for p in (root / sub).iterdir():
-            (bad / sub / p.name).write_bytes(p.read_bytes())
+    bad = _copy_world(root, tmp_path / "bad")
     broken, orphan = world.stems[2], world.stems[7]
     (bad / "labels" / f"{broken}.png").write_bytes(b"not a png at all")
     (bad / "features" / f"{orphan}.npy").unlink()
