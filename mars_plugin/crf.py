@@ -318,6 +318,9 @@ def _mean_field_torch(unaries: List[torch.Tensor], rgbs: List[torch.Tensor], p: 
 
 def _lattice(features: torch.Tensor, segment: Optional[torch.Tensor]) -> Tuple[PermutohedralLattice, torch.Tensor]:
     """A kernel's lattice and its normaliser n."""
+    if not bool(torch.isfinite(features).all()):
+        raise ValueError("crf_params: gaussian_sxy, bilateral_sxy or bilateral_srgb is so small that x / sxy or "
+                         "rgb / srgb overflows float32; expected standard deviations of about 1 or more")
     lattice = PermutohedralLattice(features, segment)
     return lattice, _normaliser(lattice, features.shape[0], features.device)
 

@@ -39,6 +39,7 @@ __all__ = ["PermutohedralLattice"]
 # same indices; the table is a few times faster where the lattice is dense (the xy kernel).
 _TABLE_SPAN_PER_POINT = 16
 _TABLE_SPAN_MIN = 1 << 20
+_TABLE_SPAN_MAX = 1 << 28  # 1 GB of int32, for a GPU batch's position lattice at most
 # pydensecrf's SSE code lifts points in blocks of this many (one __m128 of floats).
 _SIMD_BLOCK = 4
 # Room kept around the q coordinates of the packed keys: vertices reach rem0 / (d+1) - 1,
@@ -247,11 +248,11 @@ class PermutohedralLattice:
         reach = max(max(abs(a), abs(b)) for a, b in deltas)
         span = int(points[-1] - points[0]) + 1 + 2 * reach
         queries = [points + torch.where(r > 0, a, b) for a, b in deltas]
-        if span <= _TABLE_SPAN_PER_POINT * M + _TABLE_SPAN_MIN:
+        if span <= min(_TABLE_SPAN_PER_POINT * M + _TABLE_SPAN_MIN, _TABLE_SPAN_MAX):
             start = int(points[0]) - reach
-            table = torch.full((span,), M, dtype=torch.long, device=dev)
-            table[points - start] = torch.arange(M, device=dev)
-            neighbours = [table[q - start] for q in queries]
+            table = torch.full((span,), M, dtype=torch.int32 if M < 2 ** 31 - 1 else torch.long, device=dev)
+            table[points - start] = torch.arange(M, device=dev, dtype=table.dtype)
+            neighbours = [table[q - start].long() for q in queries]
         else:
             neighbours = []
             for q in queries:

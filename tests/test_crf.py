@@ -258,6 +258,7 @@ def test_module_equals_function():
     ({"iterations": 2.5}, ValueError, "integer"),
     ({"bilateral_srgb": float("nan")}, ValueError, "positive"),
     ({"gaussian_sxy": True}, ValueError, "positive"),
+    ({"bilateral_srgb": 1e-40}, ValueError, "overflow"),
     ([("iterations", 3)], TypeError, "preset name or a dict"),
 ])
 def test_bad_params_are_refused(params, err, match):
