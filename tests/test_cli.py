@@ -301,3 +301,17 @@ def test_wsss_irnet_folders_through_the_cli(world_dir, tmp_path, capsys):
     for p in outs:
         with Image.open(p) as im:
             assert im.mode == "L"  # IRNet reads labels with imageio: grayscale, not palette
+
+
+def test_debias_job_refuses_bad_batch_size_and_device(world_dir, tmp_path):
+    from mars_plugin.jobs import debias_job
+
+    root, _ = world_dir
+    _centroids(root, tmp_path / "V.pt")
+    args = (root / "features", root / "labels", tmp_path / "V.pt", tmp_path / "x")
+    with pytest.raises(ValueError, match="batch_size"):
+        debias_job(*args, images_dir=root / "images", batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="device"):
+        debias_job(*args, images_dir=root / "images", device="gpu7", progress=False)
+    with pytest.raises(ValueError, match="crf_backend"):
+        debias_job(*args, images_dir=root / "images", crf_backend="c", progress=False)

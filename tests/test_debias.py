@@ -608,3 +608,37 @@ def test_debiased_similarity_bad_input(kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=match):
         debiased_similarity(args["features"], args["centroids"], args["image_classes"])
+
+
+# --------------------------------------------------------------------------------------------
+# Eq. 5 in two steps: refine_mask and mark_biased
+# --------------------------------------------------------------------------------------------
+def test_refine_mask_and_mark_biased_compose_to_debias_labels():
+    from mars_plugin.debias import mark_biased, refine_mask
+
+    probs = [smooth_problem(s, H=14, W=15 + s) for s in (3, 4)]
+    V, valid = probs[0][1], probs[0][2]
+    cents = make_centroids(V, valid)
+    sims = [debiased_similarity(p[0], cents, [1, 2]) for p in probs]
+    masks = refine_mask(sims, [p[5] for p in probs], "psa")  # a list: two sizes, one CRF call
+    for p, sim, mask in zip(probs, sims, masks):
+        det = debias_labels(p[0], p[4], cents, [1, 2], image=p[5], crf_params="psa", return_details=True)
+        assert_close(mask, det.mask)
+        assert_close(refine_mask(sim, p[5], "psa"), det.mask)
+        assert_close(mark_biased(p[4], mask, cents), det.labels)
+
+
+def test_mark_biased_rejects_bad_input():
+    from mars_plugin.debias import mark_biased
+
+    _, V, valid, _, _, label = random_problem(0, C=4, D=3, h=5, w=6)
+    cents = make_centroids(V, valid)
+    ok = torch.ones(label.shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match="mask must be a bool tensor of the pseudo label's shape"):
+        mark_biased(label, ok[:, :3], cents)
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        mark_biased(label, ok.long(), cents)
+    bad = label.copy()
+    bad[0, 0] = 9
+    with pytest.raises(ValueError, match="centroids cover 1..4"):
+        mark_biased(bad, ok, cents)

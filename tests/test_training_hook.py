@@ -106,6 +106,10 @@ def test_bad_arguments():
         MARSTrainingHook(Net(), refine="threshold")
     with pytest.raises(TypeError, match="output_transform"):
         default_output_transform({"logits": torch.zeros(1)})
+    with pytest.raises(ValueError, match="crf_backend"):
+        MARSTrainingHook(Net(), refine="crf", crf_backend="cuda")
+    with pytest.raises(ValueError, match="crf_params"):
+        MARSTrainingHook(Net(), refine="crf", crf_params="potts")
 
 
 def test_multi_scale_list_sums_the_loss_of_every_scale():
@@ -141,3 +145,19 @@ def test_local_crf_teacher_equals_complement_by_hand(seed):
     torch.testing.assert_close(loss, WCELoss()(net(x), y_co, w))
     plain = MARSTrainingHook(net, momentum=0.9)(x, net(x), y, classes)
     assert not torch.equal(loss, plain)  # the refinement changed some teacher labels
+
+
+@pytest.mark.parametrize("params", ["mars", {"iterations": 3}])
+def test_dense_crf_teacher_equals_complement_by_hand(params):
+    torch.manual_seed(3)
+    net = Net()
+    hook = MARSTrainingHook(net, momentum=0.9, refine="crf", crf_params=params)
+    x, y, classes = _batch(3)
+    g = torch.Generator().manual_seed(3)
+    rgb = torch.randint(0, 256, (2, 12, 10, 3), generator=g, dtype=torch.uint8)
+    loss = hook(x, net(x), y, classes, images_rgb=rgb)
+    with torch.no_grad():
+        t = hook.teacher.module(x)
+    y_ref = torch.where(y == 254, torch.full_like(y, -1), y)
+    y_co, w = complement_labels(y_ref, t.softmax(1), classes, refine="crf", image=rgb, crf_params=params)
+    torch.testing.assert_close(loss, WCELoss()(net(x), y_co, w))
