@@ -24,7 +24,8 @@ from ._checks import (
 from .crf import check_crf_backend, check_crf_params, dense_crf
 from .selection import DebiasedCentroids
 
-__all__ = ["BIASED", "DebiasResult", "debiased_similarity", "debias_labels", "mark_biased", "refine_mask"]
+__all__ = ["BIASED", "DebiasResult", "check_pseudo_label", "debiased_similarity", "debias_labels", "mark_biased",
+           "refine_mask"]
 
 #: Label value of biased pixels in debiased labels (Eq. 5).
 BIASED = -1
@@ -123,13 +124,22 @@ def mark_biased(
     Returns:
         long Y^db: pixels with a class > 0 that has a valid centroid and M = False become -1.
     """
-    y = check_label_tensor(pseudo_label, "pseudo_label", (2, 3), "(H, W) or (B, H, W)", ignore_index=ignore_index)
+    y = check_pseudo_label(pseudo_label, centroids, ignore_index=ignore_index)
     m = as_tensor(mask, "mask")
     if m.dtype != torch.bool or tuple(m.shape) != tuple(y.shape):
         raise ValueError(f"mask must be a bool tensor of the pseudo label's shape {tuple(y.shape)}, got {describe(m)}")
-    V, valid = _centroid_matrix(centroids)
-    _check_covered(y, V.shape[0] - 1, ignore_index)
+    _, valid = _centroid_matrix(centroids)
     return _mark(y, m.to(y.device), valid.to(y.device), ignore_index)
+
+
+def check_pseudo_label(
+    pseudo_label: Any, centroids: Union[DebiasedCentroids, torch.Tensor], *, ignore_index: int = 255
+) -> torch.Tensor:
+    """The checks of :func:`mark_biased` on the label alone: an integer (H, W) or (B, H, W) map
+    of 0..C (C from the centroids) and ``ignore_index``; returned as long."""
+    y = check_label_tensor(pseudo_label, "pseudo_label", (2, 3), "(H, W) or (B, H, W)", ignore_index=ignore_index)
+    _check_covered(y, _centroid_matrix(centroids)[0].shape[0] - 1, ignore_index)
+    return y
 
 
 def refine_mask(

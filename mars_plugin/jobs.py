@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .crf import check_crf_backend, check_crf_params
-from .debias import debiased_similarity, mark_biased, refine_mask
+from .debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
 from .files import (
     IGNORE_VALUE,
     atomic_write,
@@ -295,7 +295,7 @@ def _debias_read(stem: str) -> Dict[str, Any]:
     else:
         classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
     # Eq. 5's checks before the batch's CRF, so that a bad file fails alone.
-    mark_biased(label, torch.ones(label.shape, dtype=torch.bool), V, ignore_index=cfg["ignore_index"])
+    label = check_pseudo_label(label, V, ignore_index=cfg["ignore_index"])
     item = {"stem": stem, "label": label,
             "similarity": debiased_similarity(feats, V, classes, size=tuple(label.shape))}
     if cfg["refine"] == "crf":

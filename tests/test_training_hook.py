@@ -128,12 +128,16 @@ def test_multi_scale_list_sums_the_loss_of_every_scale():
     torch.testing.assert_close(off(x, [full, half], y, classes), single(x, full, y, classes))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_local_crf_teacher_equals_complement_by_hand(seed):
+@pytest.mark.parametrize("seed, refine, prm", [
+    (0, "local_crf", {"window": 5, "scale": 2}),
+    (1, "local_crf", {"window": 5, "scale": 2}),
+    (3, "crf", "mars"),
+    (3, "crf", {"iterations": 3}),
+])
+def test_refined_teacher_equals_complement_by_hand(seed, refine, prm):
     torch.manual_seed(seed)
     net = Net()
-    prm = {"window": 5, "scale": 2}
-    hook = MARSTrainingHook(net, momentum=0.9, refine="local_crf", crf_params=prm)
+    hook = MARSTrainingHook(net, momentum=0.9, refine=refine, crf_params=prm)
     x, y, classes = _batch(seed)
     g = torch.Generator().manual_seed(seed)
     rgb = torch.randint(0, 256, (2, 12, 10, 3), generator=g, dtype=torch.uint8)
@@ -141,23 +145,7 @@ def test_local_crf_teacher_equals_complement_by_hand(seed):
     with torch.no_grad():
         t = hook.teacher.module(x)
     y_ref = torch.where(y == 254, torch.full_like(y, -1), y)
-    y_co, w = complement_labels(y_ref, t.softmax(1), classes, refine="local_crf", image=rgb, crf_params=prm)
+    y_co, w = complement_labels(y_ref, t.softmax(1), classes, refine=refine, image=rgb, crf_params=prm)
     torch.testing.assert_close(loss, WCELoss()(net(x), y_co, w))
     plain = MARSTrainingHook(net, momentum=0.9)(x, net(x), y, classes)
     assert not torch.equal(loss, plain)  # the refinement changed some teacher labels
-
-
-@pytest.mark.parametrize("params", ["mars", {"iterations": 3}])
-def test_dense_crf_teacher_equals_complement_by_hand(params):
-    torch.manual_seed(3)
-    net = Net()
-    hook = MARSTrainingHook(net, momentum=0.9, refine="crf", crf_params=params)
-    x, y, classes = _batch(3)
-    g = torch.Generator().manual_seed(3)
-    rgb = torch.randint(0, 256, (2, 12, 10, 3), generator=g, dtype=torch.uint8)
-    loss = hook(x, net(x), y, classes, images_rgb=rgb)
-    with torch.no_grad():
-        t = hook.teacher.module(x)
-    y_ref = torch.where(y == 254, torch.full_like(y, -1), y)
-    y_co, w = complement_labels(y_ref, t.softmax(1), classes, refine="crf", image=rgb, crf_params=params)
-    torch.testing.assert_close(loss, WCELoss()(net(x), y_co, w))
