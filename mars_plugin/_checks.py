@@ -12,6 +12,11 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
+# The value debiased PNGs store the biased label -1 as (mars_plugin.files.BIASED_VALUE, which
+# is this one): kept here so that the core's label checks can point a raw 254 to read_label
+# without importing the I/O layer.
+BIASED_PNG_VALUE = 254
+
 __all__ = [
     "as_tensor",
     "check_ndim",
@@ -127,9 +132,21 @@ def check_label_tensor(
         if num_classes is not None and hi > num_classes:
             raise ValueError(
                 f"{name} holds the class id {hi} but num_classes={num_classes}; expected ids in "
-                f"0..{num_classes} (0 = background) or ignore_index={ignore_index}"
+                f"0..{num_classes} (0 = background) or ignore_index={ignore_index}{_biased_hint(t, allow_biased)}"
             )
     return t
+
+
+def _biased_hint(t: torch.Tensor, allow_biased: bool) -> str:
+    """Why a 254 is there: it is how debiased PNGs store the biased label -1, and the one
+    reader that maps it back is ``read_label`` (a plain PIL/numpy read keeps 254)."""
+    if not bool((t == BIASED_PNG_VALUE).any()):
+        return ""
+    if allow_biased:
+        return (f"; {BIASED_PNG_VALUE} is how debiased PNGs store biased pixels: read them with "
+                f"mars_plugin.files.read_label, which maps {BIASED_PNG_VALUE} to -1")
+    return (f"; {BIASED_PNG_VALUE} is how debiased PNGs store biased pixels: this argument takes the WSSS "
+            f"pseudo label, not a debiased one")
 
 
 def check_same_spatial(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
@@ -184,8 +201,9 @@ def check_image_classes(x: Any, name: str, num_classes: int, batch: Optional[int
         return t.bool()
     if isinstance(x, (list, tuple, set, frozenset)):
         if batch is not None:
-            if len(x) != batch:
-                raise ValueError(f"{name} must hold one class-id list per image ({batch}), got {len(x)}")
+            if len(x) != batch or (batch and all(isinstance(i, numbers.Integral) for i in x)):
+                got = f"the flat id list {list(x)!r}" if all(isinstance(i, numbers.Integral) for i in x) else len(x)
+                raise ValueError(f"{name} must hold one class-id list per image ({batch}), got {got}")
             return torch.stack([check_image_classes(list(ids) if isinstance(ids, (list, tuple, set, frozenset)) else ids,
                                                     f"{name}[{i}]", num_classes, None)
                                 for i, ids in enumerate(x)])

@@ -6,7 +6,10 @@ highest foreground probability among the image's classes on those pixels, 1 else
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping, Optional, Tuple, Union
+
+import numpy as np
 
 import torch
 
@@ -18,13 +21,26 @@ from .local_crf import check_local_crf_params, local_crf
 __all__ = ["complement_labels", "teacher_labels"]
 
 
+def _is_id_list(x: Any) -> bool:
+    """A flat Python list of class ids (one image), as opposed to a list of per-image lists."""
+    return isinstance(x, (list, tuple, set, frozenset)) and all(
+        isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in x
+    )
+
+
 def _prepare(debiased, teacher_probs, image_classes, ignore_index):
+    """Checked (B, H, W) labels, (B, C+1, H, W) probabilities, (B, C) classes, and whether the
+    caller gave one (H, W) label (the result then has that shape too).
+
+    One image may come in the shapes a training loop has at hand: an (H, W) label with the
+    teacher's (1, C+1, H, W) output of a batch of one, a (C,) multi-hot or a flat id list with
+    any of them. A batch of B > 1 needs a label and a class row per image.
+    """
     p = as_tensor(teacher_probs, "teacher_probs")
     check_ndim(p, "teacher_probs", (3, 4), "(C+1, H, W) or (B, C+1, H, W)")
     if not p.is_floating_point():
         raise TypeError(f"teacher_probs must be floating softmax probabilities, got {describe(p)}")
-    single = p.ndim == 3
-    if single:
+    if p.ndim == 3:
         p = p[None]
     if p.shape[1] < 2:
         raise ValueError(f"teacher_probs needs background + at least one class (C+1 >= 2 channels), got {describe(p)}")
@@ -35,20 +51,32 @@ def _prepare(debiased, teacher_probs, image_classes, ignore_index):
             f"teacher_probs must be probabilities in [0, 1] (apply .softmax(1) to the teacher's logits), "
             f"got values in [{float(p.min()):.4g}, {float(p.max()):.4g}]"
         )
-    C = p.shape[1] - 1
+    B, C = p.shape[0], p.shape[1] - 1
     y = check_label_tensor(
-        debiased, "debiased", (2,) if single else (3,), "(H, W)" if single else "(B, H, W)",
+        debiased, "debiased", (2, 3), "(H, W) or (B, H, W)",
         ignore_index=ignore_index, allow_biased=True, num_classes=C,
     )
+    single = y.ndim == 2
     if single:
         y = y[None]
-    if tuple(y.shape) != (p.shape[0],) + tuple(p.shape[2:]):
+    if y.shape[0] != B:
         raise ValueError(
-            f"debiased must have shape (B, H, W) = {(p.shape[0],) + tuple(p.shape[2:])} to match teacher_probs, "
-            f"got {tuple(y.shape)}"
+            f"debiased holds {y.shape[0]} label(s) {tuple(np.shape(debiased))} but teacher_probs holds {B} "
+            f"image(s) {tuple(np.shape(teacher_probs))}; expected one label per image"
         )
-    cls = check_image_classes(image_classes, "image_classes", C, None if single else p.shape[0])
-    if single:
+    if tuple(y.shape[1:]) != tuple(p.shape[2:]):
+        H, W = y.shape[1:]
+        raise ValueError(
+            f"debiased {tuple(np.shape(debiased))} and teacher_probs {tuple(np.shape(teacher_probs))} must have "
+            f"the same height and width; resize the teacher's logits to the labels first: "
+            f"F.interpolate(logits, size=({H}, {W}), mode='bilinear', align_corners=False).softmax(1)"
+        )
+    one_row = B == 1 and (
+        (isinstance(image_classes, (torch.Tensor, np.ndarray)) and np.ndim(image_classes) == 1)
+        or _is_id_list(image_classes)
+    )
+    cls = check_image_classes(image_classes, "image_classes", C, None if one_row else B)
+    if one_row:
         cls = cls[None]
     return y.to(p.device), p, cls.to(p.device), single
 
@@ -115,9 +143,14 @@ def complement_labels(
     """Fill biased pixels with the teacher's label and weigh them by its certainty (Eq. 6).
 
     Shapes:
-        debiased: (H, W) or (B, H, W) debiased labels Y^db with -1 = biased, 255 = ignore.
-        teacher_probs: (C+1, H, W) or (B, C+1, H, W) softmax of the EMA teacher (no grad needed).
-        image_classes: (C,) / (B, C) multi-hot, or 1-based class-id lists.
+        debiased: (H, W) or (B, H, W) debiased labels Y^db with -1 = biased, 255 = ignore (a
+            PNG written by :func:`mars_plugin.files.write_label` stores -1 as 254: read it with
+            :func:`mars_plugin.files.read_label`).
+        teacher_probs: (C+1, H, W) or (B, C+1, H, W) softmax of the EMA teacher (no grad
+            needed), at the labels' height and width (upsample the logits first); an (H, W)
+            label goes with (C+1, H, W) or (1, C+1, H, W).
+        image_classes: (C,) / (B, C) multi-hot, or 1-based class-id lists (a flat list or a
+            (C,) vector for one image, also with a batch of one).
         refine: None (argmax), ``"crf"`` (the dense CRF over the image's classes, batched on
             the probabilities' device; :func:`mars_plugin.crf.dense_crf`) or ``"local_crf"``
             (its windowed approximation, :mod:`mars_plugin.local_crf`).
@@ -128,7 +161,7 @@ def complement_labels(
 
     Returns:
         ``(complemented, certainty)``: complemented labels Y^co (long, -1 replaced by Y^te,
-        everything else unchanged) and W (float, same shape): the max over the image's
+        everything else unchanged; the shape of ``debiased``) and W (float, same shape): the max over the image's
         foreground classes of ``teacher_probs`` where Y^db = -1 (0 for an image with no
         foreground class), 1 elsewhere. Both carry no gradient.
     """

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import (
+    _biased_hint,
     as_tensor,
     check_float_tensor,
     check_fraction,
@@ -94,7 +95,8 @@ def _similarity(f: torch.Tensor, V: torch.Tensor, usable: torch.Tensor) -> torch
 def _check_covered(y: torch.Tensor, C: int, ignore_index: int) -> None:
     fg_vals = y[y != ignore_index]
     if fg_vals.numel() and int(fg_vals.max()) > C:
-        raise ValueError(f"pseudo_label holds class {int(fg_vals.max())} but the centroids cover 1..{C}")
+        raise ValueError(f"pseudo_label holds class {int(fg_vals.max())} but the centroids cover 1..{C}"
+                         f"{_biased_hint(y, False)}")
 
 
 def _mark(y: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -288,7 +288,10 @@ BAD_COMPLEMENT = [
     ("debiased_above_C", dict(debiased=_deb_with(5)), ValueError, "debiased"),
     ("debiased_float", dict(debiased=_deb_with(1).astype(np.float64) + 0.25), TypeError, "debiased"),
     ("debiased_wrong_shape", dict(debiased=np.zeros((5, 7), np.int64)), ValueError, "debiased"),
-    ("debiased_wrong_ndim", dict(debiased=np.zeros((1, 5, 6), np.int64)), ValueError, "debiased"),
+    ("debiased_wrong_ndim", dict(debiased=np.zeros((1, 1, 5, 6), np.int64)), ValueError, "debiased"),
+    ("debiased_two_labels_one_image", dict(debiased=np.zeros((2, 5, 6), np.int64)), ValueError, "one label per image"),
+    ("debiased_raw_254", dict(debiased=_deb_with(254)), ValueError, "read_label"),
+    ("probs_other_size", dict(teacher_probs=np.full((5, 10, 12), 0.2)), ValueError, "F.interpolate"),
     ("probs_above_one", dict(teacher_probs=_probs_with(1.5)), ValueError, "teacher_probs"),
     ("probs_negative", dict(teacher_probs=_probs_with(-0.1)), ValueError, "teacher_probs"),
     ("probs_nan", dict(teacher_probs=_probs_with(np.nan)), ValueError, "teacher_probs"),
@@ -320,3 +323,56 @@ def test_complement_bad_batch_input():
         complement_labels(deb, probs, [[1], [0]])
     with pytest.raises(ValueError, match="debiased"):
         complement_labels(deb[:1], probs, [[1], [2]])
+
+
+# --------------------------------------------------------------------------------------------
+# one image in the shapes a training loop has at hand (the README's "Three calls")
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_one_image_in_any_spelling_equals_the_reference(seed):
+    """(H, W) label + (1, C+1, H, W) teacher output of a batch of one + (C,) multi-hot or a flat
+    id list: all the same problem, answered in the label's shape."""
+    _, classes, probs, debiased = random_problem(seed)
+    ref_y, ref_w = np_complement(debiased, probs, classes)
+    hot = torch.from_numpy(multi_hot(classes, probs.shape[0] - 1))
+    spellings = [
+        (debiased, probs, classes),
+        (debiased, probs[None], classes),
+        (debiased, probs[None], hot),
+        (debiased, probs[None], hot[None]),
+        (debiased, probs[None], [classes]),
+        (debiased, probs, hot),
+        (debiased[None], probs, classes),
+        (debiased[None], probs[None], hot),
+        (debiased[None], probs[None], [classes]),
+    ]
+    for i, (d, p, c) in enumerate(spellings):
+        y, w = complement_labels(d, p, c)
+        assert tuple(y.shape) == tuple(np.shape(d)) == tuple(w.shape), i
+        assert np.array_equal(y.reshape(ref_y.shape).numpy(), ref_y), i
+        assert_close(w.reshape(ref_w.shape).double().numpy(), ref_w, atol=TOL)
+
+
+def test_a_batch_still_needs_one_class_row_per_image():
+    rng = np.random.default_rng(1)
+    probs = np_softmax(rng.standard_normal((2, 4, 3, 3)), 1)
+    deb = rng.integers(-1, 4, size=(2, 3, 3))
+    with pytest.raises(ValueError, match=r"image_classes.*\(B, C\)"):
+        complement_labels(deb, probs, torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="one class-id list per image"):
+        complement_labels(deb, probs, [1, 2])
+    with pytest.raises(ValueError, match="debiased holds 1 label"):
+        complement_labels(deb[0], probs, [[1], [2]])
+
+
+def test_a_raw_254_in_a_pseudo_label_says_what_it_is():
+    """The core's label check explains 254 wherever a label is taken (here: debias)."""
+    from mars_plugin import debias_labels
+    from mars_plugin._checks import BIASED_PNG_VALUE
+    from mars_plugin.files import BIASED_VALUE
+
+    assert BIASED_PNG_VALUE == BIASED_VALUE
+    y = np.zeros((4, 4), np.int64)
+    y[0, 0] = 254
+    with pytest.raises(ValueError, match="not a debiased one"):
+        debias_labels(torch.randn(3, 4, 4), y, torch.randn(3, 3), [1, 2], refine="threshold")
