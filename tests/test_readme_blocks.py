@@ -1,0 +1,174 @@
+"""Every Python and shell block of the README and of docs/*.md runs as written.
+
+The README's blocks run in their order in one scratch folder, as a reader would type them:
+``mars demo`` writes ``mars_demo/``, then the commands and the "Three calls" program run on
+its world. A block that cannot run here (the set-up itself, the test command, released
+checkpoints) carries ``<!-- readme-test: skip (why) -->`` on the line before its fence; it is
+still checked for syntax. Where a block's result can be checked cheaply, it is (see CHECKS).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>python|bash)\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S)
+SKIP = re.compile(r"<!-- readme-test: skip \((?P<why>.*\S.*)\) -->")
+
+
+@dataclass
+class Block:
+    file: Path
+    line: int
+    section: str
+    lang: str
+    code: str
+    skip: Optional[str]
+
+    @property
+    def id(self) -> str:
+        return f"{self.file.relative_to(ROOT)}:{self.line}"
+
+
+def _blocks(path: Path) -> List[Block]:
+    text = path.read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[: m.start()]
+        line = before.count("\n") + 1
+        prev = [l for l in before.split("\n") if l.strip()][-1:]  # the last non-empty line
+        skip = SKIP.search(prev[0]) if prev else None
+        if prev and "readme-test" in prev[0] and skip is None:
+            raise AssertionError(f"{path.name}:{line}: malformed directive {prev[0]!r}; "
+                                 "expected <!-- readme-test: skip (why) -->")
+        headings = re.findall(r"^#+ (.*)$", before, flags=re.M)
+        indent = len(m.group("indent"))
+        code = "\n".join(l[indent:] for l in m.group("body").split("\n"))
+        out.append(Block(path, line, headings[-1] if headings else "", m.group("lang"), code,
+                         skip.group("why") if skip else None))
+    return out
+
+
+BLOCKS = [b for f in FILES for b in _blocks(f)]
+
+
+# --------------------------------------------------------------------------------------------
+# what some blocks must have produced, beyond running without an error
+# --------------------------------------------------------------------------------------------
+def _check_demo(cwd: Path, scope: dict) -> None:
+    metrics = json.loads((cwd / "mars_demo" / "metrics.json").read_text())
+    assert metrics, "mars demo wrote an empty metrics.json"
+    assert (cwd / "mars_demo" / "world" / "features").is_dir()
+
+
+def _check_commands(cwd: Path, scope: dict) -> None:
+    n = len(list((cwd / "mars_demo" / "world" / "labels").glob("*.png")))
+    assert (cwd / "scratch" / "V.pt").is_file()
+    assert len(list((cwd / "scratch" / "debiased").glob("*.png"))) == n
+    report = json.loads((cwd / "scratch" / "report" / "report.json").read_text())
+    assert report
+
+
+def _check_three_calls(cwd: Path, scope: dict) -> None:
+    n = len(scope["stems"])
+    assert n > 0 and len(list((cwd / "scratch" / "three_calls" / "debiased").glob("*.png"))) == n
+    assert math.isfinite(scope["loss"].item())
+    assert not (scope["y_co"] == -1).any()  # every biased pixel was filled
+
+
+def _check_crf(cwd: Path, scope: dict) -> None:
+    Q, U = scope["Q"], scope["U"]
+    assert Q.shape == (21, 120, 160) and Q.dtype == torch.float32
+    torch.testing.assert_close(Q.sum(0), torch.ones(120, 160), rtol=0, atol=1e-4)
+    assert U.shape == (21, 120, 160)
+
+
+CHECKS: Dict[str, Callable[[Path, dict], None]] = {
+    "Start here: install, demo, tests": _check_demo,
+    "Every command on the demo world": _check_commands,
+    "Three calls in your WSSS codebase": _check_three_calls,
+    "The dense CRF": _check_crf,
+}
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("readme")
+
+
+def _env() -> dict:
+    env = dict(os.environ, MPLBACKEND="Agg")
+    # the `mars` of the Python running the tests, also inside a virtual environment
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _run_bash(code: str, cwd: Path) -> None:
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=_env(),
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def _run_python(code: str, cwd: Path, origin: str, monkeypatch) -> dict:
+    monkeypatch.chdir(cwd)
+    scope: dict = {"__name__": "__readme__"}
+    exec(compile(code, origin, "exec"), scope)
+    return scope
+
+
+def _needs_demo(block: Block) -> bool:
+    return "mars_demo/" in block.code
+
+
+def _ensure_demo(cwd: Path) -> None:
+    """Blocks that read the demo's world, run alone (``-k``), get it from the README's block."""
+    if not (cwd / "mars_demo" / "world").is_dir():
+        demo = [b for b in BLOCKS if b.file.name == "README.md" and b.code.strip() == "mars demo"]
+        assert len(demo) == 1, "the README must keep its `mars demo` block"
+        _run_bash(demo[0].code, cwd)
+
+
+def test_the_readme_has_its_blocks_and_every_skip_says_why():
+    readme = [b for b in BLOCKS if b.file.name == "README.md"]
+    sections = {b.section for b in readme}
+    for s in ("Start here: install, demo, tests", "Every command on the demo world", "Three calls in your WSSS codebase"):
+        assert s in sections, f"README section {s!r} lost its code block"
+    assert "mars demo" in [b.code.strip() for b in readme]
+    # a check written for a section that no longer exists would silently stop checking
+    assert set(CHECKS) <= {b.section for b in BLOCKS}, set(CHECKS) - {b.section for b in BLOCKS}
+    for b in BLOCKS:
+        assert "/issues" not in b.code
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_block_runs_as_written(block: Block, scratch: Path, monkeypatch):
+    if block.skip is not None:
+        # not run here (the reason is in the document); its syntax still has to be right
+        if block.lang == "python":
+            compile(block.code, block.id, "exec")
+        else:
+            r = subprocess.run(["bash", "-n", "-c", block.code], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+        return
+    if _needs_demo(block):
+        _ensure_demo(scratch)
+    scope: dict = {}
+    if block.lang == "bash":
+        _run_bash(block.code, scratch)
+    else:
+        scope = _run_python(block.code, scratch, block.id, monkeypatch)
+    check = CHECKS.get(block.section)
+    if check is not None:
+        check(scratch, scope)
