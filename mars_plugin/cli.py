@@ -263,7 +263,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     A reader that closes the pipe early (``mars evaluate ... | head -1``) ends the command
     quietly with status 141, what a shell reports for a program killed by SIGPIPE (so that
-    ``set -o pipefail`` sees the same as for any other tool)."""
+    ``set -o pipefail`` sees the same as for any other tool). ``--help`` into a closed pipe
+    exits 0: argparse itself ignores the failed write."""
     try:
         try:
             code = _main(argv)
@@ -362,6 +363,8 @@ def _main(argv: Optional[List[str]]) -> int:
             for name in report["ranking"]:
                 print(f"  {name}: {100 * report['classes'][name]['share_removed']:.1f}%")
             print(f"report -> {args.out}; {s.line('read')}")
+    except BrokenPipeError:
+        raise  # the reader is gone: main() ends quietly
     except jobs.JobError as e:
         _print_skipped(s)
         print(f"mars {args.command}: error: {jobs.one_line(e)}", file=sys.stderr)

@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -196,12 +197,19 @@ def load_centroids(path: os.PathLike, flag: str = "--centroids") -> DebiasedCent
     if not os.path.isfile(p):
         raise JobError(f"{flag} {p}: not a file")
     try:
-        V = DebiasedCentroids.load(p)
+        with warnings.catch_warnings():  # torch warns about foreign pickle protocols: the error says it
+            warnings.simplefilter("ignore")
+            V = DebiasedCentroids.load(p)
         if V.centroids.ndim != 2 or V.valid.shape[0] != V.centroids.shape[0]:
             raise ValueError(f"centroids of shape {tuple(V.centroids.shape)} and valid of {tuple(V.valid.shape)}")
     except Exception as e:  # noqa: BLE001 -- any failure to read it is the same user error
-        if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e).lower() or "weights only" in str(e).lower():
-            why = "it would need unpickling Python objects, which mars refuses"
+        if isinstance(e, pickle.UnpicklingError) or "weights only" in str(e).lower():
+            # torch's safe loader: "Unsupported global" is a pickled Python object; anything
+            # else (random bytes, a plain pickle) is not a tensor file at all.
+            why = ("it would need unpickling Python objects, which mars refuses" if "unsupported global" in
+                   str(e).lower() else "unreadable as a file of tensors")
+        elif isinstance(e, KeyError):
+            why = f"no {e.args[0]!r} entry"
         else:
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             why = why.replace(repr(p), "").strip(" :") or type(e).__name__
