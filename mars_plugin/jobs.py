@@ -133,8 +133,8 @@ def check_features(feats: torch.Tensor, path: os.PathLike, dim: Optional[int], d
     if not bool(torch.isfinite(feats).all()):
         raise ValueError(f"{os.fspath(path)}: features hold NaN or infinite values")
     if dim is not None and int(feats.shape[0]) != dim:
-        raise ValueError(f"{os.fspath(path)}: features have embedding size D={int(feats.shape[0])} but {dim_from} "
-                         f"has D={dim}")
+        raise ValueError(f"{os.fspath(path)}: features have embedding size D={int(feats.shape[0])}, expected "
+                         f"D={dim} ({dim_from})")
 
 
 def _common_dim(paths: Sequence[Path]) -> Optional[Tuple[int, str]]:
@@ -156,7 +156,7 @@ def _common_dim(paths: Sequence[Path]) -> Optional[Tuple[int, str]]:
     if not count:
         return None
     d = max(count, key=lambda k: (count[k], -list(first).index(k)))
-    return d, f"most feature files (e.g. {first[d]})"
+    return d, f"as most feature files, e.g. {first[d]}"
 
 
 def _check_out_file(out: os.PathLike, flag: str) -> None:
@@ -477,12 +477,12 @@ def _debias_read(stem: str) -> Dict[str, Any]:
     if not feat_path.is_file():
         raise ValueError(f"missing feature file {feat_path}")
     feats = read_features(feat_path)
-    check_features(feats, feat_path, V.dim, f"--centroids {cfg['centroids_path']}")
+    check_features(feats, feat_path, V.dim, f"as --centroids {cfg['centroids_path']}")
     feats = feats.to(cfg["device"])
     label_path = Path(cfg["labels_dir"]) / f"{stem}.png"
     label = read_label(label_path, biased_value=None)
     check_label_values(label, label_path, V.num_classes, cfg["ignore_index"],
-                       flag=f"--centroids {cfg['centroids_path']} (of {V.num_classes} classes)")
+                       flag=f"the number of classes of --centroids {cfg['centroids_path']}")
     if cfg["image_labels"] is not None:
         if stem not in cfg["image_labels"]:
             raise ValueError(f"{stem!r} has no entry in the --image-labels file")
