@@ -314,13 +314,13 @@ def _main(argv: Optional[List[str]]) -> int:
             joined = _maybe_init_distributed()
             fmt = jobs.label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
         if args.command == "centroids":
+            names = _class_names(args.class_names)  # read before the work: a bad file fails fast
             V, s = jobs.centroids_job(
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
                 ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
                 device=args.device, spill_dir=args.spill_dir, spill_mb=args.spill_mb, backend=args.backend,
             )
-            names = _names_for(args.class_names, V.num_classes) if args.class_names else None
             print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):
                 if bool(V.valid[c]):
@@ -346,14 +346,17 @@ def _main(argv: Optional[List[str]]) -> int:
         elif args.command == "evaluate":
             from .metrics import format_scores_table
 
+            names = _names_for(args.class_names, args.num_classes)
             scores, s = jobs.evaluate_job(args.pred, args.gt, args.num_classes, ignore_index=args.ignore_index,
                                           on_error=args.on_error, progress=progress)
-            names = _names_for(args.class_names, args.num_classes)
             print(format_scores_table(names[: args.num_classes + 1], {"": scores}))
             print(f"{s.line('evaluated')}")
             if args.json:
                 out = dict(scores, class_names=names[: args.num_classes + 1])
-                atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+                try:
+                    atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+                except OSError as e:
+                    raise jobs.JobError(f"--json {args.json}: cannot write it ({e.strerror or e})") from None
         elif args.command == "report":
             report, s = jobs.report_job(
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),

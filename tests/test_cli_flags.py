@@ -270,6 +270,7 @@ def test_unwritable_outputs_are_one_line(world, tmp_path, capsys):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"mars {cmd}: error: "), err
         assert "a_file" in lines[0] or "a_folder" in lines[0]
+        assert ("--json" if cmd == "evaluate" else "--out") in lines[0]
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
