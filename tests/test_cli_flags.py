@@ -82,6 +82,11 @@ def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypat
         monkeypatch.setattr(mod, name, job)
     before = torch.get_num_threads()
     try:
+        import numba
+    except ImportError:
+        numba = None
+    numba_before = None if numba is None else numba.get_num_threads()
+    try:
         want = 1 if before > 1 else 2
         assert main([*_minimal_argv(cmd, root, tmp_path), "--threads", str(want)]) == 2
         assert seen["torch"] == want
@@ -89,8 +94,10 @@ def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypat
             import numba
 
             assert seen["numba"] == min(want, numba.config.NUMBA_NUM_THREADS)
-    finally:
+    finally:  # thread counts are process-wide: later tests must find them as they were
         torch.set_num_threads(before)
+        if numba is not None:
+            numba.set_num_threads(numba_before)
     assert "stopped by the test" in capsys.readouterr().err
 
 
