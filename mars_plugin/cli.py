@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -19,9 +21,43 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """``--threads N``, taken by every command (see :func:`apply_threads`)."""
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads of torch (torch.set_num_threads) and of numba's kernels; default: leave "
+                        "them as they are (torch: one per core). On a machine shared with other jobs, 1 or 2 "
+                        "avoids threads fighting over cores")
+
+
+def apply_threads(n: Optional[int]) -> None:
+    """Set torch's and (when installed) numba's CPU thread count to ``n`` (None: leave both)."""
+    if n is None:
+        return
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        import numba
+    except ImportError:
+        return
+    # numba's pool has NUMBA_NUM_THREADS threads at most (one per core unless set).
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
-                   help="a bad or missing input file: stop with its name (exit 2), or report it, go on and exit 1")
+                   help="a bad or missing input file: stop at the first with one line naming it (exit 2), or "
+                        "skip it, go on, list every skipped file on stderr at the end and exit 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--ignore-index", type=int, default=255, help="label value of ignored pixels")
 
@@ -54,12 +90,41 @@ def _class_names(path: Optional[str]) -> Optional[List[str]]:
     """Class names from a JSON list, or from a classes.json {"class_names": [...]} file."""
     if path is None:
         return None
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--class-names {path}: cannot read a JSON list of names ({e})") from None
     if isinstance(data, dict):
         data = data.get("class_names")
     if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
-        raise ValueError(f"{path}: expected a JSON list of class names (background first) or {{'class_names': [...]}}")
+        raise ValueError(f"--class-names {path}: expected a JSON list of class names (background first) or "
+                         f"{{'class_names': [...]}}")
     return data
+
+
+def _names_for(path: Optional[str], num_classes: int) -> List[str]:
+    """Names of classes 0..C from --class-names, or "class c"."""
+    names = _class_names(path)
+    if names is None:
+        return ["background"] + [f"class {c}" for c in range(1, num_classes + 1)]
+    if len(names) < num_classes + 1:
+        raise ValueError(f"--class-names {path}: {len(names)} names, but there are {num_classes} classes "
+                         "(plus background)")
+    return names
+
+
+def _class_label(names: Optional[List[str]], c: int) -> str:
+    return f"class {c} ({names[c]})" if names is not None and c < len(names) else f"class {c}"
+
+
+# Python parameter names that core checks put in their messages, and the flags that set them.
+_FLAGS = ("crf_params", "crf_backend", "batch_size", "num_classes", "k_fg", "k_bg", "spill_mb", "spill_dir",
+          "image_labels", "ignore_index", "num_examples", "images_dir", "class_names", "on_error")
+
+
+def _flag_names(msg: str) -> str:
+    """A core error message with its parameter names written as the command line's flags."""
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), msg)
 
 
 def _crf_params(text: str):
@@ -82,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="MARS: model-agnostic biased object removal for weakly-supervised semantic segmentation.",
         formatter_class=_Formatter,
     )
+    from . import __version__
+
+    ap.add_argument("--version", action="version", version=f"mars {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -98,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="refinement of the debiased mask")
     d.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
     d.add_argument("--no-world", action="store_true", help="do not write the world's folders under --out/world")
+    add_threads(d)
 
     c = sub.add_parser("centroids", formatter_class=_Formatter, help="select debiased centroids (Eq. 1-3) from folders",
                        description="Stream (features, pseudo label) pairs and write the debiased centroids to a .pt file.")
@@ -120,8 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="K-means implementation: compiled (numba, CPU), torch (any device), or auto "
                         "(compiled on the CPU when numba is installed)")
+    c.add_argument("--class-names", default=None,
+                   help="JSON list of names (background first) or classes.json, for the printed summary")
     _add_wsss(c)
     _add_common(c)
+    add_threads(c)
 
     b = sub.add_parser("debias", formatter_class=_Formatter, help="write debiased labels (Eq. 4-5) for a folder",
                        description="One P-mode PNG (VOC palette) per pseudo label; biased pixels are written as 254, "
@@ -145,8 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=8, help="images per CRF call (64 suits a GPU)")
     b.add_argument("--workers", type=int, default=1,
                    help="processes, each with one thread (on a CPU with free cores: one per core)")
+    b.add_argument("--class-names", default=None,
+                   help="JSON list of names (background first) or classes.json, for the printed per-class summary")
     _add_wsss(b)
     _add_common(b)
+    add_threads(b)
 
     e = sub.add_parser("evaluate", formatter_class=_Formatter, help="IoU, FP, FN per class (SEAM's formulas)",
                        description="Confusion matrix over the whole set on pixels where gt < 255; "
@@ -158,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
     e.add_argument("--json", default=None, help="also write the scores to this JSON file")
     _add_common(e)
+    add_threads(e)
 
     from .adapters.extractor import add_features_arguments
 
@@ -166,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write one float16 <stem>.npy (D, h, w) per image with a STEGO or Leopart "
                                    "checkpoint read from disk (nothing is downloaded); resumable, atomic writes.")
     add_features_arguments(f)
+    add_threads(f)
 
     r = sub.add_parser("report", formatter_class=_Formatter, help="which classes were biased: chart and overlays",
                        description="Per-class share of pseudo-label pixels marked biased, ranked, as a bar chart, and a grid "
@@ -177,12 +254,45 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
     r.add_argument("--num-examples", type=int, default=8, help="most-changed images shown")
     _add_common(r)
+    add_threads(r)
     return ap
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The ``mars`` entry point: the exit status (0 done, 1 done with skipped files, 2 error).
+
+    A reader that closes the pipe early (``mars evaluate ... | head -1``) ends the command
+    quietly with status 141, what a shell reports for a program killed by SIGPIPE (so that
+    ``set -o pipefail`` sees the same as for any other tool). ``--help`` into a closed pipe
+    exits 0: argparse itself ignores the failed write."""
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit:  # argparse: --help, --version, usage errors
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and print an error: point it at devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _print_skipped(s) -> None:
+    """Every file a run skipped, on stderr (the summary line on stdout has the count)."""
+    lines = s.skipped_lines() if s is not None and hasattr(s, "skipped_lines") else []
+    if lines:
+        print("\n".join(lines), file=sys.stderr)
+
+
+def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     from . import jobs
+
+    apply_threads(args.threads)
 
     s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
     joined = False  # whether this call joined a torchrun process group (and must leave it)
@@ -204,6 +314,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             joined = _maybe_init_distributed()
             fmt = jobs.label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
         if args.command == "centroids":
+            names = _class_names(args.class_names)  # read before the work: a bad file fails fast
             V, s = jobs.centroids_job(
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
@@ -213,11 +324,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):
                 if bool(V.valid[c]):
-                    print(f"  class {c}: {int(V.num_selected[c])}/{int(V.num_candidates[c])} candidates, "
-                          f"cut distance {float(V.cut_distance[c]):.4f}")
+                    print(f"  {_class_label(names, c)}: {int(V.num_selected[c])}/{int(V.num_candidates[c])} "
+                          f"candidates, cut distance {float(V.cut_distance[c]):.4f}")
                 else:
-                    print(f"  class {c}: never seen, no centroid")
+                    print(f"  {_class_label(names, c)}: never seen, no centroid")
         elif args.command == "debias":
+            names = _class_names(args.class_names)
             s = jobs.debias_job(
                 args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
                 threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,
@@ -226,17 +338,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                 progress=progress, fmt=fmt,
             )
             print(f"debiased labels -> {args.out}: {s.line()}")
+            if s.pixels:
+                print("pseudo-label pixels marked biased, per class (images written by this run):")
+                for c in sorted(s.pixels):
+                    n, r = s.pixels[c], s.removed.get(c, 0)
+                    print(f"  {_class_label(names, c)}: {r} of {n} ({100 * r / n:.1f}%)")
         elif args.command == "evaluate":
             from .metrics import format_scores_table
 
+            names = _names_for(args.class_names, args.num_classes)
             scores, s = jobs.evaluate_job(args.pred, args.gt, args.num_classes, ignore_index=args.ignore_index,
                                           on_error=args.on_error, progress=progress)
-            names = _class_names(args.class_names) or ["background"] + [f"class {c}" for c in range(1, args.num_classes + 1)]
             print(format_scores_table(names[: args.num_classes + 1], {"": scores}))
             print(f"{s.line('evaluated')}")
             if args.json:
                 out = dict(scores, class_names=names[: args.num_classes + 1])
-                atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+                try:
+                    atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+                except OSError as e:
+                    raise jobs.JobError(f"--json {args.json}: cannot write it ({e.strerror or e})") from None
         elif args.command == "report":
             report, s = jobs.report_job(
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),
@@ -246,14 +366,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name in report["ranking"]:
                 print(f"  {name}: {100 * report['classes'][name]['share_removed']:.1f}%")
             print(f"report -> {args.out}; {s.line('read')}")
-    except (jobs.JobError, ValueError, TypeError, OSError) as e:  # PermissionError is an OSError
-        print(f"mars {args.command}: error: {e}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # the reader is gone: main() ends quietly
+    except jobs.JobError as e:
+        _print_skipped(s)
+        print(f"mars {args.command}: error: {jobs.one_line(e)}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, OSError) as e:  # PermissionError is an OSError
+        _print_skipped(s)
+        msg = jobs.one_line(e)
+        print(f"mars {args.command}: error: {msg if isinstance(e, OSError) else _flag_names(msg)}", file=sys.stderr)
         return 2
     finally:
         if joined:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+    _print_skipped(s)
     return 1 if s is not None and s.failed else 0
 
 

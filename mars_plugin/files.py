@@ -39,6 +39,8 @@ __all__ = [
     "list_stems",
     "find_image",
     "classes_in_label",
+    "check_stem",
+    "stem_path",
 ]
 
 #: Byte written for biased pixels (-1) of debiased labels.
@@ -86,6 +88,32 @@ def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
         raise
 
 
+def check_stem(stem: str) -> str:
+    """``stem`` if it is a plain file name (what a writer may put in its output folder), else a
+    ValueError: empty, ``.``, ``..``, a path separator or a NUL byte could write outside the
+    folder or fail half-way."""
+    if not isinstance(stem, str):
+        raise ValueError(f"image id must be a string, got {type(stem).__name__}")
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if stem in ("", ".", "..") or "\0" in stem or any(c in stem for c in seps):
+        raise ValueError(f"image id {stem!r} is not a plain file name (no path separators, NUL, '.', '..' or empty)")
+    return stem
+
+
+def stem_path(folder: PathLike, stem: str, suffix: str) -> Path:
+    """``folder/<stem><suffix>`` for a checked ``stem`` (see :func:`check_stem`)."""
+    return Path(folder) / f"{check_stem(stem)}{suffix}"
+
+
+def _image_errors() -> tuple:
+    """What PIL raises on a file it cannot decode: OSError (truncated, not an image),
+    SyntaxError (bad header) and DecompressionBombError (a declared size over twice
+    ``Image.MAX_IMAGE_PIXELS``, refused before decoding)."""
+    from PIL import Image
+
+    return (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
 def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) -> torch.Tensor:
     """A (H, W) long label from a P-mode or L-mode PNG; ``biased_value`` bytes become -1.
 
@@ -101,7 +129,9 @@ def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) ->
                     f"{path}: label PNGs must be palette (P) or grayscale (L) images of class ids, got mode {im.mode}"
                 )
             arr = np.array(im, dtype=np.uint8)
-    except (OSError, SyntaxError) as e:
+    except _image_errors() as e:
+        if isinstance(e, ValueError) and str(e).startswith(path):
+            raise
         raise ValueError(f"{path}: cannot read label image ({e})") from e
     t = torch.from_numpy(arr.astype(np.int64))
     if biased_value is not None:
@@ -138,7 +168,7 @@ def read_features(path: PathLike) -> torch.Tensor:
     path = os.fspath(path)
     try:
         arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:  # EOFError: a 0-byte file
         raise ValueError(f"{path}: cannot read features as a plain .npy array ({e})") from e
     if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{path}: features must be a float array of shape (D, h, w), got {arr.dtype} {arr.shape}")
@@ -167,7 +197,7 @@ def read_image(path: PathLike) -> np.ndarray:
     try:
         with Image.open(path) as im:
             return np.array(im.convert("RGB"), dtype=np.uint8)
-    except (OSError, SyntaxError) as e:
+    except _image_errors() as e:
         raise ValueError(f"{path}: cannot read image ({e})") from e
 
 

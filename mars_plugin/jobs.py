@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import pickle
+import re
+import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -19,6 +23,7 @@ import torch
 from .crf import check_crf_backend, check_crf_params
 from .debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
 from .files import (
+    BIASED_VALUE,
     IGNORE_VALUE,
     atomic_write,
     classes_in_label,
@@ -27,6 +32,7 @@ from .files import (
     read_features,
     read_image,
     read_label,
+    stem_path,
     write_label,
 )
 from .metrics import confusion_matrix, segmentation_scores
@@ -42,33 +48,173 @@ __all__ = [
     "debias_job",
     "evaluate_job",
     "report_job",
+    "load_centroids",
 ]
 
 ON_ERROR = ("stop", "skip")
 
 
 class JobError(RuntimeError):
-    """A file could not be processed and ``on_error="stop"``."""
+    """A file could not be processed and ``on_error="stop"``, or the run cannot go on (a
+    worker process died, an input named by a flag is unreadable). The message is one line
+    that names the file or the flag."""
 
 
 @dataclass
 class JobSummary:
-    """What a folder job did: files written, files already there (resume), files skipped."""
+    """What a folder job did: files written, files already there (resume), files skipped.
+
+    ``pixels`` / ``removed`` (debias only): per class id, pseudo-label pixels of the images
+    written by this run, and those of them marked biased."""
 
     done: int = 0
     existing: int = 0
     failed: List[Tuple[str, str]] = field(default_factory=list)
+    pixels: Dict[int, int] = field(default_factory=dict)
+    removed: Dict[int, int] = field(default_factory=dict)
 
     def line(self, verb: str = "written") -> str:
+        """Counts on one line; the skipped files are listed by :meth:`skipped_lines`."""
         s = f"{self.done} {verb}"
         if self.existing:
             s += f", {self.existing} already done"
-        s += f", {len(self.failed)} failed"
-        for stem, why in self.failed[:10]:
-            s += f"\n  failed {stem}: {why}"
-        if len(self.failed) > 10:
-            s += f"\n  ... and {len(self.failed) - 10} more"
+        s += f", {len(self.failed)} skipped"
         return s
+
+    def skipped_lines(self) -> List[str]:
+        """Every skipped file with its reason, one line each (empty when none)."""
+        if not self.failed:
+            return []
+        return [f"skipped {len(self.failed)} file(s):"] + [f"  {stem}: {why}" for stem, why in self.failed]
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (what the command line prints)."""
+    msg = " ".join(str(e).split())
+    return msg or type(e).__name__
+
+
+#: What reading and checking one image's files may raise: a per-file failure, which
+#: ``on_error`` stops on or skips. (Numpy raises EOFError on a 0-byte .npy, PIL a
+#: DecompressionBombError, an Exception subclass, on a huge declared size.)
+FILE_ERRORS = (Exception,)
+
+
+def _fail(stem: str, e: BaseException, on_error: str, summary: JobSummary) -> None:
+    """Apply ``on_error`` to a per-file failure of ``stem``."""
+    if isinstance(e, JobError):
+        raise e
+    msg = one_line(e)
+    if on_error == "stop":
+        raise JobError(f"{stem}: {msg}") from None
+    summary.failed.append((stem, msg))
+
+
+def check_label_values(label: torch.Tensor, path: os.PathLike, num_classes: int, ignore_index: int,
+                       flag: str = "--num-classes") -> None:
+    """A pseudo label (read raw) holds only 0..C and ``ignore_index``; the error names the file,
+    the flag that set C, and 254 when a debiased label was passed as a pseudo label."""
+    vals = label[label != ignore_index]
+    if not vals.numel():
+        return
+    hi, lo = int(vals.max()), int(vals.min())
+    if hi <= num_classes and lo >= 0:
+        return
+    if num_classes < BIASED_VALUE and bool((vals == BIASED_VALUE).any()):
+        raise ValueError(f"{os.fspath(path)}: holds {BIASED_VALUE}, the biased-pixel byte of debiased labels, "
+                         f"where a pseudo label of 0..{num_classes} (and --ignore-index {ignore_index}) was expected")
+    bad = hi if hi > num_classes else lo
+    raise ValueError(f"{os.fspath(path)}: holds class {bad} but {flag} is {num_classes} "
+                     f"(labels are 0..{num_classes} and --ignore-index {ignore_index})")
+
+
+def check_features(feats: torch.Tensor, path: os.PathLike, dim: Optional[int], dim_from: str) -> None:
+    """Features are finite and of embedding size ``dim`` (None: any); the error names the file."""
+    if not bool(torch.isfinite(feats).all()):
+        raise ValueError(f"{os.fspath(path)}: features hold NaN or infinite values")
+    if dim is not None and int(feats.shape[0]) != dim:
+        raise ValueError(f"{os.fspath(path)}: features have embedding size D={int(feats.shape[0])}, expected "
+                         f"D={dim} ({dim_from})")
+
+
+def _common_dim(paths: Sequence[Path]) -> Optional[Tuple[int, str]]:
+    """The most common embedding size D among the .npy headers (read without the data), and
+    the first file that has it; unreadable headers are left for the per-file read to report."""
+    import numpy as np
+
+    first: Dict[int, str] = {}
+    count: Dict[int, int] = {}
+    for p in paths:
+        try:
+            shape = np.load(p, mmap_mode="r", allow_pickle=False).shape
+        except Exception:  # noqa: BLE001 -- reported, with its file, by the per-file read
+            continue
+        if len(shape) == 3:
+            d = int(shape[0])
+            count[d] = count.get(d, 0) + 1
+            first.setdefault(d, p.name)
+    if not count:
+        return None
+    d = max(count, key=lambda k: (count[k], -list(first).index(k)))
+    return d, f"as most feature files, e.g. {first[d]}"
+
+
+def _check_out_file(out: os.PathLike, flag: str) -> None:
+    """Fail before the work, not after it, when the output file ``out`` cannot be written."""
+    p = Path(out)
+    if p.is_dir():
+        raise JobError(f"{flag} {p}: is a folder; expected a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    probe = parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise JobError(f"{flag} {p}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise JobError(f"{flag} {p}: folder {probe} is not writable")
+
+
+def _check_out_dir(out: os.PathLike, flag: str) -> None:
+    """Create the output folder ``out``, or fail with one line naming ``flag``."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise JobError(f"{flag} {p}: exists and is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"{flag} {p}: cannot create the folder ({e.strerror or one_line(e)})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise JobError(f"{flag} {p}: folder is not writable")
+
+
+def load_centroids(path: os.PathLike, flag: str = "--centroids") -> DebiasedCentroids:
+    """:meth:`DebiasedCentroids.load` with one-line errors that name the file and ``flag``: a
+    missing file, random bytes, a torch file of another structure, a pickle that would need
+    unpickling (refused: the file may come from anyone)."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise JobError(f"{flag} {p}: no such file")
+    if not os.path.isfile(p):
+        raise JobError(f"{flag} {p}: not a file")
+    try:
+        with warnings.catch_warnings():  # torch warns about foreign pickle protocols: the error says it
+            warnings.simplefilter("ignore")
+            V = DebiasedCentroids.load(p)
+        if V.centroids.ndim != 2 or V.valid.shape[0] != V.centroids.shape[0]:
+            raise ValueError(f"centroids of shape {tuple(V.centroids.shape)} and valid of {tuple(V.valid.shape)}")
+    except Exception as e:  # noqa: BLE001 -- any failure to read it is the same user error
+        if isinstance(e, pickle.UnpicklingError) or "weights only" in str(e).lower():
+            # torch's safe loader: "Unsupported global" is a pickled Python object; anything
+            # else (random bytes, a plain pickle) is not a tensor file at all.
+            why = ("it would need unpickling Python objects, which mars refuses" if "unsupported global" in
+                   str(e).lower() else "unreadable as a file of tensors")
+        elif isinstance(e, KeyError):
+            why = f"no {e.args[0]!r} entry"
+        else:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = why.replace(repr(p), "").strip(" :") or type(e).__name__
+        raise JobError(f"{flag} {p}: not a centroid file written by 'mars centroids' ({why[:200]})") from None
+    return V
 
 
 def _rank_world() -> Tuple[int, int]:
@@ -174,29 +320,51 @@ def label_format(wsss: Optional[str] = None, *, dataset: str = "voc", trust_pick
 
 
 def _centroid_samples(
-    stems: Sequence[str], features_dir: Path, labels_dir: Path, image_labels, ignore_index: int,
-    on_error: str, summary: JobSummary, progress: bool,
+    stems: Sequence[str], features_dir: Path, labels_dir: Path, image_labels, num_classes: int,
+    ignore_index: int, on_error: str, summary: JobSummary, progress: bool, yielded: List[str],
 ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Checked (features, label) pairs; every check that :func:`select_centroids` would make
+    on a sample is made here first, so that a bad file is named and ``on_error`` applies.
+    ``yielded`` receives the stem of each pair, in order."""
+    ref = _common_dim([features_dir / f"{s}.npy" for s in stems])
+    dim, dim_from = ref if ref is not None else (None, "")
     for stem in _progress(stems, len(stems), "centroids", progress):
         try:
             feat_path = features_dir / f"{stem}.npy"
             if not feat_path.is_file():
                 raise ValueError(f"missing feature file {feat_path}")
             feats = read_features(feat_path)
-            label = read_label(labels_dir / f"{stem}.png", biased_value=None)
+            check_features(feats, feat_path, dim, dim_from)
+            label_path = labels_dir / f"{stem}.png"
+            label = read_label(label_path, biased_value=None)
+            check_label_values(label, label_path, num_classes, ignore_index)
             if image_labels is not None:
                 if stem not in image_labels:
-                    raise ValueError(f"{stem!r} has no entry in the image-labels file")
+                    raise ValueError(f"{stem!r} has no entry in the --image-labels file")
                 # Pseudo-label classes the image-level labels deny are not trusted: ignore them.
                 allowed = torch.tensor([0, ignore_index] + image_labels[stem])
                 label = torch.where(torch.isin(label, allowed), label, torch.full_like(label, ignore_index))
-        except ValueError as e:
-            if on_error == "stop":
-                raise JobError(f"{stem}: {e}") from e
-            summary.failed.append((stem, str(e)))
+        except FILE_ERRORS as e:
+            _fail(stem, e, on_error, summary)
             continue
         summary.done += 1
+        yielded.append(stem)
         yield feats, label
+
+
+def _translate_samples_error(e: Exception, yielded: Sequence[str], summary: JobSummary) -> JobError:
+    """A :func:`select_centroids` error names ``samples[i]``: name the file instead (the checks
+    of :func:`_centroid_samples` should leave none but this is the safety net)."""
+    msg = one_line(e)
+    m = re.match(r"samples\[(\d+)\]:?\s*", msg)
+    if m and int(m.group(1)) < len(yielded):
+        return JobError(f"{yielded[int(m.group(1))]}: {msg[m.end():]}")
+    if msg.startswith("samples is empty"):
+        why = f" ({len(summary.failed)} skipped)" if summary.failed else ""
+        return JobError(f"no image of --features/--labels could be used{why}")
+    if msg.startswith("samples: "):
+        return JobError(msg[len("samples: "):].replace("pseudo_label", "pseudo label"))
+    return JobError(msg)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -246,18 +414,27 @@ def centroids_job(
     images and rank 0 writes ``out``; every rank returns the same centroids.
     """
     _check_on_error(on_error)
+    _check_out_file(out, "--out")
     fmt = fmt or LabelFormat()
     stems = _stems(labels_dir, fmt.skip_suffixes)
     labels = fmt.image_labels(image_labels, num_classes)
     rank, world = _rank_world()
     stems = stems[rank::world]
     summary = JobSummary()
-    samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, ignore_index, on_error, summary, progress)
-    V = select_centroids(
-        samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
-        ignore_index=ignore_index, device=resolve_device(device), spill_dir=spill_dir, spill_mb=spill_mb,
-        backend=backend,
-    ).to("cpu")
+    yielded: List[str] = []
+    samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, num_classes, ignore_index,
+                                on_error, summary, progress, yielded)
+    dev = resolve_device(device)
+    try:
+        V = select_centroids(
+            samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
+            ignore_index=ignore_index, device=dev, spill_dir=spill_dir, spill_mb=spill_mb,
+            backend=backend,
+        ).to("cpu")
+    except (ValueError, TypeError) as e:
+        if "samples" not in str(e):
+            raise
+        raise _translate_samples_error(e, yielded, summary) from None
     if rank == 0:
         V.save(out)
     return V, summary
@@ -271,12 +448,25 @@ _WORKER: Dict[str, Any] = {}
 
 
 def _debias_init(config: Dict[str, Any]) -> None:
-    # One thread per worker process: N workers use N cores instead of fighting over them.
-    if config["workers"] > 1:
-        torch.set_num_threads(1)
+    """Set up a worker. The centroids come as tensors in ``config``, so no worker re-reads the
+    file (which may have changed or gone since the run began). An error here is kept and
+    raised, as a :class:`JobError`, by the worker's first batch: a pool whose initializer
+    raises would print a traceback per worker (and ``multiprocessing.Pool`` respawns them
+    forever)."""
     _WORKER.clear()
-    _WORKER.update(config)
-    _WORKER["centroids"] = DebiasedCentroids.load(config["centroids_path"]).to(config["device"])
+    try:
+        # One thread per worker process: N workers use N cores instead of fighting over them.
+        if config["workers"] > 1:
+            torch.set_num_threads(1)
+        _WORKER.update(config)
+        _WORKER["centroids"] = config["centroids"].to(config["device"])
+    except Exception as e:  # noqa: BLE001 -- reported by _debias_batch, see above
+        _WORKER["init_error"] = f"a --workers process failed to start: {one_line(e)}"
+
+
+def _debias_check_init() -> None:
+    if "init_error" in _WORKER:
+        raise JobError(_WORKER["init_error"])
 
 
 def _debias_read(stem: str) -> Dict[str, Any]:
@@ -286,11 +476,16 @@ def _debias_read(stem: str) -> Dict[str, Any]:
     feat_path = Path(cfg["features_dir"]) / f"{stem}.npy"
     if not feat_path.is_file():
         raise ValueError(f"missing feature file {feat_path}")
-    feats = read_features(feat_path).to(cfg["device"])
-    label = read_label(Path(cfg["labels_dir"]) / f"{stem}.png", biased_value=None)
+    feats = read_features(feat_path)
+    check_features(feats, feat_path, V.dim, f"as --centroids {cfg['centroids_path']}")
+    feats = feats.to(cfg["device"])
+    label_path = Path(cfg["labels_dir"]) / f"{stem}.png"
+    label = read_label(label_path, biased_value=None)
+    check_label_values(label, label_path, V.num_classes, cfg["ignore_index"],
+                       flag=f"the number of classes of --centroids {cfg['centroids_path']}")
     if cfg["image_labels"] is not None:
         if stem not in cfg["image_labels"]:
-            raise ValueError(f"{stem!r} has no entry in the image-labels file")
+            raise ValueError(f"{stem!r} has no entry in the --image-labels file")
         classes = cfg["image_labels"][stem]
     else:
         classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
@@ -307,20 +502,22 @@ def _debias_read(stem: str) -> Dict[str, Any]:
     return item
 
 
-def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str]]]:
+def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]]]]:
     """Debias a batch of images (one CRF call on the job's device); returns (stem,
-    "done"|"existing"|"failed", error message) for each."""
+    "done"|"existing"|"failed", error message, {class: (pixels, removed)}) for each."""
+    _debias_check_init()
     cfg = _WORKER
-    results: List[Tuple[str, str, Optional[str]]] = []
+    results: List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]]]] = []
     items = []
     for stem in stems:
-        if (Path(cfg["out_dir"]) / f"{stem}.png").is_file():
-            results.append((stem, "existing", None))
+        out_path = stem_path(cfg["out_dir"], stem, ".png")
+        if out_path.is_file():
+            results.append((stem, "existing", None, {}))
             continue
         try:
             items.append(_debias_read(stem))
-        except ValueError as e:
-            results.append((stem, "failed", str(e)))
+        except FILE_ERRORS as e:
+            results.append((stem, "failed", one_line(e), {}))
     if not items:
         return results
     sims = [it["similarity"] for it in items]
@@ -330,9 +527,23 @@ def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str]]]:
         masks = [m > cfg["threshold"] for m in sims]
     for it, mask in zip(items, masks):
         y = mark_biased(it["label"], mask.cpu(), cfg["centroids"], ignore_index=cfg["ignore_index"])
-        write_label(Path(cfg["out_dir"]) / f"{it['stem']}.png", y, mode=cfg["mode"])
-        results.append((it["stem"], "done", None))
+        write_label(stem_path(cfg["out_dir"], it["stem"], ".png"), y, mode=cfg["mode"])
+        results.append((it["stem"], "done", None, _removed_per_class(it["label"], y, cfg["ignore_index"])))
     return results
+
+
+def _removed_per_class(label: torch.Tensor, debiased: torch.Tensor, ignore_index: int) -> Dict[int, Tuple[int, int]]:
+    """{class id: (pixels in the pseudo label, of them marked biased)} of one image, counted on
+    the label just written (no re-read)."""
+    label, debiased = label.cpu(), debiased.cpu()
+    fg = (label > 0) & (label != ignore_index)
+    ids = label[fg]
+    if not ids.numel():
+        return {}
+    n = int(ids.max()) + 1
+    pixels = torch.bincount(ids, minlength=n)
+    removed = torch.bincount(label[fg & (debiased == -1)], minlength=n)
+    return {c: (int(pixels[c]), int(removed[c])) for c in range(1, n) if int(pixels[c])}
 
 
 def debias_job(
@@ -384,10 +595,10 @@ def debias_job(
     stems = _stems(labels_dir, fmt.skip_suffixes)
     rank, world = _rank_world()
     stems = stems[rank::world]
-    V = DebiasedCentroids.load(centroids)
-    os.makedirs(out_dir, exist_ok=True)
+    V = load_centroids(centroids)
+    _check_out_dir(out_dir, "--out")
     config = dict(
-        centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
+        centroids=V, centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
         images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
         threshold=threshold, ignore_index=ignore_index, crf_params=params, crf_backend=crf_backend,
         image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
@@ -396,9 +607,13 @@ def debias_job(
     batches = [stems[i:i + batch_size] for i in range(0, len(stems), batch_size)]
 
     def consume(results) -> None:
-        for stem, status, err in _progress((r for batch in results for r in batch), len(stems), "debias", progress):
+        for stem, status, err, counts in _progress((r for batch in results for r in batch), len(stems), "debias",
+                                                   progress):
             if status == "done":
                 summary.done += 1
+                for c, (n, r) in counts.items():
+                    summary.pixels[c] = summary.pixels.get(c, 0) + n
+                    summary.removed[c] = summary.removed.get(c, 0) + r
             elif status == "existing":
                 summary.existing += 1
             else:
@@ -409,11 +624,24 @@ def debias_job(
     if workers == 1:
         _debias_init(config)
         consume(map(_debias_batch, batches))
-    else:
-        # spawn, not fork: forking a process whose torch already started OpenMP threads can hang.
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(workers, initializer=_debias_init, initargs=(config,)) as pool:
-            consume(pool.imap(_debias_batch, batches))
+        return summary
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    # spawn, not fork: forking a process whose torch already started OpenMP threads can hang.
+    # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies the executor is
+    # "broken" and every pending result raises, where a Pool replaces the worker and waits
+    # forever for the result the dead one held.
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_debias_init,
+                               initargs=(config,))
+    try:
+        consume(pool.map(_debias_batch, batches))
+    except BrokenProcessPool:
+        raise JobError(f"a --workers process died (killed, out of memory, or crashed); "
+                       f"{summary.done} images were written and a new run resumes after them") from None
+    finally:
+        # Do not wait for batches nobody will read (an error stops the run).
+        pool.shutdown(wait=True, cancel_futures=True)
     return summary
 
 
@@ -433,8 +661,9 @@ def evaluate_job(
 ) -> Tuple[Dict[str, object], JobSummary]:
     """SEAM-style IoU/FP/FN over every ground-truth PNG of ``gt_dir`` and its prediction.
 
-    A prediction pixel of 254 (biased, in a debiased label) counts as background; 255 in a
-    prediction counts as "no class". Returns the scores of
+    A prediction pixel of 254 (biased, in a debiased label) counts as background;
+    ``ignore_index`` in a prediction counts as "no class". Any other value above C, in a
+    prediction or the ground truth, is a bad file (named, ``on_error`` applies). Returns the scores of
     :func:`mars_plugin.metrics.segmentation_scores` plus ``confusion`` and ``num_images``.
     """
     _check_on_error(on_error)
@@ -446,15 +675,19 @@ def evaluate_job(
             pred_path = Path(pred_dir) / f"{stem}.png"
             if not pred_path.is_file():
                 raise ValueError(f"missing prediction {pred_path}")
-            pred = read_label(pred_path)
-            gt = read_label(Path(gt_dir) / f"{stem}.png", biased_value=None)
+            pred = read_label(pred_path, biased_value=None)
+            # 254 in a prediction is a biased pixel of a debiased label: background (see above).
+            check_label_values(pred.masked_fill(pred == BIASED_VALUE, 0), pred_path, num_classes, ignore_index)
+            pred = pred.masked_fill(pred == BIASED_VALUE, -1)
+            gt_path = Path(gt_dir) / f"{stem}.png"
+            gt = read_label(gt_path, biased_value=None)
+            check_label_values(gt, gt_path, num_classes, ignore_index)
             if pred.shape != gt.shape:
-                raise ValueError(f"prediction {tuple(pred.shape)} and ground truth {tuple(gt.shape)} differ in size")
+                raise ValueError(f"prediction {pred_path} {tuple(pred.shape)} and ground truth {tuple(gt.shape)} "
+                                 "differ in size")
             m = confusion_matrix(pred, gt, num_classes, ignore_index=ignore_index)
-        except ValueError as e:
-            if on_error == "stop":
-                raise JobError(f"{stem}: {e}") from e
-            summary.failed.append((stem, str(e)))
+        except FILE_ERRORS as e:
+            _fail(stem, e, on_error, summary)
             continue
         cm = m if cm is None else cm + m
         summary.done += 1
@@ -497,16 +730,19 @@ def report_job(
     total: Dict[int, int] = {}
     removed: Dict[int, int] = {}
     per_image: List[Tuple[float, str]] = []
+    max_class = BIASED_VALUE - 1 if class_names is None else len(class_names) - 1
+    flag = "the labels' range" if class_names is None else f"--class-names ({len(class_names)} names)"
     for stem in _progress(stems, len(stems), "report", progress):
         try:
-            y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
+            y_path = Path(labels_dir) / f"{stem}.png"
+            y = read_label(y_path, biased_value=None)
+            check_label_values(y, y_path, max_class, ignore_index, flag=flag)
             d = read_label(Path(debiased_dir) / f"{stem}.png")
             if y.shape != d.shape:
                 raise ValueError(f"pseudo label {tuple(y.shape)} and debiased label {tuple(d.shape)} differ in size")
-        except ValueError as e:
-            if on_error == "stop":
-                raise JobError(f"{stem}: {e}") from e
-            summary.failed.append((stem, str(e)))
+            _probe_image(find_image(images_dir, stem), tuple(y.shape))
+        except FILE_ERRORS as e:
+            _fail(stem, e, on_error, summary)
             continue
         fg = (y > 0) & (y != ignore_index)
         gone = fg & (d == -1)
@@ -522,22 +758,76 @@ def report_job(
     if class_names is None:
         class_names = ["background"] + [f"class {c}" for c in range(1, num_classes + 1)]
     if len(class_names) < num_classes + 1:
-        raise ValueError(f"class_names has {len(class_names)} names but labels reach class {num_classes}")
+        raise ValueError(f"--class-names has {len(class_names)} names but labels reach class {num_classes}")
     share = [float("nan")] + [removed.get(c, 0) / total[c] if c in total else float("nan") for c in range(1, num_classes + 1)]
     ranking = sorted((c for c in range(1, num_classes + 1) if c in total), key=lambda c: -share[c])
     per_image.sort(key=lambda t: (-t[0], t[1]))
     examples = per_image[:num_examples]
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out_dir(out, "--out")
+    # Every output is written to a temporary file first and renamed at the end, report.json
+    # last: a failure never leaves a chart without its report.json.
+    staged: Dict[str, str] = {}
+
+    def stage(name: str) -> str:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=Path(name).suffix, dir=out)
+        os.close(fd)
+        staged[name] = tmp
+        return tmp
+
+    try:
+        _report_outputs(stage, plots, class_names, num_classes, share, ranking, examples, images_dir, labels_dir,
+                        debiased_dir, on_error, summary)
+        report = {
+            "classes": {class_names[c]: {"id": c, "pixels": total.get(c, 0), "removed": removed.get(c, 0),
+                                         "share_removed": share[c]} for c in range(1, num_classes + 1) if c in total},
+            "ranking": [class_names[c] for c in ranking],
+            "most_changed": [{"stem": s, "share_removed": f} for f, s in examples],
+            "num_images": summary.done,
+        }
+        Path(stage("report.json")).write_text(json.dumps(report, indent=2))
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in sorted(staged, key=lambda n: n == "report.json"):  # report.json last
+            os.chmod(staged[name], 0o666 & ~umask)
+            os.replace(staged[name], out / name)
+    finally:
+        for tmp in staged.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return report, summary
+
+
+def _probe_image(path: Path, shape: Tuple[int, int]) -> None:
+    """Open an image's header (not its pixels): refuses a file PIL cannot identify, a
+    decompression bomb, and an image whose size differs from the label's."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+    except Exception as e:  # noqa: BLE001 -- any failure to open it is a bad file
+        raise ValueError(f"{path}: cannot read image ({one_line(e)})") from None
+    if (h, w) != shape:
+        raise ValueError(f"image {path} {w}x{h} and pseudo label {shape[1]}x{shape[0]} (width x height) differ in size")
+
+
+def _report_outputs(stage, plots, class_names, num_classes, share, ranking, examples, images_dir, labels_dir,
+                    debiased_dir, on_error, summary) -> None:
+    """The chart and the overlays of :func:`report_job`, each written to ``stage(name)``."""
     plots.save_iou_bar_chart(
-        out / "biased_share.png", list(class_names[1 : num_classes + 1]),
+        stage("biased_share.png"), list(class_names[1 : num_classes + 1]),
         {"share of pseudo-label pixels marked biased": [100 * s for s in share[1:]]},
         title="Which classes were biased (MARS)", ylabel="removed pixels (%)", order=[c - 1 for c in ranking],
     )
     rows = []
     for frac, stem in examples:
-        img = read_image(find_image(images_dir, stem))
+        try:
+            img = read_image(find_image(images_dir, stem))
+        except FILE_ERRORS as e:  # a truncated image passes the header probe
+            _fail(stem, e, on_error, summary)
+            continue
         y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
         d = read_label(Path(debiased_dir) / f"{stem}.png")
         rows.append((f"{stem}: {100 * frac:.0f}% removed", [
@@ -545,13 +835,4 @@ def report_job(
             ("removed pixels", plots.removed_mask_image(img, y, d)), ("debiased label", plots.blend(img, d)),
         ]))
     if rows:
-        plots.save_overlay_grid(out / "most_changed.png", rows)
-    report = {
-        "classes": {class_names[c]: {"id": c, "pixels": total.get(c, 0), "removed": removed.get(c, 0),
-                                     "share_removed": share[c]} for c in range(1, num_classes + 1) if c in total},
-        "ranking": [class_names[c] for c in ranking],
-        "most_changed": [{"stem": s, "share_removed": f} for f, s in examples],
-        "num_images": summary.done,
-    }
-    atomic_write(out / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
-    return report, summary
+        plots.save_overlay_grid(stage("most_changed.png"), rows)
