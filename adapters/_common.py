@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Uni
 import numpy as np
 import torch
 
-from mars_plugin.files import BIASED_VALUE, list_stems, read_label, write_label
+from mars_plugin.files import BIASED_VALUE, list_stems, read_label, stem_path, write_label
 
 __all__ = [
     "VOC_CLASSES",
@@ -127,12 +127,14 @@ def write_label_dir(
 ) -> List[Path]:
     """Write ``<out_dir>/<id>.png`` for each (id, label) with -1 as ``biased_value``, atomically.
 
-    ``dry_run=True`` writes nothing and returns the paths that would be written.
+    ``dry_run=True`` writes nothing and returns the paths that would be written. An id that is
+    not a plain file name (empty, ``.``, ``..``, a path separator, NUL) is a ValueError.
     """
     out = Path(out_dir)
     paths = []
     for stem, label in labels:
-        p = out / f"{stem}.png"
+        # an id such as "../x" or "a/b" would write outside out_dir: refused, also in a dry run
+        p = stem_path(out, stem, ".png")
         if not dry_run:
             write_label(p, label, biased_value=biased_value, mode=mode)
         paths.append(p)

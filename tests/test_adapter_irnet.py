@@ -298,3 +298,18 @@ def test_three_calls_on_irnet_files(repo, tmp_path):
         except ImportError:
             continue
         np.testing.assert_array_equal(imageio.imread(out / f"{i}.png"), arr)
+
+
+@pytest.mark.parametrize("module", ["irnet", "advcam", "seam", "rsepm"])
+@pytest.mark.parametrize("stem", ["../x", "a/b", "", ".", "..", "a\0b"])
+def test_write_debiased_refuses_ids_that_are_not_file_names(tmp_path, module, stem):
+    """Every adapter's writer: nothing is written outside (or inside) out_dir for such an id,
+    in a dry run either."""
+    import importlib
+
+    mod = importlib.import_module(f"mars_plugin.adapters.{module}")
+    out = tmp_path / "out" / "deeper"
+    for dry_run in (True, False):
+        with pytest.raises(ValueError, match="not a plain file name"):
+            mod.write_debiased([(stem, torch.zeros(2, 2, dtype=torch.long))], out, dry_run=dry_run)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == []
