@@ -28,14 +28,15 @@ def l2_norm(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tens
 
     The plain sum of squares overflows float32 for values beyond ~1.8e19 (and float16 already
     past 256), which turns a perfectly finite vector into one of infinite norm, i.e. a zero
-    vector once normalised. Such vectors (found after the fast pass, so the common case costs
-    one ``isinf`` scan) are measured again scaled by their largest magnitude:
+    vector once normalised; it underflows to 0 for values below ~1e-23, which makes a nonzero
+    vector look like "no centroid". Such vectors (found after the fast pass, so the common
+    case costs one scan of the norms) are measured again scaled by their largest magnitude:
     |x| = m |x / m|. A norm beyond the dtype's range stays inf; use :func:`l2_normalize`,
     which never forms it.
     """
     work = x if x.dtype == torch.float64 else x.float()
     n = torch.linalg.vector_norm(work, dim=dim, keepdim=True)
-    over = torch.isinf(n)
+    over = torch.isinf(n) | (n == 0)
     if bool(over.any()):
         m = work.abs().amax(dim, keepdim=True)
         safe = torch.where(over & (m > 0), m, torch.ones_like(m))
