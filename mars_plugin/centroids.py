@@ -17,8 +17,8 @@ from ._checks import check_finite, check_float_tensor, check_int_param, check_la
 from . import kmeans_compiled
 from .kmeans import _kmeans_padded, _uniforms, batched_kmeans, l2_normalize, seeding_trials
 
-__all__ = ["BACKENDS", "GroupCentroids", "ImageCentroids", "check_backend", "image_centroids", "resize_label",
-           "problem_seed"]
+__all__ = ["BACKENDS", "GroupCentroids", "ImageCentroids", "check_backend", "check_embedding_size", "image_centroids",
+           "resize_label", "problem_seed"]
 
 #: K-means implementations: "compiled" (numba kernel, CPU), "torch" (batched torch, any
 #: device), "auto" (compiled on the CPU when numba is installed, else torch).
@@ -109,8 +109,15 @@ def resize_label(label: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     return label[..., iy[:, None], ix[None, :]].long()
 
 
+def check_embedding_size(f: torch.Tensor, name: str) -> None:
+    """Refuse D = 0 (no channel: nothing to cluster or compare) with the house error."""
+    if f.shape[-3] < 1:
+        raise ValueError(f"{name}: got {describe(f)}, expected at least one channel (D >= 1)")
+
+
 def _as_batch(features, pseudo_label, ignore_index):
     f = check_float_tensor(features, "features", (3, 4), "(D, H, W) or (B, D, H, W)")
+    check_embedding_size(f, "features")
     single = f.ndim == 3
     y = check_label_tensor(
         pseudo_label, "pseudo_label", (2,) if single else (3,),
@@ -166,6 +173,8 @@ def _check_label_values(y: torch.Tensor, name, max_label: Optional[int]) -> None
     """Batch-level label check: (B, H, W) full-size labels with ignored pixels already set to 0
     hold no negative id and none above ``max_label``; the error names image i by ``name(i)``."""
     flat = y.reshape(y.shape[0], -1)
+    if flat.shape[1] == 0:  # images without pixels hold no id
+        return
     _check_label_bounds(flat.min(1).values, flat.max(1).values, name, max_label)
 
 
@@ -329,6 +338,9 @@ def _cluster_groups(
     dims = sorted({int(f.shape[0]) for f in features})
     if len(dims) > 1:
         raise ValueError(f"all features in one call must share the embedding size D, got D in {dims}")
+    # K-means is not differentiable: both backends read the values only (the torch path's
+    # out= copies would refuse a tensor that requires grad).
+    features = [f.detach() for f in features]
     ws = workspace if workspace is not None else _Workspace()
     if backend is None:
         on_cpu = (torch.device(device) if device is not None else features[0].device).type == "cpu"

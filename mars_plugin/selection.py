@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ._checks import check_float_tensor, check_fraction, check_int_param, check_label_tensor, describe
-from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend
+from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend, check_embedding_size
 from .files import atomic_write
 from .kmeans import l2_norm, l2_normalize
 
@@ -133,6 +133,7 @@ def _light_pair(s, i: int, ignore_index: int) -> Tuple[torch.Tensor, torch.Tenso
         )
     try:
         f = check_float_tensor(s[0], "features", (3,), "(D, H, W) for one image", finite=False)
+        check_embedding_size(f, "features")
         y = check_label_tensor(s[1], "pseudo_label", (2,), "(H, W) for one image", ignore_index=ignore_index,
                                values=False)
     except (TypeError, ValueError) as e:
