@@ -150,15 +150,18 @@ def _shares_memory(t: torch.Tensor, src: object) -> bool:
     return False  # built from Python lists: already ours
 
 
-def _owned(t: torch.Tensor, src: object) -> torch.Tensor:
+def _owned(t: torch.Tensor, src: object, workspace: "_Workspace", slot: str) -> torch.Tensor:
     """``t``, or a copy of it when it reads the caller's memory.
 
     A sample held in a batch past the next ``next()`` must not be the caller's tensor: a
     generator that refills one buffer per image (e.g. a DataLoader-like reader writing in
     place) would change the held images before they are clustered. The copy is one memcpy of
-    the image in its own dtype (see the README for its measured cost).
+    the image in its own dtype, into a buffer of ``workspace`` reused from batch to batch
+    (fresh memory per image would cost page faults on top).
     """
-    return t.detach().clone() if _shares_memory(t, src) else t
+    if not _shares_memory(t, src):
+        return t
+    return workspace.get(slot, tuple(t.shape), t.dtype, t.device).copy_(t.detach())
 
 
 def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_classes, **kw):
@@ -209,7 +212,8 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_cla
         else:
             # Held past the next next(): never the caller's memory (the last image of a batch
             # is clustered before that and needs no copy).
-            pending[-1] = (_owned(f, s[0]), _owned(y, s[1]))
+            j = len(pending) - 1
+            pending[-1] = (_owned(f, s[0], workspace, f"held_f{j}"), _owned(y, s[1], workspace, f"held_y{j}"))
     if pending:
         yield flush()
 
