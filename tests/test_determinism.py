@@ -27,7 +27,7 @@ import numba  # noqa: E402
 from mars_plugin import kmeans_compiled, select_centroids  # noqa: E402
 from mars_plugin.kmeans import seeding_trials  # noqa: E402
 
-from test_kmeans_compiled import _blobs, _pairs  # noqa: E402
+from test_kmeans_compiled import _blobs  # noqa: E402
 from test_select_centroids import assert_same_result  # noqa: E402
 
 
