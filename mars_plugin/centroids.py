@@ -15,10 +15,10 @@ import torch
 
 from ._checks import check_finite, check_float_tensor, check_int_param, check_label_tensor, describe
 from . import kmeans_compiled
-from .kmeans import _kmeans_padded, _uniforms, batched_kmeans, seeding_trials
+from .kmeans import _kmeans_padded, _uniforms, batched_kmeans, l2_normalize, seeding_trials
 
-__all__ = ["BACKENDS", "GroupCentroids", "ImageCentroids", "check_backend", "image_centroids", "resize_label",
-           "problem_seed"]
+__all__ = ["BACKENDS", "GroupCentroids", "ImageCentroids", "check_backend", "check_embedding_size", "image_centroids",
+           "resize_label", "problem_seed"]
 
 #: K-means implementations: "compiled" (numba kernel, CPU), "torch" (batched torch, any
 #: device), "auto" (compiled on the CPU when numba is installed, else torch).
@@ -53,13 +53,27 @@ class ImageCentroids:
         if not isinstance(self.bg, torch.Tensor) or self.bg.ndim != 2:
             raise ValueError(f"ImageCentroids.bg must be a (k, D) tensor, got {describe(self.bg)}")
         self.dim = int(self.bg.shape[1])
+        self.check()
+
+    def check(self, name: str = "ImageCentroids") -> None:
+        """Validate the shapes and values (again: the tensors may have changed since); ``name``
+        prefixes the errors.
+
+        A NaN/Inf centroid would pass for a valid one and then remove its whole class in
+        :func:`mars_plugin.debias_labels`: it is refused here. An all-zero centroid (a class
+        whose features are zero) is allowed but counts as no centroid downstream.
+        """
+        if not isinstance(self.bg, torch.Tensor) or self.bg.ndim != 2 or self.bg.shape[1] != self.dim:
+            raise ValueError(f"{name}.bg must be a (k, D) tensor, got {describe(self.bg)}")
+        check_finite(self.bg, f"{name}.bg")
         for c, v in self.fg.items():
             if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
-                raise ValueError(f"ImageCentroids.fg keys must be class ids >= 1, got {c!r}")
+                raise ValueError(f"{name}.fg keys must be class ids >= 1, got {c!r}")
             if not isinstance(v, torch.Tensor) or v.ndim != 2 or v.shape[1] != self.dim or v.shape[0] < 1:
                 raise ValueError(
-                    f"ImageCentroids.fg[{c}] must be a (k>=1, D={self.dim}) tensor, got {describe(v)}"
+                    f"{name}.fg[{c}] must be a (k>=1, D={self.dim}) tensor, got {describe(v)}"
                 )
+            check_finite(v, f"{name}.fg[{c}]")
 
     def to(self, device: Union[str, torch.device]) -> "ImageCentroids":
         return ImageCentroids({c: v.to(device) for c, v in self.fg.items()}, self.bg.to(device))
@@ -95,8 +109,15 @@ def resize_label(label: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     return label[..., iy[:, None], ix[None, :]].long()
 
 
+def check_embedding_size(f: torch.Tensor, name: str) -> None:
+    """Refuse D = 0 (no channel: nothing to cluster or compare) with the house error."""
+    if f.shape[-3] < 1:
+        raise ValueError(f"{name}: got {describe(f)}, expected at least one channel (D >= 1)")
+
+
 def _as_batch(features, pseudo_label, ignore_index):
     f = check_float_tensor(features, "features", (3, 4), "(D, H, W) or (B, D, H, W)")
+    check_embedding_size(f, "features")
     single = f.ndim == 3
     y = check_label_tensor(
         pseudo_label, "pseudo_label", (2,) if single else (3,),
@@ -152,6 +173,8 @@ def _check_label_values(y: torch.Tensor, name, max_label: Optional[int]) -> None
     """Batch-level label check: (B, H, W) full-size labels with ignored pixels already set to 0
     hold no negative id and none above ``max_label``; the error names image i by ``name(i)``."""
     flat = y.reshape(y.shape[0], -1)
+    if flat.shape[1] == 0:  # images without pixels hold no id
+        return
     _check_label_bounds(flat.min(1).values, flat.max(1).values, name, max_label)
 
 
@@ -259,6 +282,13 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
                                     max_label)
         _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
     if norms is not None:
+        # Finite pixels (checked above, or by the caller) whose squared norm overflows the
+        # work dtype (values beyond ~1.8e19 in float32) would become zero vectors: those rows
+        # alone are normalised through their largest magnitude first.
+        over = torch.isinf(norms[:, 0])
+        if bool(over.any()):
+            x[over] = l2_normalize(x[over], dim=1).to(x.dtype)
+            norms[over] = 1.0
         x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
     keep = y != ignore_index
     n_labels = int(y.masked_fill(~keep, 0).max()) + 1 if y.numel() else 1
@@ -308,6 +338,9 @@ def _cluster_groups(
     dims = sorted({int(f.shape[0]) for f in features})
     if len(dims) > 1:
         raise ValueError(f"all features in one call must share the embedding size D, got D in {dims}")
+    # K-means is not differentiable: both backends read the values only (the torch path's
+    # out= copies would refuse a tensor that requires grad).
+    features = [f.detach() for f in features]
     ws = workspace if workspace is not None else _Workspace()
     if backend is None:
         on_cpu = (torch.device(device) if device is not None else features[0].device).type == "cpu"
@@ -328,7 +361,12 @@ def _cluster_groups(
         features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
         max_label=max_label, workspace=ws)
     G, D = len(g_size), dims[0]
-    ks = [k_bg if c == 0 else k_fg for c in g_lab]
+    ks_asked = [k_bg if c == 0 else k_fg for c in g_lab]
+    # A group has at most one centroid per pixel: K past its size would only allocate rows
+    # never filled (memory follows the pixels, never K). Its draws stay those of the K asked
+    # (same trials; the rows past n are never read), so the result does not change.
+    trials = [seeding_trials(k) for k in ks_asked]
+    ks = [min(k, n) for k, n in zip(ks_asked, g_size)]
     kmax = max(ks, default=1)
     img_t, lab_t = torch.tensor(g_img, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long)
     zero_row = x.shape[0] - 1
@@ -356,13 +394,15 @@ def _cluster_groups(
         rows = torch.where(mask, rows, zero_row)  # padded points read the zero row
         pts = ws.get("pts", (len(bucket), n_max, D), x.dtype, x.device)
         torch.index_select(x, 0, rows.reshape(-1), out=pts.view(-1, D))
-        b_k = [ks[g] for g in bucket]
         b_seeds = [problem_seed(seed, g_lab[g]) for g in bucket]
         if n_init > 1:
-            res = batched_kmeans(pts, mask, b_k, seeds=b_seeds, max_iter=max_iter, tol=tol, n_init=n_init)
-            c, v = res.centroids, res.valid
+            # batched_kmeans bounds K by the bucket's size itself and keeps each K's trials.
+            res = batched_kmeans(pts, mask, [ks_asked[g] for g in bucket], seeds=b_seeds, max_iter=max_iter,
+                                 tol=tol, n_init=n_init)
+            c, v = res.centroids[:, :kmax], res.valid[:, :kmax]  # past kmax: never valid
         else:
-            c, v, _ = _kmeans_padded(pts, mask, b_k, b_seeds, max_iter, tol)
+            c, v, _ = _kmeans_padded(pts, mask, [ks[g] for g in bucket], b_seeds, max_iter, tol,
+                                     [trials[g] for g in bucket])
         # k-means++ fills the valid centroids first, so each group's centroids are a prefix.
         cents[idx.to(x.device), : c.shape[1]] = c
         count[idx] = v.sum(1).cpu()
@@ -396,15 +436,28 @@ def _cluster_compiled(features, labels, *, k_fg, k_bg, ignore_index, normalize, 
     # Without ``name`` (callers that checked the labels already) the bound C is not known, but
     # a negative id is still refused: the counting sort could not place it.
     _check_label_bounds(lo, hi, name or (lambda i: f"pseudo_label[{i}]"), max_label if name else None)
-    counts, order, ignored = kmeans_compiled.group_pixels(y_flat, offs, ignore_index, int(hi.max(initial=0)) + 1)
+    n_labels = int(hi.max(initial=0)) + 1
+    ids = None
+    if n_labels > max(256, y_flat.size):
+        # Class ids far beyond the pixel count (e.g. 10**9, accepted without num_classes):
+        # group the ranks of the ids present instead, so that the (B, ids) count table
+        # follows the pixels; ignored pixels get the rank past the last.
+        keep = y_flat != ignore_index
+        ids = np.unique(y_flat[keep])
+        y_flat = np.where(keep, np.searchsorted(ids, y_flat), ids.size).astype(np.int64)
+        n_labels, ignore_index = ids.size, ids.size
+    counts, order, ignored = kmeans_compiled.group_pixels(y_flat, offs, ignore_index, n_labels)
     g_img, g_lab = np.nonzero(counts)  # row-major: groups in (image, class) order
     g_size = counts[g_img, g_lab]
+    if ids is not None:
+        g_lab = ids[g_lab]  # ranks back to class ids (ranks keep the ids' order)
     g_start = np.concatenate([[0], np.cumsum(g_size)[:-1]]).astype(np.int64)
     G = len(g_size)
-    ks = np.where(g_lab == 0, k_bg, k_fg).astype(np.int64)
+    # At most one centroid per pixel, with the draws (trials) of the K asked: as the torch path.
+    ks = np.minimum(np.where(g_lab == 0, k_bg, k_fg), g_size).astype(np.int64)
     trials = np.where(g_lab == 0, seeding_trials(k_bg), seeding_trials(k_fg)).astype(np.int64)
     u = (_uniforms([problem_seed(seed, int(c)) for c in g_lab], ks.tolist(), trials.tolist(),
-                   torch.device("cpu")).numpy() if G else np.zeros((0, max(k_fg, k_bg), 1)))
+                   torch.device("cpu")).numpy() if G else np.zeros((0, 1, 1)))
     dtypes = {f.dtype for f in features}
     dtype = dtypes.pop() if len(dtypes) == 1 and features[0].dtype in (torch.float16, torch.float32) else torch.float32
     images = [f.detach().reshape(D, -1).to(dtype).numpy() for f in features]

@@ -23,6 +23,7 @@ from ._checks import (
     describe,
 )
 from .crf import check_crf_backend, check_crf_params, dense_crf
+from .kmeans import l2_norm, l2_normalize
 from .selection import DebiasedCentroids
 
 __all__ = ["BIASED", "DebiasResult", "check_pseudo_label", "debiased_similarity", "debias_labels", "mark_biased",
@@ -35,15 +36,28 @@ BIASED = -1
 def _centroid_matrix(centroids: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     """(C+1, D) centroids and (C+1,) validity from a DebiasedCentroids or a plain tensor.
 
-    For a plain tensor, a row is valid when it is not all zeros (row 0 is never used).
+    A row is valid when it is not all zeros (for a DebiasedCentroids, also when flagged
+    valid); row 0 is never used. A NaN/Inf centroid is refused: it would compare as
+    dissimilar to every pixel and remove its whole class (Eq. 5).
     """
     if isinstance(centroids, DebiasedCentroids):
-        V, valid = centroids.centroids, centroids.valid.clone()
+        V, valid, name = centroids.centroids, centroids.valid.clone(), "centroids.centroids"
+        if not isinstance(V, torch.Tensor) or V.ndim != 2 or V.shape[0] < 2 or not V.is_floating_point() \
+                or not isinstance(valid, torch.Tensor) or tuple(valid.shape) != (V.shape[0],):
+            raise ValueError(f"centroids.centroids must be a (C+1, D) float tensor with a (C+1,) valid mask, got "
+                             f"{describe(V)} and valid {describe(valid)}")
+        valid = valid.bool()
     else:
-        V = as_tensor(centroids, "centroids")
+        V, name = as_tensor(centroids, "centroids"), "centroids"
         if V.ndim != 2 or V.shape[0] < 2 or not V.is_floating_point():
             raise ValueError(f"centroids must be a DebiasedCentroids or a (C+1, D) float tensor, got {describe(V)}")
-        valid = V.abs().sum(1) > 0
+        valid = torch.ones(V.shape[0], dtype=torch.bool, device=V.device)
+    if not bool(torch.isfinite(V).all()):
+        rows = torch.nonzero(~torch.isfinite(V).all(1)).flatten().tolist()
+        raise ValueError(f"{name}: got NaN or Inf values in the centroid row(s) of class {rows[:8]}"
+                         f"{'...' if len(rows) > 8 else ''}; expected finite centroids")
+    # A zero row has no direction: no centroid, whatever the flag says.
+    valid = valid & (l2_norm(V, dim=1) > 0)
     valid[0] = False
     return V, valid
 
@@ -67,7 +81,10 @@ def _prepare(features, centroids, image_classes, size: Optional[Tuple[int, int]]
         # Eq. 4 is per label pixel: bring the embeddings to the label grid first (STEGO's own
         # bilinear, align_corners=False up-sampling of its code maps).
         f = F.interpolate(f, size=tuple(size), mode="bilinear", align_corners=False)
-    return f, V.to(f.device, f.dtype), valid.to(f.device), cls.to(f.device), single
+    # Eq. 4 in float32 at least: float16 features (what ``mars features`` writes) overflow
+    # their own dtype in |f|^2 from values of 256 on.
+    work = torch.float64 if f.dtype == torch.float64 else torch.float32
+    return f, V.to(f.device, work), valid.to(f.device), cls.to(f.device), single
 
 
 def _similarity(f: torch.Tensor, V: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
@@ -81,10 +98,16 @@ def _similarity(f: torch.Tensor, V: torch.Tensor, usable: torch.Tensor) -> torch
     if used.numel() == 0:
         # No image has a class with a centroid: no similarity, nothing is kept.
         return f.new_zeros(B, H, W)
-    vn = F.normalize(V[used], dim=1)
+    vn = l2_normalize(V[used], dim=1).to(V.dtype)
+    f = f.to(V.dtype)
     dots = torch.einsum("bdhw,cd->bchw", f, vn)
     # |f| as a contraction: 2-3x faster than vector_norm over the channel axis on the CPU.
     norm = torch.einsum("bdhw,bdhw->bhw", f, f).sqrt_()[:, None]
+    if not bool(torch.isfinite(norm).all()):
+        # Finite features (checked) whose |f|^2 overflows (values beyond ~1.8e19 in float32):
+        # the plain norm would make their cosine 0. Normalise them stably instead.
+        dots = torch.einsum("bdhw,cd->bchw", l2_normalize(f, dim=1).to(V.dtype), vn)
+        norm = torch.ones_like(norm)
     cos = dots / norm.clamp_min(1e-12)  # F.normalize's eps
     cos = cos.masked_fill(~usable[:, used, None, None], float("-inf"))
     best = cos.max(1).values

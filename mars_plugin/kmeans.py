@@ -20,7 +20,46 @@ import torch
 
 from ._checks import check_int_param, describe
 
-__all__ = ["KMeansResult", "batched_kmeans", "kmeans", "seeding_trials"]
+__all__ = ["KMeansResult", "batched_kmeans", "kmeans", "l2_norm", "l2_normalize", "seeding_trials"]
+
+
+def l2_norm(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """L2 norm of finite vectors along ``dim``, in float32 at least (float64 stays float64).
+
+    The plain sum of squares overflows float32 for values beyond ~1.8e19 (and float16 already
+    past 256), which turns a perfectly finite vector into one of infinite norm, i.e. a zero
+    vector once normalised; it underflows to 0 for values below ~1e-23, which makes a nonzero
+    vector look like "no centroid". Such vectors (found after the fast pass, so the common
+    case costs one scan of the norms) are measured again scaled by their largest magnitude:
+    |x| = m |x / m|. A norm beyond the dtype's range stays inf; use :func:`l2_normalize`,
+    which never forms it.
+    """
+    work = x if x.dtype == torch.float64 else x.float()
+    n = torch.linalg.vector_norm(work, dim=dim, keepdim=True)
+    over = torch.isinf(n) | (n == 0)
+    if bool(over.any()):
+        m = work.abs().amax(dim, keepdim=True)
+        safe = torch.where(over & (m > 0), m, torch.ones_like(m))
+        n = torch.where(over, torch.linalg.vector_norm(work / safe, dim=dim, keepdim=True) * safe, n)
+    return n if keepdim else n.squeeze(dim)
+
+
+def l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> torch.Tensor:
+    """``F.normalize``'s rule x / max(|x|, eps), without its overflow (see :func:`l2_norm`).
+
+    Computed in float32 at least (float64 stays float64). A vector whose squared norm overflows
+    is divided by its largest magnitude m first, then by |x / m| (in [1, sqrt(D)]): no
+    intermediate leaves the range, even for values near the dtype's maximum.
+    """
+    work = x if x.dtype == torch.float64 else x.float()
+    n = torch.linalg.vector_norm(work, dim=dim, keepdim=True)
+    over = torch.isinf(n)
+    if not bool(over.any()):
+        return work / n.clamp_min(eps)
+    m = work.abs().amax(dim, keepdim=True)
+    scaled = work / torch.where(over & (m > 0), m, torch.ones_like(m))
+    n = torch.where(over, torch.linalg.vector_norm(scaled, dim=dim, keepdim=True), n)
+    return torch.where(over, scaled, work) / n.clamp_min(eps)
 
 
 @dataclass
@@ -28,7 +67,8 @@ class KMeansResult:
     """Result of :func:`batched_kmeans` for B problems padded to ``Kmax`` centroids.
 
     Attributes:
-        centroids: (B, Kmax, D) cluster means; rows with ``valid == False`` are zeros.
+        centroids: (B, Kmax, D) cluster means, Kmax = min(max K, N); rows with
+            ``valid == False`` are zeros.
         valid: (B, Kmax) bool, True for the ``k_eff = min(K, distinct points)`` real centroids.
         labels: (B, N) long, index of the closest centroid per point (-1 at padded points).
         inertia: (B,) sum of squared distances of the points to their centroid.
@@ -156,7 +196,8 @@ def batched_kmeans(
         points: (B, N, D) float points; padded rows are ignored through ``mask``.
         mask: (B, N) bool, True for real points (None: all real).
         k: clusters per problem, an int or (B,) ints >= 1. A problem with fewer distinct points
-            than its K gets one centroid per distinct point (``valid`` tells which).
+            than its K gets one centroid per distinct point (``valid`` tells which); memory
+            follows the points, never K (Kmax below is at most N).
         seeds: one seed for all problems or (B,) seeds, one per problem.
         max_iter: cap on Lloyd iterations.
         tol: stop when every problem's total squared centroid shift is at most
@@ -165,7 +206,10 @@ def batched_kmeans(
         n_init: independent seedings per problem; the run with the lowest inertia is kept.
 
     Returns:
-        :class:`KMeansResult`.
+        :class:`KMeansResult`, padded to Kmax = min(max K, N) centroids.
+
+    Raises:
+        ValueError: a NaN or Inf value in a real point (``mask`` True), bad shapes or K.
     """
     if not isinstance(points, torch.Tensor) or points.ndim != 3 or not points.is_floating_point():
         raise ValueError(f"points must be a (B, N, D) floating tensor, got {describe(points)}")
@@ -175,6 +219,13 @@ def batched_kmeans(
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, N):
         raise ValueError(f"mask must be a (B, N) = {(B, N)} bool tensor, got {describe(mask)}")
     mask = mask.bool().to(points.device)
+    # A NaN point makes every centroid it touches NaN, silently: refuse it as the rest of the
+    # API does. Padded rows (mask False) are never read, so they may hold anything.
+    bad = ~torch.isfinite(points).all(-1) & mask
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"points: got {int(bad.sum())} point(s) with a NaN or Inf value (first: points[{b}, {i}]); "
+                         "expected finite values")
     if isinstance(k, torch.Tensor):
         k_t = k.to(device=points.device, dtype=torch.long).reshape(-1)
     elif isinstance(k, (list, tuple)):
@@ -191,17 +242,29 @@ def batched_kmeans(
         seed_list = [int(s) for s in seeds]
     else:
         seed_list = [int(seeds)] * B
-    kmax = int(k_t.max()) if B else 1
+    # Trials come from each problem's own K (its random stream must not change), but no
+    # problem can have more centroids than points: K beyond N would only allocate rows that
+    # are never filled (k = 10**7 on 16 points must not cost gigabytes).
+    trial_list = [seeding_trials(v) for v in k_t.tolist()]
+    k_t = k_t.clamp_max(max(N, 1))
 
     if n_init > 1:
         # Replicate every problem n_init times with derived seeds and keep the best run.
         rep = lambda t: t.repeat_interleave(n_init, 0)  # noqa: E731
         # Run 0 uses the problem's own seed, so n_init > 1 is never worse than n_init = 1.
         seeds_r = [s if r == 0 else s * 1_000_003 + r for s in seed_list for r in range(n_init)]
-        res = batched_kmeans(rep(points), rep(mask), rep(k_t), seeds=seeds_r, max_iter=max_iter, tol=tol)
+        res = _batched_kmeans_checked(rep(points), rep(mask), rep(k_t), [t for t in trial_list for _ in range(n_init)],
+                                      seeds_r, max_iter, tol)
         best = res.inertia.view(B, n_init).argmin(1) + torch.arange(B, device=points.device) * n_init
         return KMeansResult(res.centroids[best], res.valid[best], res.labels[best], res.inertia[best], res.n_iter)
 
+    return _batched_kmeans_checked(points, mask, k_t, trial_list, seed_list, max_iter, tol)
+
+
+def _batched_kmeans_checked(points, mask, k_t, trial_list, seed_list, max_iter, tol) -> KMeansResult:
+    """:func:`batched_kmeans` with n_init = 1 on checked arguments, K already at most N."""
+    B, N, D = points.shape
+    kmax = int(k_t.max()) if B else 1
     if B == 0 or N == 0:
         return KMeansResult(
             points.new_zeros(B, kmax, D),
@@ -211,7 +274,8 @@ def batched_kmeans(
             0,
         )
     x = points if bool(mask.all()) else points.masked_fill(~mask[:, :, None], 0)
-    centers, valid, n_iter = _kmeans_padded(x, mask, [int(v) for v in k_t.tolist()], seed_list, max_iter, tol)
+    centers, valid, n_iter = _kmeans_padded(x, mask, [int(v) for v in k_t.tolist()], seed_list, max_iter, tol,
+                                            trial_list)
     x2 = x.square().sum(-1)
     d = _sq_dist_fast(x, x2, centers).masked_fill_(~valid[:, None, :], float("inf"))
     dmin, labels = d.min(-1)
@@ -246,10 +310,15 @@ def _kmeans_padded(
     seed_list: Sequence[int],
     max_iter: int,
     tol: float,
+    trial_list: Optional[Sequence[int]] = None,
 ):
     """The unchecked core of :func:`batched_kmeans` (one seeding per problem).
 
     ``x`` (B, N, D) must already be zero at padded points (``mask`` False) and B, N >= 1.
+    ``trial_list``: seeding candidates per problem (default: from ``k_list``); a caller that
+    lowered a K to the number of points passes those of the original K, so that the problem's
+    random draws, hence its result, stay those of the original K (the k-means++ rows past
+    the points are never drawn: the stream of a K x T block starts with that of n x T).
     Returns ``(centroids (B, Kmax, D), valid (B, Kmax), n_iter)``; invalid rows are zeros.
     """
     B, N, D = x.shape
@@ -258,7 +327,8 @@ def _kmeans_padded(
     k_t = torch.tensor(k_list, dtype=torch.long, device=x.device)
     # Per-problem K and number of seeding candidates: a problem's draws do not depend on the K
     # of the other problems in the batch.
-    trial_list = [seeding_trials(v) for v in k_list]
+    if trial_list is None:
+        trial_list = [seeding_trials(v) for v in k_list]
     u = _uniforms(seed_list, k_list, trial_list, x.device)
     trials = torch.tensor(trial_list, dtype=torch.long, device=x.device)
     centers, valid = _kmeanspp(x, mask, k_t, u, trials)

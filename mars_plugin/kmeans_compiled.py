@@ -44,10 +44,39 @@ def available() -> bool:
     return numba is not None and not os.environ.get("MARS_NO_NUMBA")
 
 
+def _cache_usable() -> bool:
+    """Whether numba can cache this module's compiled functions.
+
+    ``cache=True`` makes numba look for a writable folder (``NUMBA_CACHE_DIR``, the package's
+    ``__pycache__``, then the user's cache folder) when a function is *decorated*, and raise
+    when there is none: a read-only install run by a user without a home folder could not even
+    ``import mars_plugin``. A throw-away dispatcher with ``cache=True`` asks the same question
+    (nothing is compiled); without a folder, the kernels are compiled in memory on first use,
+    in every process.
+    """
+    def probe():  # pragma: no cover - never called, only located
+        return 0
+
+    try:
+        numba.njit(cache=True)(probe)
+    except (RuntimeError, OSError):
+        return False
+    return True
+
+
 if numba is not None:
-    # Reassociation lets LLVM vectorise the reductions over pixels; no-NaN/no-Inf flags stay off
-    # because an invalid centroid is kept out of the assignment by an infinite bias.
-    _FM = {"reassoc", "contract", "nsz"}
+    _CACHE = _cache_usable()
+
+    # No "reassoc": it let LLVM vectorise the float sums over pixels in an order of its own
+    # choosing, and that order differed between the code numba compiles in memory and the code
+    # it loads from its cache, so the same input gave centroids ~3e-8 apart depending on the
+    # cache's history: float16 input compiled in an earlier process (``mars demo``) no longer
+    # matched float32 input compiled now. Without it the sums run in source order, the same in
+    # every build, for ~3% more CPU time in select_centroids (measured single-threaded, D = 64,
+    # 96 images of 40 x 40). "contract" (fused multiply-add) was checked to give the same bits
+    # cached and fresh. No-NaN/no-Inf flags stay off because an invalid centroid is kept out
+    # of the assignment by an infinite bias.
+    _FM = {"contract", "nsz"}
 
     @intrinsic
     def _half_bits_to_float32(typingctx, bits):
@@ -92,7 +121,7 @@ if numba is not None:
 
         return ptr(types.int64, like), codegen
 
-    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    @njit(cache=_CACHE, fastmath=_FM, error_model="numpy")
     def _sample(weights, n, u):
         """Inverse-CDF draw as ``kmeans._sample``: the first i with cumsum(w)[i] > u * total
         (float64 running sum), clamped to n - 1; a draw on a zero weight falls back to the last
@@ -115,7 +144,7 @@ if numba is not None:
                 return i
         return idx
 
-    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    @njit(cache=_CACHE, fastmath=_FM, error_model="numpy")
     def _sq_dist_to(xt, n, col, out):
         """out[i] = |x_i - x_col|^2 from the differences (identical points give exactly 0)."""
         D = xt.shape[0]
@@ -140,7 +169,7 @@ if numba is not None:
                 out[i] += diff * diff
             d += 1
 
-    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    @njit(cache=_CACHE, fastmath=_FM, error_model="numpy")
     def _seed(xt, n, k, u, trials, centers, valid, closest, cand_d, best_d):
         """Greedy k-means++ (``kmeans._kmeanspp``) of one problem, into centers (k, D) / valid (k,)."""
         D = xt.shape[0]
@@ -176,7 +205,7 @@ if numba is not None:
             for i in range(n):
                 closest[i] = min(closest[i], best_d[i])
 
-    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    @njit(cache=_CACHE, fastmath=_FM, error_model="numpy")
     def _project(xt, n, w, out):
         """out[i] = x_i . w for the (D, n) block, four dimensions per pass over ``out``."""
         D = xt.shape[0]
@@ -196,7 +225,7 @@ if numba is not None:
                 out[i] += row[i] * wd
             d += 1
 
-    @njit(cache=True, fastmath=_FM, error_model="numpy")
+    @njit(cache=_CACHE, fastmath=_FM, error_model="numpy")
     def _lloyd(xt, n, k, centers, valid, max_iter, tol, labels, prev, score, member, sums, counts, new_c):
         """Lloyd iterations of one problem in place on centers (k, D); returns the iterations run.
 
@@ -310,10 +339,29 @@ if numba is not None:
                 break
         return it
 
+    @njit(cache=_CACHE, fastmath=_FM, error_model="numpy")
+    def _widen(image, stride, cols, xt):
+        """Gather the columns ``cols`` of a (D, stride) block read as ``image`` into the float32
+        (D, n) block ``xt``. Each row is gathered in its own dtype, then widened in a second,
+        vectorised loop: widening float16 inside the gather doubled its cost. No arithmetic
+        happens here (widening is exact), so both dtypes give the same ``xt``, bit for bit."""
+        D, n = xt.shape
+        raw = np.empty(n, dtype=image.dtype)
+        for d in range(D):
+            src = image[d * stride : (d + 1) * stride]
+            for i in range(n):
+                raw[i] = src[cols[i]]
+            dst = xt[d]
+            for i in range(n):
+                dst[i] = _as_float32(raw[i])
+
     # nogil: other Python threads of the caller (e.g. one reading the next images) run meanwhile.
-    @njit(cache=True, parallel=True, nogil=True, fastmath=_FM, error_model="numpy")
-    def _kmeans_groups(addresses, strides, like, D, normalize, order, starts, sizes, ks, u, trials, max_iter, tol,
-                       out_c, out_valid, out_iter, out_bad):
+    # One specialisation for float16 and float32 images (``half`` picks the reader at run
+    # time): two would be optimised separately, and under fastmath their float sums could
+    # round differently, so float16 input would not give float32's result bit for bit.
+    @njit(cache=_CACHE, parallel=True, nogil=True, fastmath=_FM, error_model="numpy")
+    def _kmeans_groups(addresses, strides, half, like16, like32, D, normalize, order, starts, sizes, ks, u, trials,
+                       max_iter, tol, out_c, out_valid, out_iter, out_bad):
         G = sizes.shape[0]
         kmax = out_c.shape[1]
         for g in prange(G):
@@ -321,28 +369,44 @@ if numba is not None:
             k = ks[g]
             # The group's points as a (D, n) block that stays in this core's cache for the
             # seeding and every Lloyd step, gathered once from its image's (D, strides[g])
-            # block at addresses[g]. Each row is gathered in its own dtype, then widened in a
-            # second, vectorised loop: widening float16 inside the gather doubled its cost.
-            image = numba.carray(_pointer_to(addresses[g], like), (D * strides[g],))
+            # block at addresses[g], in the image's own dtype.
             cols = order[starts[g] : starts[g] + n]
             xt = np.empty((D, n), dtype=np.float32)
+            if half:
+                _widen(numba.carray(_pointer_to(addresses[g], like16), (D * strides[g],)), strides[g], cols, xt)
+            else:
+                _widen(numba.carray(_pointer_to(addresses[g], like32), (D * strides[g],)), strides[g], cols, xt)
             sq = np.zeros(n, dtype=np.float32)
-            raw = np.empty(n, dtype=like.dtype)
             for d in range(D):
-                src = image[d * strides[g] : (d + 1) * strides[g]]
+                row = xt[d]
                 for i in range(n):
-                    raw[i] = src[cols[i]]
-                dst = xt[d]
-                for i in range(n):
-                    v = _as_float32(raw[i])
-                    dst[i] = v
-                    sq[i] += v * v
-            # A NaN/Inf value makes its pixel's squared norm non-finite: flag the group, the
-            # caller names the image.
+                    sq[i] += row[i] * row[i]
+            # A non-finite squared norm means a NaN/Inf value (flag the group, the caller names
+            # the image) or finite values whose squares overflow float32 (beyond ~1.8e19):
+            # those pixels are normalised through their largest magnitude m, x / m / |x / m|,
+            # so that no intermediate leaves float32 (else they would become zero vectors).
             bad = False
             for i in range(n):
                 if not np.isfinite(sq[i]):
-                    bad = True
+                    m = np.float32(0.0)
+                    finite = True
+                    for d in range(D):
+                        v = xt[d, i]
+                        if not np.isfinite(v):
+                            finite = False
+                        m = max(m, abs(v))
+                    if not finite:
+                        bad = True
+                    elif normalize:
+                        s = np.float32(0.0)
+                        for d in range(D):
+                            r = xt[d, i] / m
+                            xt[d, i] = r
+                            s += r * r
+                        r = np.sqrt(s)
+                        for d in range(D):
+                            xt[d, i] = xt[d, i] / r
+                        sq[i] = 1.0  # already unit: the division below leaves it
             out_bad[g] = bad
             if normalize:  # F.normalize's rule, x / max(|x|, 1e-12)
                 for i in range(n):
@@ -371,7 +435,7 @@ if numba is not None:
                 for d in range(D):
                     out_c[g, c, d] = centers[c, d] if valid[c] else 0.0
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=_CACHE, nogil=True)
     def _columns_inside(order, starts, sizes, widths):
         for g in range(sizes.shape[0]):
             for j in range(starts[g], starts[g] + sizes[g]):
@@ -379,17 +443,24 @@ if numba is not None:
                     return False
         return True
 
-    @njit(cache=True, nogil=True)
-    def _nonfinite_pixels(addresses, strides, like, D, cols, out):
-        for j in range(cols.shape[0]):
-            image = numba.carray(_pointer_to(addresses[j], like), (D * strides[j],))
-            bad = False
-            for d in range(D):
-                if not np.isfinite(_as_float32(image[d * strides[j] + cols[j]])):
-                    bad = True
-            out[j] = bad
+    @njit(cache=_CACHE, nogil=True)
+    def _nonfinite_in(image, stride, D, col):
+        for d in range(D):
+            if not np.isfinite(_as_float32(image[d * stride + col])):
+                return True
+        return False
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=_CACHE, nogil=True)
+    def _nonfinite_pixels(addresses, strides, half, like16, like32, D, cols, out):
+        for j in range(cols.shape[0]):
+            if half:
+                out[j] = _nonfinite_in(numba.carray(_pointer_to(addresses[j], like16), (D * strides[j],)),
+                                       strides[j], D, cols[j])
+            else:
+                out[j] = _nonfinite_in(numba.carray(_pointer_to(addresses[j], like32), (D * strides[j],)),
+                                       strides[j], D, cols[j])
+
+    @njit(cache=_CACHE, nogil=True)
     def _label_range(y, offs, ignore_index, lo, hi):
         for b in range(offs.shape[0] - 1):
             low, high = 0, 0
@@ -401,7 +472,7 @@ if numba is not None:
             lo[b] = low
             hi[b] = high
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=_CACHE, nogil=True)
     def _group_pixels(y, offs, ignore_index, counts, order, ignored):
         B = offs.shape[0] - 1
         n_labels = counts.shape[1]
@@ -512,8 +583,8 @@ class _threads:
 
 
 def _image_blocks(images) -> Tuple[list, np.ndarray, np.ndarray, np.ndarray, int]:
-    """Checked (D, P_b) C-contiguous blocks of one dtype, their addresses, pixel counts, a
-    typing stand-in of their element type (float16 as its uint16 bits) and D."""
+    """Checked (D, P_b) C-contiguous blocks of one dtype, their addresses, pixel counts,
+    whether they are float16 (read as their uint16 bits) and D."""
     blocks = [images] if isinstance(images, np.ndarray) else list(images)
     if not blocks:
         raise ValueError("images must hold at least one (D, P) array, got none")
@@ -527,8 +598,13 @@ def _image_blocks(images) -> Tuple[list, np.ndarray, np.ndarray, np.ndarray, int
     blocks = [np.ascontiguousarray(a) for a in blocks]
     addresses = np.array([a.ctypes.data for a in blocks], dtype=np.int64)
     pixels = np.array([a.shape[1] for a in blocks], dtype=np.int64)
-    like = np.empty(0, dtype=np.uint16 if blocks[0].dtype == np.float16 else np.float32)
-    return blocks, addresses, pixels, like, int(blocks[0].shape[0])
+    half = bool(blocks[0].dtype == np.float16)
+    return blocks, addresses, pixels, half, int(blocks[0].shape[0])
+
+
+# Typing stand-ins of the two image element types (float16 read as its uint16 bits): both are
+# passed to every call, so that float16 and float32 images run the same compiled code.
+_LIKE16, _LIKE32 = np.empty(0, dtype=np.uint16), np.empty(0, dtype=np.float32)
 
 
 def _image_index(image, count: int, n: int, name: str) -> np.ndarray:
@@ -580,7 +656,7 @@ def kmeans_groups(
     """
     if not available():
         raise RuntimeError("kmeans_groups needs numba: pip install 'mars-plugin[fast]'")
-    blocks, addresses, pixels, like, dim = _image_blocks(images)
+    blocks, addresses, pixels, half, dim = _image_blocks(images)
     order, starts, sizes = (np.asarray(a, dtype=np.int64) for a in (order, starts, sizes))
     G = int(sizes.shape[0])
     image = _image_index(image, G, len(blocks), "image")
@@ -606,7 +682,7 @@ def kmeans_groups(
     if G == 0:
         return out_c, out_valid, out_iter, out_bad
     with _threads(num_threads):
-        _kmeans_groups(addresses[image], pixels[image], like, dim, bool(normalize), order, starts, sizes, ks, uniforms,
+        _kmeans_groups(addresses[image], pixels[image], half, _LIKE16, _LIKE32, dim, bool(normalize), order, starts, sizes, ks, uniforms,
                        trials, int(max_iter), float(tol), out_c, out_valid, out_iter, out_bad)
     del blocks  # held until here: the kernel read them through their addresses
     return out_c, out_valid, out_iter, out_bad
@@ -622,12 +698,12 @@ def nonfinite_pixels(images, image: np.ndarray, pixel: np.ndarray) -> np.ndarray
     Returns:
         (M,) bool.
     """
-    blocks, addresses, pixels, like, dim = _image_blocks(images)
+    blocks, addresses, pixels, half, dim = _image_blocks(images)
     pixel = np.asarray(pixel, dtype=np.int64)
     image = _image_index(image, int(pixel.shape[0]), len(blocks), "image")
     if pixel.size and (pixel.min() < 0 or (pixel >= pixels[image]).any()):
         raise ValueError("pixel holds a column outside its image")
     out = np.zeros(pixel.shape[0], dtype=np.bool_)
-    _nonfinite_pixels(addresses[image], pixels[image], like, dim, pixel, out)
+    _nonfinite_pixels(addresses[image], pixels[image], half, _LIKE16, _LIKE32, dim, pixel, out)
     del blocks
     return out

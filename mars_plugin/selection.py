@@ -22,11 +22,11 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ._checks import check_float_tensor, check_fraction, check_int_param, check_label_tensor, describe
-from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend
+from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend, check_embedding_size
 from .files import atomic_write
+from .kmeans import l2_norm, l2_normalize
 
 __all__ = ["DebiasedCentroids", "select_centroids", "background_distance", "num_selected", "shard_indices"]
 
@@ -48,7 +48,7 @@ def background_distance(candidates: torch.Tensor, background_mean: torch.Tensor)
     Returns:
         (N,) float64 distances (1 - v_hat . mean_j b_hat_j) / 2, in [0, 1].
     """
-    v_hat = F.normalize(candidates.double(), dim=1)
+    v_hat = l2_normalize(candidates.double(), dim=1)
     return (1.0 - v_hat @ background_mean.double().to(v_hat.device)) / 2.0
 
 
@@ -133,11 +133,35 @@ def _light_pair(s, i: int, ignore_index: int) -> Tuple[torch.Tensor, torch.Tenso
         )
     try:
         f = check_float_tensor(s[0], "features", (3,), "(D, H, W) for one image", finite=False)
+        check_embedding_size(f, "features")
         y = check_label_tensor(s[1], "pseudo_label", (2,), "(H, W) for one image", ignore_index=ignore_index,
                                values=False)
     except (TypeError, ValueError) as e:
         raise type(e)(f"samples[{i}]: {e}") from None
     return f, y
+
+
+def _shares_memory(t: torch.Tensor, src: object) -> bool:
+    """Whether ``t`` (converted from the caller's ``src``) reads the caller's memory."""
+    if isinstance(src, torch.Tensor):
+        return t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+    if isinstance(src, np.ndarray) and t.device.type == "cpu":
+        return bool(np.may_share_memory(t.detach().numpy(), src))
+    return False  # built from Python lists: already ours
+
+
+def _owned(t: torch.Tensor, src: object, workspace: "_Workspace", slot: str) -> torch.Tensor:
+    """``t``, or a copy of it when it reads the caller's memory.
+
+    A sample held in a batch past the next ``next()`` must not be the caller's tensor: a
+    generator that refills one buffer per image (e.g. a DataLoader-like reader writing in
+    place) would change the held images before they are clustered. The copy is one memcpy of
+    the image in its own dtype, into a buffer of ``workspace`` reused from batch to batch
+    (fresh memory per image would cost page faults on top).
+    """
+    if not _shares_memory(t, src):
+        return t
+    return workspace.get(slot, tuple(t.shape), t.dtype, t.device).copy_(t.detach())
 
 
 def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_classes, **kw):
@@ -162,6 +186,7 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_cla
 
     for i, s in enumerate(it):
         if isinstance(s, ImageCentroids):
+            s.check(f"samples[{i}]")  # its tensors may have changed (NaN) since it was built
             if dim is not None and s.dim != dim:
                 raise ValueError(f"samples[{i}]: features have embedding size D={s.dim}, but the first image has D={dim}")
             dim = s.dim
@@ -184,6 +209,11 @@ def _iter_batches(samples, *, batch_size, progress, total, device, seen, num_cla
         if len(pending) >= batch_size:
             yield flush()
             pending = []
+        else:
+            # Held past the next next(): never the caller's memory (the last image of a batch
+            # is clustered before that and needs no copy).
+            j = len(pending) - 1
+            pending[-1] = (_owned(f, s[0], workspace, f"held_f{j}"), _owned(y, s[1], workspace, f"held_y{j}"))
     if pending:
         yield flush()
 
@@ -268,9 +298,13 @@ class _Accumulator:
         if self.dim is None:
             self.dim = dim
         valid = torch.arange(batch.centroids.shape[1])[None, :] < batch.count[:, None]  # (G, Kmax)
+        # A zero centroid (from all-zero features) has no direction: it is no centroid, neither
+        # a background one in Eq. 1's mean nor a candidate of Eq. 2 (a class whose candidates
+        # are all zero gets no centroid, as a plain tensor's zero row means in debias).
+        valid &= l2_norm(batch.centroids, dim=-1) > 0
         is_bg = batch.label == 0
         if bool(is_bg.any()):
-            bg = F.normalize(batch.centroids[is_bg].double(), dim=-1) * valid[is_bg][:, :, None]
+            bg = l2_normalize(batch.centroids[is_bg].double(), dim=-1) * valid[is_bg][:, :, None]
             s = bg.sum((0, 1))
             self.bg_sum = s if self.bg_sum is None else self.bg_sum + s
             self.n_bg += int(valid[is_bg].sum())

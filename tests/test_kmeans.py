@@ -129,16 +129,19 @@ def _alone(x, k, seed, **kw):
 def _check_batch_vs_alone(problems, ks, seeds, **kw):
     pts, mask = pad(problems)
     res = batched_kmeans(pts, mask, ks, seeds=seeds, **kw)
-    kmax = max(ks)
+    # Padded to Kmax = min(max K, N): no row for a centroid that cannot exist.
+    kmax = min(max(ks), max(len(x) for x in problems))
     assert res.centroids.shape == (len(problems), kmax, problems[0].shape[1])
     for b, (x, k, s) in enumerate(zip(problems, ks, seeds)):
         one = _alone(x, k, s, **kw)
         k_eff = int(one.valid.sum())
         assert k_eff == min(k, len(np.unique(x, axis=0)))
-        np.testing.assert_array_equal(res.valid[b, :k].numpy(), one.valid[0].numpy())
-        assert not res.valid[b, k:].any()
-        assert (res.centroids[b, k:] == 0).all()
-        np.testing.assert_allclose(res.centroids[b, :k].numpy(), one.centroids[0].numpy(), atol=1e-5, rtol=0)
+        kk = one.valid.shape[1]  # alone: min(k, len(x)) rows
+        assert kk == min(k, len(x))
+        np.testing.assert_array_equal(res.valid[b, :kk].numpy(), one.valid[0].numpy())
+        assert not res.valid[b, kk:].any()
+        assert (res.centroids[b, kk:] == 0).all()
+        np.testing.assert_allclose(res.centroids[b, :kk].numpy(), one.centroids[0].numpy(), atol=1e-5, rtol=0)
         np.testing.assert_array_equal(res.labels[b, : len(x)].numpy(), one.labels[0].numpy())
         assert (res.labels[b, len(x):] == -1).all()
         np.testing.assert_allclose(float(res.inertia[b]), float(one.inertia[0]), rtol=1e-6, atol=1e-9)
