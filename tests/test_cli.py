@@ -267,10 +267,10 @@ def test_tiny_demo_writes_everything_and_its_world_feeds_the_commands(tmp_path):
     saved = json.loads((out / "metrics.json").read_text())
     assert set(saved["scores"]) == {"(a) WSSS pseudo", "(b) debiased", "(c) plain CE", "(d) MARS"}
     assert saved["scores"] == json.loads(json.dumps(m["scores"]))
-    w = out / "world"
-    assert _centroids(w, tmp_path / "V.pt") == 0
-    assert _debias(w, tmp_path / "V.pt", tmp_path / "db", ["--refine", "threshold"]) == 0
-    assert main(["evaluate", "--pred", str(tmp_path / "db"), "--gt", str(w / "gt"), "--num-classes", "6",
+    w = out / "world"  # written split: world/train (centroids, training) and world/val (the table)
+    assert _centroids(w / "train", tmp_path / "V.pt") == 0
+    assert _debias(w / "val", tmp_path / "V.pt", tmp_path / "db", ["--refine", "threshold"]) == 0
+    assert main(["evaluate", "--pred", str(tmp_path / "db"), "--gt", str(w / "val" / "gt"), "--num-classes", "6",
                  "--no-progress"]) == 0
 
 
