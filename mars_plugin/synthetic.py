@@ -73,7 +73,7 @@ _GROUPS: Tuple[Tuple[int, ...], ...] = (
 )
 
 # Object geometry per class id (fractions of the image size): width range, height/width range.
-_WIDTH = {BOAT: (0.28, 0.45), TRAIN: (0.40, 0.65), DOG: (0.20, 0.32), CAR: (0.25, 0.40), PERSON: (0.10, 0.16),
+_WIDTH = {BOAT: (0.28, 0.45), TRAIN: (0.40, 0.65), DOG: (0.20, 0.32), CAR: (0.25, 0.40), PERSON: (0.13, 0.20),
           BIRD: (0.18, 0.28)}
 _ASPECT = {BOAT: (0.40, 0.60), TRAIN: (0.28, 0.40), DOG: (0.60, 0.90), CAR: (0.45, 0.60), PERSON: (2.0, 2.6),
            BIRD: (0.50, 0.80)}

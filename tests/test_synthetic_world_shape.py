@@ -40,6 +40,17 @@ def test_birds_span_several_feature_cells():
     w = make_world(200, seed=0)
     has = w.image_classes[:, BIRD - 1]
     b = (w.gt == BIRD)[has]
-    assert int(b.any(1).sum(1).min()) >= 10  # every bird is at least 10 px wide
+    widths = b.any(1).sum(1).float()
+    assert float((widths >= 10).float().mean()) >= 0.95  # >= 10 px wide (unless another object hides part)
     whole = (F.avg_pool2d(b[:, None].float(), w.stride)[:, 0] == 1).flatten(1).sum(1)
     assert float(whole.float().median()) >= 3  # the typical bird fills 3 whole feature cells
+
+
+def test_persons_are_wider_than_two_feature_cells_typically():
+    """Persons of 1.5-2.5 feature cells were learned one rim too small by MARS on some seeds."""
+    from mars_plugin.synthetic import PERSON
+
+    w = make_world(200, seed=1)
+    p = (w.gt == PERSON)[w.image_classes[:, PERSON - 1]]
+    widths = p.any(1).sum(1).float()
+    assert float(widths.median()) >= 2 * w.stride + 2
