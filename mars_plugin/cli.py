@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="output folder")
     r.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
     r.add_argument("--num-examples", type=int, default=8, help="most-changed images shown")
+    r.add_argument("--per-class", type=int, default=2,
+                   help="for each class, its N images with the largest share of that class's pixels removed "
+                        "(per_class.png; 0: none)")
     _add_common(r)
     add_threads(r)
     return ap
@@ -360,7 +363,7 @@ def _main(argv: Optional[List[str]]) -> int:
         elif args.command == "report":
             report, s = jobs.report_job(
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),
-                num_examples=args.num_examples, ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
+                num_examples=args.num_examples, per_class=args.per_class, ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
             )
             print("classes ranked by share of pseudo-label pixels marked biased:")
             for name in report["ranking"]:

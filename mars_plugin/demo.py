@@ -6,6 +6,12 @@
    (``complement_labels`` with an EMA teacher + ``WCELoss``) on the debiased labels;
 4. compare (a) pseudo labels, (b) debiased labels, (c) plain CE, (d) MARS on held-out images:
    one per-class IoU/FP/FN table, ``metrics.json``, a bar chart and overlays under ``--out``.
+
+``--out`` is the demo's own folder: every file it writes is listed in ``mars_demo_manifest.json``
+(before it is written), a re-run deletes exactly the files of the previous run's manifest (so no
+stale world file or picture survives), and a non-empty folder without a manifest is refused.
+The world is written split, ``world/train/`` and ``world/val/`` (the held-out images), so that
+the folder commands reproduce the table's columns (a) and (b) (see ``world/split.json``).
 """
 from __future__ import annotations
 
@@ -27,7 +33,18 @@ from .losses import WCELoss
 from .metrics import confusion_matrix, format_scores_table, segmentation_scores
 from .selection import select_centroids
 
-__all__ = ["TinySegNet", "train_segmenter", "predict", "run_demo"]
+__all__ = ["TinySegNet", "train_segmenter", "predict", "run_demo", "MANIFEST", "DemoFolderError"]
+
+#: The list of files a ``mars demo`` run wrote into its ``--out`` folder (relative paths).
+MANIFEST = "mars_demo_manifest.json"
+
+# The pseudo labels' boundary noise: CAM-like, spilling over an object's boundary more often than
+# falling short of it. MARS removes a spilled rim (it looks like the background) but cannot restore an
+# eroded one (the teacher only fills removed pixels); with as many erosions as dilations (the
+# generator's default) the debiased labels of dog/car/person/bird were one-sidedly shrunk (0.82 of
+# the ground-truth area against 0.89 for the pseudo labels) and MARS learned thin and small objects
+# one rim too small (person -1.8, bird -7.5 IoU against plain CE at seed 0).
+WORLD_NOISE = dict(erode_rate=0.1, dilate_rate=0.5)
 
 # Images per debias_labels call: 64 of 64x64 pixels are one lattice of the dense CRF.
 DEBIAS_BATCH = 64
@@ -78,8 +95,8 @@ def train_segmenter(
 ) -> nn.Module:
     """Train :class:`TinySegNet` with plain CE (``mars=False``, targets may hold 255) or with MARS
     (``mars=True``: targets are debiased labels with -1, complemented each step by an EMA
-    teacher, loss = WCE). Deterministic for a seed. Returns the student (plain) or the teacher's
-    network (MARS, the EMA weights are the smoother model)."""
+    teacher, loss = WCE). Deterministic for a seed. Returns the trained student in both cases
+    (so that the two runs differ only in their labels and loss), in eval mode."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = TinySegNet(num_classes + 1)
@@ -128,6 +145,104 @@ def predict(model: nn.Module, images: torch.Tensor, batch_size: int = 64) -> tor
     return torch.cat(out)
 
 
+class DemoFolderError(FileExistsError):
+    """``--out`` holds files that ``mars demo`` did not write (no manifest), or a bad manifest."""
+
+
+class _Manifest:
+    """The files of one demo run, relative to ``--out``; saved (atomically) *before* the files
+    they name are written, so that an interrupted run is cleaned up by the next one too."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files: List[str] = []
+
+    def add(self, paths) -> None:
+        known = set(self.files)
+        for p in paths:
+            rel = Path(p).relative_to(self.root).as_posix()
+            if rel not in known:
+                self.files.append(rel)
+                known.add(rel)
+        text = json.dumps({"written_by": "mars demo", "files": self.files}, indent=1) + "\n"
+        atomic_write(self.root / MANIFEST, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _clear_previous_run(out_dir: Path) -> None:
+    """Delete the files a previous demo run listed in ``out_dir``'s manifest (and the folders
+    that this leaves empty); refuse a non-empty ``out_dir`` without a manifest. Files the demo
+    did not write (e.g. ``mars report --out <out>/report``) are never touched."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a folder")
+    if not out_dir.is_dir():
+        return
+    manifest = out_dir / MANIFEST
+    if not manifest.is_file():
+        if any(out_dir.iterdir()):
+            raise DemoFolderError(
+                f"--out {str(out_dir)!r} is not empty and has no {MANIFEST}, so mars demo did not write it "
+                f"(or an older version did); choose a new or empty folder, or delete this one yourself"
+            )
+        return
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ValueError("'files' is not a list of str")
+    except (ValueError, KeyError, TypeError) as e:
+        raise DemoFolderError(f"{manifest} is not a mars demo manifest ({e}); delete the folder yourself") from e
+    root = out_dir.resolve()
+    dirs = set()
+    for rel in files:
+        p = out_dir / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.resolve().is_relative_to(root):
+            raise DemoFolderError(f"{manifest} names {rel!r}, outside {str(out_dir)!r}; delete the folder yourself")
+        if p.is_file() or p.is_symlink():
+            p.unlink()
+        for parent in Path(rel).parents:
+            if parent != Path("."):
+                dirs.add(parent)
+    for d in sorted(dirs, key=lambda d: -len(d.parts)):  # deepest first; only folders left empty
+        try:
+            (out_dir / d).rmdir()
+        except OSError:
+            pass
+    manifest.unlink()
+
+
+def _world_files(world_root: Path, stems: List[str]) -> List[Path]:
+    """The files :func:`mars_plugin.synthetic.write_world` and the demo write for ``stems``."""
+    out = [world_root / n for n in ("image_labels.json", "classes.json")]
+    for stem in stems:
+        out += [world_root / "images" / f"{stem}.png", world_root / "labels" / f"{stem}.png",
+                world_root / "gt" / f"{stem}.png", world_root / "features" / f"{stem}.npy",
+                world_root / "debiased" / f"{stem}.png"]
+    return out
+
+
+def _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class: int):
+    """Up to ``examples_per_class`` held-out images per class, each image at most once (an image
+    of two classes counts for the first class that picks it): image | ground truth | WSSS pseudo
+    | removed | plain CE | MARS."""
+    from . import plots
+
+    rows, used = [], set()
+    for c in range(1, len(names)):
+        members = [i for i in range(val.num_images) if bool(val.image_classes[i, c - 1]) and i not in used]
+        for i in members[:examples_per_class]:
+            used.add(i)
+            img = val.images[i].numpy()
+            classes = ", ".join(names[k] for k in val.class_ids(i))
+            rows.append((f"{names[c]}: {val.stems[i]} (classes: {classes})", [
+                ("image", img),
+                ("ground truth", plots.blend(img, val.gt[i])),
+                ("WSSS pseudo", plots.blend(img, val.pseudo[i])),
+                ("removed", plots.removed_mask_image(img, val.pseudo[i], db_val[i])),
+                ("plain CE", plots.blend(img, pred_plain[i])),
+                ("MARS", plots.blend(img, pred_mars[i])),
+            ]))
+    return rows
+
+
 def _scores(pred: torch.Tensor, gt: torch.Tensor, num_classes: int) -> Dict[str, object]:
     return segmentation_scores(confusion_matrix(pred, gt, num_classes))
 
@@ -153,7 +268,9 @@ def run_demo(
 
     t_start = time.perf_counter()
     out_dir = Path(out)
+    _clear_previous_run(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = _Manifest(out_dir)
     timings: Dict[str, float] = {}
 
     def lap(name: str, t0: float) -> None:
@@ -161,7 +278,10 @@ def run_demo(
         print(f"[mars demo] {name}: {timings[name]:.1f} s", flush=True)
 
     t0 = time.perf_counter()
-    world = make_world(num_train + num_val, size=size, seed=seed)
+    world = make_world(num_train + num_val, size=size, seed=seed, **WORLD_NOISE)
+    # The features as world/*/features/*.npy store them (float16), so that the folder commands
+    # on the written world compute exactly what the demo computed.
+    world.features = world.features.half().float()
     C = world.num_classes
     names = list(world.class_names)
     train = world.subset(list(range(num_train)))
@@ -169,8 +289,8 @@ def run_demo(
     lap("world", t0)
 
     t0 = time.perf_counter()
-    V = select_centroids(zip(train.features, train.pseudo), C, seed=seed, batch_size=16, progress=progress,
-                         total=num_train)
+    V = select_centroids(zip(train.features, train.pseudo), C, seed=seed, progress=progress, total=num_train)
+    manifest.add([out_dir / "centroids.pt"])
     V.save(out_dir / "centroids.pt")
     lap("select_centroids", t0)
 
@@ -210,36 +330,43 @@ def run_demo(
     print(f"\nPer-class IoU (%), FP, FN on {num_val} held-out images (problematic: "
           f"{', '.join(names[c] for c in world.problematic)}):\n{table}\n")
 
-    # Pictures: bar chart of IoU, overlays of a few held-out images per class.
+    # Pictures: bar chart of IoU, overlays of a few held-out images per class (each image once).
+    manifest.add([out_dir / "iou_per_class.png", out_dir / "overlays.png", out_dir / "metrics.json"])
     series = {k: [100 * v for v in s["iou"]] for k, s in columns.items()}
     plots.save_iou_bar_chart(out_dir / "iou_per_class.png", names, series,
                              title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic),
                              highlight_note="* problematic classes (biased objects in the pseudo labels)")
-    rows = []
-    for c in range(1, C + 1):
-        members = [i for i in range(num_val) if bool(val.image_classes[i, c - 1])][:examples_per_class]
-        for i in members:
-            img = val.images[i].numpy()
-            rows.append((f"{names[c]}: {val.stems[i]}", [
-                ("image", img),
-                ("WSSS pseudo", plots.blend(img, val.pseudo[i])),
-                ("removed", plots.removed_mask_image(img, val.pseudo[i], db_val[i])),
-                ("plain CE", plots.blend(img, pred_plain[i])),
-                ("MARS", plots.blend(img, pred_mars[i])),
-            ]))
-    plots.save_overlay_grid(out_dir / "overlays.png", rows)
+    rows = _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class)
+    plots.save_overlay_grid(out_dir / "overlays.png", rows, legend=plots.class_legend(names))
 
     if write_world:
         t0 = time.perf_counter()
         world_dir = out_dir / "world"
-        _write_world(world, world_dir, overwrite=True)
-        for i, stem in enumerate(world.stems):
-            write_label(world_dir / "debiased" / f"{stem}.png", debiased_t[i])
+        parts = {"train": (train, db_train), "val": (val, db_val)}
+        manifest.add([world_dir / "split.json", world_dir / "classes.json"]
+                     + [p for k, (w, _) in parts.items() for p in _world_files(world_dir / k, w.stems)])
+        for k, (w, db) in parts.items():
+            paths = _write_world(w, world_dir / k, overwrite=True)
+            for i, stem in enumerate(w.stems):
+                write_label(world_dir / k / "debiased" / f"{stem}.png", db[i])
+        classes_text = (paths["classes"]).read_text(encoding="utf-8")
+        atomic_write(world_dir / "classes.json", lambda tmp: Path(tmp).write_text(classes_text, encoding="utf-8"))
+        split = {
+            "train": train.stems, "val": val.stems,
+            "columns": {
+                "(a) WSSS pseudo": "world/val/labels against world/val/gt",
+                "(b) debiased": "world/val/debiased (centroids of world/train) against world/val/gt",
+                "(c) plain CE, (d) MARS": "networks trained on world/train, predictions on world/val against world/val/gt",
+            },
+        }
+        atomic_write(world_dir / "split.json", lambda tmp: Path(tmp).write_text(json.dumps(split, indent=1) + "\n",
+                                                                                encoding="utf-8"))
         lap("write world", t0)
 
     gains = {names[c]: {k: columns[k]["iou"][c] for k in columns} for c in world.problematic}
     metrics = {
         "config": dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
+                       world_noise=dict(WORLD_NOISE),
                        crf_params=check_crf_params(crf_params) if refine == "crf" else None,
                        alpha=V.config["alpha"], k_fg=V.config["k_fg"], k_bg=V.config["k_bg"]),
         "class_names": names,
@@ -249,12 +376,13 @@ def run_demo(
         "centroids": {names[c]: {"candidates": int(V.num_candidates[c]), "selected": int(V.num_selected[c]),
                                  "cut_distance": float(V.cut_distance[c])} for c in range(1, C + 1) if bool(V.valid[c])},
         "timings_s": timings,
+        "world": ({"train": "world/train", "val": "world/val", "split": "world/split.json"} if write_world else None),
     }
     metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 2)
     atomic_write(out_dir / "metrics.json", lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
     print(f"[mars demo] wrote {out_dir}/metrics.json, iou_per_class.png, overlays.png, centroids.pt"
-          + (f", world/ (try: mars report --labels {out_dir}/world/labels --debiased {out_dir}/world/debiased "
-             f"--images {out_dir}/world/images --out {out_dir}/report --class-names {out_dir}/world/classes.json)"
-             if write_world else ""))
+          + (f", world/train and world/val (try: mars report --labels {out_dir}/world/train/labels --debiased "
+             f"{out_dir}/world/train/debiased --images {out_dir}/world/train/images --out {out_dir}/report "
+             f"--class-names {out_dir}/world/classes.json)" if write_world else ""))
     print(f"[mars demo] total {metrics['timings_s']['total']:.1f} s")
     return metrics

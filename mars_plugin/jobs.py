@@ -704,6 +704,19 @@ def evaluate_job(
 # --------------------------------------------------------------------------------------------
 
 
+#: What ``share_removed`` means, written on the chart and into ``report.json``.
+SHARE_DEFINITION = ("share of the class's pseudo-label pixels that MARS marked biased, over the whole set: "
+                    "removed pixels of class c / pixels labelled c in the pseudo labels (all images summed)")
+
+
+def _px(n: int) -> str:
+    """A pixel count in a few characters: 950 px, 12.3k px, 4.5M px."""
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit} px"
+    return f"{n} px"
+
+
 def report_job(
     labels_dir: os.PathLike,
     debiased_dir: os.PathLike,
@@ -712,19 +725,36 @@ def report_job(
     *,
     class_names: Optional[Sequence[str]] = None,
     num_examples: int = 8,
+    per_class: int = 2,
     ignore_index: int = IGNORE_VALUE,
     on_error: str = "stop",
     progress: bool = True,
 ) -> Tuple[Dict[str, object], JobSummary]:
     """Which classes were biased: per-class share of pseudo-label pixels marked biased.
 
-    Writes ``report.json`` (shares, ranking, most-changed images), ``biased_share.png`` (bar
-    chart, classes ranked) and ``most_changed.png`` (overlays of the ``num_examples`` images
-    with the largest share of removed pixels) into ``out_dir``.
+    Writes into ``out_dir``:
+
+    * ``report.json``: per class its pseudo-label ``pixels``, ``removed`` pixels,
+      ``share_removed`` (removed / pixels, over the whole set: :data:`SHARE_DEFINITION`) and
+      ``pixel_share`` (its share of all foreground pseudo-label pixels, so that a small class
+      is seen as small); the ``ranking`` by ``share_removed``; the ``most_changed`` images; and
+      ``per_class_examples``;
+    * ``biased_share.png``: bar chart, classes ranked, each with its pixel count under its name
+      and the definition of the share under the chart;
+    * ``most_changed.png``: overlays of the ``num_examples`` images with the largest share of
+      removed foreground pixels (none when 0);
+    * ``per_class.png``: for each class in ranking order, its ``per_class`` images with the
+      largest share of that class's pixels removed (ties: more removed pixels first), only
+      images where some were removed (none when 0).
+
+    Both overlay grids carry a colour legend (class name -> colour, removed, ignore).
     """
     from . import plots
 
     _check_on_error(on_error)
+    for value, name in ((num_examples, "num_examples"), (per_class, "per_class")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     stems = _stems(debiased_dir)
     summary = JobSummary()
     total: Dict[int, int] = {}
@@ -732,6 +762,7 @@ def report_job(
     per_image: List[Tuple[float, str]] = []
     max_class = BIASED_VALUE - 1 if class_names is None else len(class_names) - 1
     flag = "the labels' range" if class_names is None else f"--class-names ({len(class_names)} names)"
+    per_class_images: Dict[int, List[Tuple[float, int, int, str]]] = {}  # c -> (share, removed, pixels, stem)
     for stem in _progress(stems, len(stems), "report", progress):
         try:
             y_path = Path(labels_dir) / f"{stem}.png"
@@ -747,8 +778,11 @@ def report_job(
         fg = (y > 0) & (y != ignore_index)
         gone = fg & (d == -1)
         for c in torch.unique(y[fg]).tolist():
-            total[c] = total.get(c, 0) + int((y == c).sum())
-            removed[c] = removed.get(c, 0) + int((gone & (y == c)).sum())
+            t_c, r_c = int((y == c).sum()), int((gone & (y == c)).sum())
+            total[c] = total.get(c, 0) + t_c
+            removed[c] = removed.get(c, 0) + r_c
+            if r_c:
+                per_class_images.setdefault(c, []).append((r_c / t_c, r_c, t_c, stem))
         if int(fg.sum()):
             per_image.append((int(gone.sum()) / int(fg.sum()), stem))
         summary.done += 1
@@ -763,6 +797,9 @@ def report_job(
     ranking = sorted((c for c in range(1, num_classes + 1) if c in total), key=lambda c: -share[c])
     per_image.sort(key=lambda t: (-t[0], t[1]))
     examples = per_image[:num_examples]
+    class_examples = {c: sorted(per_class_images.get(c, []), key=lambda t: (-t[0], -t[1], t[3]))[:per_class]
+                      for c in ranking}
+    all_fg = sum(total.values())
 
     out = Path(out_dir)
     _check_out_dir(out, "--out")
@@ -777,13 +814,17 @@ def report_job(
         return tmp
 
     try:
-        _report_outputs(stage, plots, class_names, num_classes, share, ranking, examples, images_dir, labels_dir,
-                        debiased_dir, on_error, summary)
+        _report_outputs(stage, plots, class_names, num_classes, share, total, ranking, examples, class_examples,
+                        images_dir, labels_dir, debiased_dir, on_error, summary)
         report = {
+            "share_definition": SHARE_DEFINITION,
             "classes": {class_names[c]: {"id": c, "pixels": total.get(c, 0), "removed": removed.get(c, 0),
-                                         "share_removed": share[c]} for c in range(1, num_classes + 1) if c in total},
+                                         "share_removed": share[c], "pixel_share": total.get(c, 0) / all_fg}
+                        for c in range(1, num_classes + 1) if c in total},
             "ranking": [class_names[c] for c in ranking],
             "most_changed": [{"stem": s, "share_removed": f} for f, s in examples],
+            "per_class_examples": {class_names[c]: [{"stem": s, "share_removed": f, "removed": r, "pixels": t}
+                                                    for f, r, t, s in class_examples[c]] for c in ranking},
             "num_images": summary.done,
         }
         Path(stage("report.json")).write_text(json.dumps(report, indent=2))
@@ -813,26 +854,48 @@ def _probe_image(path: Path, shape: Tuple[int, int]) -> None:
         raise ValueError(f"image {path} {w}x{h} and pseudo label {shape[1]}x{shape[0]} (width x height) differ in size")
 
 
-def _report_outputs(stage, plots, class_names, num_classes, share, ranking, examples, images_dir, labels_dir,
-                    debiased_dir, on_error, summary) -> None:
+def _report_outputs(stage, plots, class_names, num_classes, share, total, ranking, examples, class_examples,
+                    images_dir, labels_dir, debiased_dir, on_error, summary) -> None:
     """The chart and the overlays of :func:`report_job`, each written to ``stage(name)``."""
     plots.save_iou_bar_chart(
         stage("biased_share.png"), list(class_names[1 : num_classes + 1]),
-        {"share of pseudo-label pixels marked biased": [100 * s for s in share[1:]]},
-        title="Which classes were biased (MARS)", ylabel="removed pixels (%)", order=[c - 1 for c in ranking],
+        {"pixels marked biased (% of the class's pseudo-label pixels)": [100 * s for s in share[1:]]},
+        title=f"Which classes were biased (MARS), {summary.done} images", ylabel="marked biased (%)",
+        order=[c - 1 for c in ranking],
+        note=f"Share = {SHARE_DEFINITION}. Under each name: its pseudo-label pixels (a small class can rank "
+             f"high on few pixels).",
+        tick_notes=[_px(total.get(c, 0)) for c in range(1, num_classes + 1)],
     )
-    rows = []
-    for frac, stem in examples:
-        try:
-            img = read_image(find_image(images_dir, stem))
-        except FILE_ERRORS as e:  # a truncated image passes the header probe
-            _fail(stem, e, on_error, summary)
-            continue
-        y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
-        d = read_label(Path(debiased_dir) / f"{stem}.png")
-        rows.append((f"{stem}: {100 * frac:.0f}% removed", [
-            ("image", img), ("pseudo label", plots.blend(img, y)),
-            ("removed pixels", plots.removed_mask_image(img, y, d)), ("debiased label", plots.blend(img, d)),
-        ]))
-    if rows:
-        plots.save_overlay_grid(stage("most_changed.png"), rows)
+    panels: Dict[str, Tuple[List[Tuple[str, Any]], set]] = {}  # stem -> (panels, classes in its pseudo label)
+    bad: set = set()
+
+    def overlay(stem: str, caption: str) -> Optional[Tuple[str, Any]]:
+        if stem in bad:
+            return None
+        if stem not in panels:
+            try:
+                img = read_image(find_image(images_dir, stem))
+            except FILE_ERRORS as e:  # a truncated image passes the header probe
+                bad.add(stem)
+                _fail(stem, e, on_error, summary)
+                return None
+            y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
+            d = read_label(Path(debiased_dir) / f"{stem}.png")
+            panels[stem] = ([
+                ("image", img), ("pseudo label", plots.blend(img, y)),
+                ("removed pixels", plots.removed_mask_image(img, y, d)), ("debiased label", plots.blend(img, d)),
+            ], {c for c in torch.unique(y).tolist() if 0 < c <= num_classes})
+        return caption, panels[stem][0]
+
+    def save_grid(name: str, captioned: List[Tuple[str, str]]) -> None:
+        rows = [(stem, row) for stem, caption in captioned if (row := overlay(stem, caption)) is not None]
+        if rows:  # legend: background, the classes drawn, removed, ignore
+            shown = sorted(set().union(*(panels[s][1] for s, _ in rows)))
+            plots.save_overlay_grid(stage(name), [row for _, row in rows],
+                                    legend=plots.class_legend(list(class_names), [0] + shown))
+
+    save_grid("most_changed.png", [(stem, f"{stem}: {100 * frac:.0f}% of its foreground pixels removed")
+                                   for frac, stem in examples])
+    save_grid("per_class.png", [(stem, f"{class_names[c]}: {stem}: {100 * f:.0f}% of its {class_names[c]} "
+                                       f"pixels removed ({r} of {t})")
+                                for c in ranking for f, r, t, stem in class_examples[c]])

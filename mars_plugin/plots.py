@@ -39,6 +39,10 @@ __all__ = [
     "overlay_row",
     "overlay_grid",
     "save_overlay_grid",
+    "class_legend",
+    "legend_strip",
+    "bar_chart_figure",
+    "tick_label_boxes",
     "save_iou_bar_chart",
 ]
 
@@ -57,6 +61,8 @@ CAPTION_BAND = 18
 ROW_GAP = 8
 #: White border around a whole grid.
 GRID_MARGIN = 6
+#: Side in pixels of a colour swatch of a legend strip; one legend line is this tall plus 4.
+SWATCH = 12
 
 _BACKGROUND = (255, 255, 255)
 _TEXT = (0, 0, 0)
@@ -345,7 +351,96 @@ def _check_rows(rows: Any) -> List[Tuple[str, List[Panel]]]:
     return out
 
 
-def overlay_grid(rows: Sequence[Tuple[str, Sequence[Panel]]], scale: int = 3) -> "PIL.Image.Image":  # noqa: F821
+LegendEntry = Tuple[str, Tuple[int, int, int]]
+
+
+def class_legend(
+    class_names: Sequence[str],
+    classes: Optional[Sequence[int]] = None,
+    *,
+    biased: bool = True,
+    ignore: bool = True,
+) -> List[LegendEntry]:
+    """Legend entries ``(name, (r, g, b))`` for :func:`legend_strip`: the VOC colour of each class.
+
+    Args:
+        class_names: names of the label ids, background first (id = position).
+        classes: the ids to list (default: all of ``class_names``), in this order.
+        biased: append ``("removed (biased)", BIASED_COLOR)``, the colour of -1 pixels.
+        ignore: append ``("ignore", (224, 224, 192))``, the colour of 255.
+    """
+    if isinstance(class_names, (str, bytes)) or not isinstance(class_names, Sequence):
+        raise ValueError(f"class_names must be a sequence of str, got {_describe(class_names)}")
+    ids = list(range(len(class_names))) if classes is None else _check_indices(classes, "classes", len(class_names),
+                                                                              unique=True)
+    out: List[LegendEntry] = [(str(class_names[c]), tuple(int(v) for v in _PALETTE[c])) for c in ids]
+    if biased:
+        out.append(("removed (biased)", BIASED_COLOR))
+    if ignore:
+        out.append(("ignore", tuple(int(v) for v in _PALETTE[IGNORE_VALUE])))
+    return out
+
+
+def _check_legend(entries: Any) -> List[LegendEntry]:
+    if isinstance(entries, Mapping):
+        entries = list(entries.items())
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence) or not entries:
+        raise ValueError(f"legend must be a non-empty list of (name, (r, g, b)) pairs, got {_describe(entries)}")
+    out = []
+    for i, e in enumerate(entries):
+        ok = isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], str)
+        rgb = tuple(e[1]) if ok and isinstance(e[1], (tuple, list, np.ndarray)) else ()
+        if not ok or len(rgb) != 3 or not all(isinstance(v, numbers.Integral) and 0 <= v <= 255 for v in rgb):
+            raise ValueError(f"legend[{i}] must be a (name, (r, g, b)) pair with 0..255 integers, got {_describe(e)}")
+        out.append((e[0], tuple(int(v) for v in rgb)))
+    return out
+
+
+def legend_strip(entries: Any, width: int) -> "PIL.Image.Image":  # noqa: F821
+    """A colour legend: one swatch (``SWATCH`` px, black outline) and its name per entry, laid
+    out left to right and wrapped onto as many lines as ``width`` needs.
+
+    Args:
+        entries: non-empty list of ``(name, (r, g, b))`` (e.g. :func:`class_legend`) or a dict.
+        width: width of the strip in pixels (>= 40).
+
+    Returns:
+        RGB ``PIL.Image`` of size ``(width, lines * (SWATCH + 4))``; a name wider than a line
+        is shortened with "...".
+    """
+    from PIL import Image, ImageDraw
+
+    items = _check_legend(entries)
+    width = _check_scale(width, "width")
+    if width < 40:
+        raise ValueError(f"width must be >= 40 pixels, got {width}")
+    font = _font(11)
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    line_h = SWATCH + 4
+    placed = []  # (line, x, name, rgb)
+    line, x = 0, 0
+    for name, rgb in items:
+        text = _fit_text(probe, name, font, width - SWATCH - 6)
+        w = SWATCH + 4 + int(math.ceil(probe.textlength(text, font=font))) + 12
+        if x > 0 and x + w > width:
+            line, x = line + 1, 0
+        placed.append((line, x, text, rgb))
+        x += w
+    canvas = Image.new("RGB", (width, (line + 1) * line_h), _BACKGROUND)
+    draw = ImageDraw.Draw(canvas)
+    for ln, x0, text, rgb in placed:
+        y0 = ln * line_h + 2
+        draw.rectangle([x0, y0, x0 + SWATCH - 1, y0 + SWATCH - 1], fill=rgb, outline=_TEXT)
+        draw.text((x0 + SWATCH + 4, y0), text, fill=_TEXT, font=font)
+    return canvas
+
+
+def overlay_grid(
+    rows: Sequence[Tuple[str, Sequence[Panel]]],
+    scale: int = 3,
+    *,
+    legend: Any = None,
+) -> "PIL.Image.Image":  # noqa: F821
     """Several :func:`overlay_row` rows stacked, each under its own caption.
 
     Args:
@@ -353,10 +448,13 @@ def overlay_grid(rows: Sequence[Tuple[str, Sequence[Panel]]], scale: int = 3) ->
             img), ("pseudo label", pseudo), ...])``; ``panels`` as in :func:`overlay_row` (with
             no separate image). Rows may differ in panel count and size; they are left-aligned.
         scale: nearest-neighbour up-scaling of every panel.
+        legend: ``None``, or the entries of a :func:`legend_strip` drawn under the last row
+            (e.g. :func:`class_legend`), so that every colour of the panels has a name.
 
     Returns:
         RGB ``PIL.Image`` of width ``max(row widths) + 2 * GRID_MARGIN`` and height
-        ``sum(CAPTION_BAND + row heights) + (len(rows) - 1) * ROW_GAP + 2 * GRID_MARGIN``.
+        ``sum(CAPTION_BAND + row heights) + (len(rows) - 1) * ROW_GAP + 2 * GRID_MARGIN``, plus
+        ``ROW_GAP`` and the legend strip's height when there is a legend.
     """
     from PIL import Image, ImageDraw
 
@@ -370,6 +468,11 @@ def overlay_grid(rows: Sequence[Tuple[str, Sequence[Panel]]], scale: int = 3) ->
             raise ValueError(f"rows[{i}] ({caption!r}): {e}") from e
     width = max(im.width for im in images) + 2 * GRID_MARGIN
     height = sum(CAPTION_BAND + im.height for im in images) + (len(images) - 1) * ROW_GAP + 2 * GRID_MARGIN
+    strip = None
+    if legend is not None:
+        strip = legend_strip(legend, max(40, width - 2 * GRID_MARGIN))
+        width = max(width, strip.width + 2 * GRID_MARGIN)
+        height += ROW_GAP + strip.height
     canvas = Image.new("RGB", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     font = _font(13)
@@ -379,12 +482,16 @@ def overlay_grid(rows: Sequence[Tuple[str, Sequence[Panel]]], scale: int = 3) ->
         y += CAPTION_BAND
         canvas.paste(im, (GRID_MARGIN, y))
         y += im.height + ROW_GAP
+    if strip is not None:
+        canvas.paste(strip, (GRID_MARGIN, y))
     return canvas
 
 
-def save_overlay_grid(path: PathLike, rows: Sequence[Tuple[str, Sequence[Panel]]], scale: int = 3) -> None:
-    """Write :func:`overlay_grid` of ``rows`` as a PNG at ``path``, atomically and deterministically."""
-    grid = overlay_grid(rows, scale)
+def save_overlay_grid(path: PathLike, rows: Sequence[Tuple[str, Sequence[Panel]]], scale: int = 3, *,
+                      legend: Any = None) -> None:
+    """Write :func:`overlay_grid` of ``rows`` (with its ``legend``) as a PNG at ``path``,
+    atomically and deterministically."""
+    grid = overlay_grid(rows, scale, legend=legend)
     atomic_write(path, lambda tmp: grid.save(tmp, format="PNG"))
 
 
@@ -404,8 +511,39 @@ def _check_indices(values: Any, name: str, n: int, *, unique: bool) -> List[int]
     return out
 
 
-def save_iou_bar_chart(
-    path: PathLike,
+def _wrap_name(name: str, width: int = 14, max_lines: int = 3) -> str:
+    """A class name on at most ``max_lines`` lines of about ``width`` characters (long words are
+    broken; a name longer than that ends in "...")."""
+    import textwrap
+
+    lines: List[str] = []
+    for part in name.split("\n"):
+        lines += textwrap.wrap(part, width, break_long_words=True, break_on_hyphens=True) or [""]
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = lines[-1][: max(1, width - 3)] + "..."
+    return "\n".join(lines)
+
+
+def _boxes_overlap(boxes: Sequence[Any], pad: float = 1.0) -> bool:
+    """Whether any two (x0, y0, x1, y1) display boxes overlap by more than ``pad`` pixels."""
+    for i in range(len(boxes)):
+        a = boxes[i]
+        for b in boxes[i + 1 :]:
+            if min(a.x1, b.x1) - max(a.x0, b.x0) > pad and min(a.y1, b.y1) - max(a.y0, b.y0) > pad:
+                return True
+    return False
+
+
+def tick_label_boxes(fig: Any) -> List[Any]:
+    """Display-space bounding boxes (matplotlib ``Bbox``, pixels) of the x tick labels of the
+    first axes of ``fig``, as drawn by its renderer: what a test checks for overlaps."""
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    return [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+
+
+def bar_chart_figure(
     class_names: Sequence[str],
     series: Mapping[str, Sequence[float]],
     title: str,
@@ -417,30 +555,14 @@ def save_iou_bar_chart(
     value_format: str = "{:.1f}",
     ymax: Optional[float] = None,
     highlight_note: Optional[str] = "* highlighted classes",
+    note: Optional[str] = None,
+    tick_notes: Optional[Sequence[str]] = None,
     dpi: int = 120,
-) -> None:
-    """Grouped bar chart, one group per class and one bar per series, written as a PNG.
-
-    Serves per-class IoU tables ("WSSS pseudo", "debiased", "plain CE", "MARS") as well as a
-    single ranked series (e.g. the share of pseudo-label pixels marked biased per class).
-
-    Args:
-        path: output PNG path (written atomically; same input -> same bytes).
-        class_names: the C class names (non-empty).
-        series: non-empty ``{name: C values}`` in legend order; NaN means "class absent": no
-            bar, "n/a" written in its slot. Infinite values are refused.
-        title: chart title.
-        ylabel: y-axis label.
-        highlight: class indices (positions in ``class_names``) whose tick labels are bold and
-            marked with "*"; ``highlight_note`` explains the mark under the chart.
-        order: class indices to draw, left to right (a permutation or a subset; default: all in
-            the given order). ``highlight`` always refers to the original positions.
-        value_labels: write each value (``value_format``) above its bar.
-        ymax: top of the y axis; default: 1.15 x the largest value (room for value labels), and
-            1 when every value is NaN or <= 0.
-        highlight_note: text under the chart when ``highlight`` is not empty; ``None`` for none.
-        dpi: resolution of the PNG.
-    """
+) -> Any:
+    """The matplotlib ``Figure`` (Agg canvas, laid out) that :func:`save_iou_bar_chart` writes;
+    see there for the arguments. Tick labels never overlap: names are wrapped, turned by 0, 45
+    or 90 degrees, whichever is the first whose rendered boxes do not overlap, and the figure is
+    widened until they do not."""
     if isinstance(class_names, (str, bytes)) or not isinstance(class_names, Sequence):
         raise ValueError(f"class_names must be a sequence of str, got {_describe(class_names)}")
     names = [str(c) for c in class_names]
@@ -473,6 +595,12 @@ def save_iou_bar_chart(
         raise ValueError(f"title must be a str, got {_describe(title)}")
     if not isinstance(ylabel, str):
         raise ValueError(f"ylabel must be a str, got {_describe(ylabel)}")
+    if note is not None and not isinstance(note, str):
+        raise ValueError(f"note must be a str or None, got {_describe(note)}")
+    if tick_notes is not None:
+        if isinstance(tick_notes, (str, bytes)) or not isinstance(tick_notes, Sequence) or len(tick_notes) != n \
+                or not all(isinstance(t, str) for t in tick_notes):
+            raise ValueError(f"tick_notes must be {n} str (one per class, as class_names), got {_describe(tick_notes)}")
     if isinstance(dpi, bool) or not isinstance(dpi, numbers.Integral) or dpi < 10:
         raise ValueError(f"dpi must be an integer >= 10, got {_describe(dpi)}")
     finite = np.concatenate([a[idx][np.isfinite(a[idx])] for a in table.values()])
@@ -489,14 +617,17 @@ def save_iou_bar_chart(
         from matplotlib.figure import Figure
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("save_iou_bar_chart needs matplotlib: pip install matplotlib") from e
+    import textwrap
+    import warnings
 
     k = len(table)
     m = len(idx)
     group = 0.8
     width = group / k
-    rotate = m > 8 or max(len(names[i]) for i in idx) > 10
-    fig_w = min(max(6.0, 1.2 + m * (0.28 * k + 0.35)), 24.0)
-    fig_h = 4.8 if rotate else 4.4
+    fig_w = max(6.0, 1.2 + m * (0.28 * k + 0.35))
+    fig_h = 4.4
+    labels = [_wrap_name(names[i]) + (" *" if i in hl else "") + (f"\n{tick_notes[i]}" if tick_notes else "")
+              for i in idx]
     with matplotlib.rc_context({"svg.hashsalt": "mars", "font.family": "DejaVu Sans"}):
         fig = Figure(figsize=(fig_w, fig_h), dpi=dpi)
         FigureCanvasAgg(fig)
@@ -517,10 +648,7 @@ def save_iou_bar_chart(
                     ax.text(p, max(v, 0.0) + 0.01 * (ymax - ymin), value_format.format(v), ha="center",
                             va="bottom", rotation=90, fontsize=label_size, zorder=3)
         ax.set_xticks(x)
-        ticks = ax.set_xticklabels(
-            [names[i] + (" *" if i in hl else "") for i in idx],
-            rotation=30 if rotate else 0, ha="right" if rotate else "center",
-        )
+        ticks = ax.set_xticklabels(labels, fontsize=8)
         for t, i in zip(ticks, idx):
             if i in hl:
                 t.set_fontweight("bold")
@@ -533,12 +661,90 @@ def save_iou_bar_chart(
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
-        if hl and highlight_note:
-            ax.annotate(highlight_note, xy=(0, 0), xycoords="figure fraction", xytext=(4, 4),
-                        textcoords="offset points", fontsize=7, color="0.3", ha="left", va="bottom")
-        fig.tight_layout()
+        notes = [t for t in (note, highlight_note if hl else None) if t]
 
-        def write(tmp: str) -> None:
-            fig.savefig(tmp, format="png", dpi=dpi, metadata={"Software": None}, facecolor="white")
+        def layout() -> bool:
+            # The note under the tick labels, wrapped to the figure width (~7 pt characters).
+            chars = max(40, int(fig.get_figwidth() * 72 / 4.2))
+            ax.set_xlabel("\n".join(textwrap.fill(t, chars) for t in notes), fontsize=7, color="0.3",
+                          loc="left") if notes else None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # tight_layout's "not compatible" chatter
+                fig.tight_layout()
+            return not _boxes_overlap(tick_label_boxes(fig))
 
-        atomic_write(path, write)
+        for rotation in (0, 45, 90):
+            for t in ticks:
+                t.set_rotation(rotation)
+                t.set_rotation_mode("anchor" if rotation else "default")
+                t.set_horizontalalignment("right" if rotation else "center")
+                t.set_verticalalignment("center" if rotation == 90 else "top")
+            if layout():
+                break
+        # Room under the axes for turned labels: grow the figure by the labels' height.
+        label_h = max(b.height for b in tick_label_boxes(fig)) / dpi
+        if label_h > 0.8:
+            fig.set_size_inches(fig.get_figwidth(), fig_h + label_h - 0.5)
+            layout()
+        for _ in range(12):  # still overlapping at 90 degrees: widen (labels do not scale)
+            if not _boxes_overlap(tick_label_boxes(fig)):
+                break
+            fig.set_size_inches(fig.get_figwidth() * 1.25, fig.get_figheight())
+            layout()
+    return fig
+
+
+def save_iou_bar_chart(
+    path: PathLike,
+    class_names: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    title: str,
+    ylabel: str = "IoU (%)",
+    highlight: Sequence[int] = (),
+    *,
+    order: Optional[Sequence[int]] = None,
+    value_labels: bool = True,
+    value_format: str = "{:.1f}",
+    ymax: Optional[float] = None,
+    highlight_note: Optional[str] = "* highlighted classes",
+    note: Optional[str] = None,
+    tick_notes: Optional[Sequence[str]] = None,
+    dpi: int = 120,
+) -> None:
+    """Grouped bar chart, one group per class and one bar per series, written as a PNG.
+
+    Serves per-class IoU tables ("WSSS pseudo", "debiased", "plain CE", "MARS") as well as a
+    single ranked series (e.g. the share of pseudo-label pixels marked biased per class).
+
+    Args:
+        path: output PNG path (written atomically; same input -> same bytes).
+        class_names: the C class names (non-empty); long names are wrapped onto up to 3 lines.
+        series: non-empty ``{name: C values}`` in legend order; NaN means "class absent": no
+            bar, "n/a" written in its slot. Infinite values are refused.
+        title: chart title.
+        ylabel: y-axis label.
+        highlight: class indices (positions in ``class_names``) whose tick labels are bold and
+            marked with "*"; ``highlight_note`` explains the mark under the chart.
+        order: class indices to draw, left to right (a permutation or a subset; default: all in
+            the given order). ``highlight`` always refers to the original positions.
+        value_labels: write each value (``value_format``) above its bar.
+        ymax: top of the y axis; default: 1.15 x the largest value (room for value labels), and
+            1 when every value is NaN or <= 0.
+        highlight_note: text under the chart when ``highlight`` is not empty; ``None`` for none.
+        note: text under the chart (wrapped), e.g. what the values mean; ``None`` for none.
+        tick_notes: one short str per class drawn on a line under its name (e.g. a pixel count).
+        dpi: resolution of the PNG.
+
+    The figure is as wide as the classes need: tick labels are turned (0, 45 or 90 degrees)
+    and the figure widened until their rendered boxes do not overlap (:func:`bar_chart_figure`).
+    """
+    fig = bar_chart_figure(
+        class_names, series, title, ylabel, highlight, order=order, value_labels=value_labels,
+        value_format=value_format, ymax=ymax, highlight_note=highlight_note, note=note, tick_notes=tick_notes,
+        dpi=dpi,
+    )
+
+    def write(tmp: str) -> None:
+        fig.savefig(tmp, format="png", dpi=dpi, metadata={"Software": None}, facecolor="white")
+
+    atomic_write(path, write)

@@ -73,8 +73,8 @@ _GROUPS: Tuple[Tuple[int, ...], ...] = (
 )
 
 # Object geometry per class id (fractions of the image size): width range, height/width range.
-_WIDTH = {BOAT: (0.28, 0.45), TRAIN: (0.40, 0.65), DOG: (0.20, 0.32), CAR: (0.25, 0.40), PERSON: (0.10, 0.16),
-          BIRD: (0.10, 0.18)}
+_WIDTH = {BOAT: (0.28, 0.45), TRAIN: (0.40, 0.65), DOG: (0.20, 0.32), CAR: (0.25, 0.40), PERSON: (0.13, 0.20),
+          BIRD: (0.18, 0.28)}
 _ASPECT = {BOAT: (0.40, 0.60), TRAIN: (0.28, 0.40), DOG: (0.60, 0.90), CAR: (0.45, 0.60), PERSON: (2.0, 2.6),
            BIRD: (0.50, 0.80)}
 
@@ -271,6 +271,8 @@ def make_world(
     leak_rate: float = 0.8,
     noise: float = 0.35,
     boundary_noise: int = 1,
+    erode_rate: float = 1 / 3,
+    dilate_rate: float = 1 / 3,
     overlap: float = 0.5,
     shift: float = 0.2,
     leak_spread: float = 0.09,
@@ -293,6 +295,12 @@ def make_world(
             prototypes (before pooling; a cell of stride^2 pixels keeps noise / stride), >= 0.
         boundary_noise: radius in pixels of the random erosion/dilation of every pseudo-label
             region (0: none), in [0, size // 4].
+        erode_rate, dilate_rate: probability that a class region of an image is eroded /
+            dilated by ``boundary_noise`` (else it keeps its boundary); each in [0, 1], sum <= 1.
+            CAM-based pseudo labels spill over object boundaries more often than they fall
+            short, and MARS removes a spilled rim (it looks like the background) but cannot
+            restore an eroded one (the teacher only fills removed pixels): with as many
+            erosions as dilations, the debiased labels are one-sidedly shrunk.
         overlap: cosine between prototypes of one super-category (boat/train/car and
             dog/person/bird), in [0, 1).
         shift: norm of a random per-image shift of all embeddings, >= 0.
@@ -321,6 +329,10 @@ def make_world(
     boundary_noise = _int(boundary_noise, "boundary_noise", 0)
     if boundary_noise > size // 4:
         raise ValueError(f"boundary_noise must be <= size // 4 = {size // 4} pixels, got {boundary_noise}")
+    erode_rate = _real(erode_rate, "erode_rate", 0.0, 1.0)
+    dilate_rate = _real(dilate_rate, "dilate_rate", 0.0, 1.0)
+    if erode_rate + dilate_rate > 1.0 + 1e-12:
+        raise ValueError(f"erode_rate + dilate_rate must be <= 1, got {erode_rate} + {dilate_rate}")
     overlap = _real(overlap, "overlap", 0.0, 1.0, high_open=True)
     shift = _real(shift, "shift", 0.0)
     leak_spread = _real(leak_spread, "leak_spread", 0.0, low_open=True)
@@ -439,7 +451,8 @@ def make_world(
         pseudo = pseudo.masked_fill(leak, c)
 
     if boundary_noise > 0:
-        op = torch.randint(3, (n, C), generator=g)  # 0 erode, 1 keep, 2 dilate
+        u = torch.rand(n, C, generator=g)
+        op = torch.where(u < erode_rate, 0, torch.where(u >= 1.0 - dilate_rate, 2, 1))  # 0 erode, 1 keep, 2 dilate
         # Ragged edges: a smooth random field decides which stretches of the boundary move.
         accept = F.interpolate(torch.randn(n, 1, max(1, H // 4), max(1, W // 4), generator=g), size=(H, W),
                                mode="bilinear", align_corners=False)[:, 0] > -0.4

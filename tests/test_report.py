@@ -1,0 +1,107 @@
+"""``mars report``: per-class examples, a legend, pixel counts and what the share means."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+PIL_Image = pytest.importorskip("PIL.Image")
+
+from mars_plugin.cli import main  # noqa: E402
+from mars_plugin.jobs import SHARE_DEFINITION, report_job  # noqa: E402
+from mars_plugin.files import write_image, write_label  # noqa: E402
+from mars_plugin.plots import BIASED_COLOR, SWATCH  # noqa: E402
+
+NAMES = ["background", "boat", "a class with a rather long name", "bird"]
+
+
+def _folders(tmp_path, seed=0, n=7, size=24):
+    """Random pseudo labels with classes 1..3 and debiased labels with random removals; returns
+    the folders and the labels as tensors, so that every count can be recomputed by hand."""
+    g = torch.Generator().manual_seed(seed)
+    root = tmp_path / "w"
+    ys, ds, stems = [], [], []
+    for i in range(n):
+        y = torch.zeros(size, size, dtype=torch.long)
+        for c in range(1, 4):
+            if torch.rand(1, generator=g) < 0.7:
+                r0, c0 = torch.randint(0, size - 8, (2,), generator=g).tolist()
+                h, w = torch.randint(2, 9, (2,), generator=g).tolist()
+                y[r0 : r0 + h, c0 : c0 + w] = c
+        y[0, : size // 3] = 255
+        gone = (torch.rand(size, size, generator=g) < torch.rand(1, generator=g)) & (y > 0) & (y < 255)
+        d = torch.where(gone, torch.full_like(y, -1), y)
+        stem = f"img_{i:02d}"
+        write_label(root / "labels" / f"{stem}.png", y)
+        write_label(root / "debiased" / f"{stem}.png", d)
+        write_image(root / "images" / f"{stem}.png", torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8))
+        ys.append(y), ds.append(d), stems.append(stem)
+    return root, ys, ds, stems
+
+
+def test_report_counts_shares_and_per_class_examples_by_hand(tmp_path):
+    root, ys, ds, stems = _folders(tmp_path)
+    rep, s = report_job(root / "labels", root / "debiased", root / "images", tmp_path / "rep", class_names=NAMES,
+                        num_examples=3, per_class=2, progress=False)
+    assert s.done == len(stems)
+    assert rep["share_definition"] == SHARE_DEFINITION and "whole set" in SHARE_DEFINITION
+    all_fg = sum(int(((y > 0) & (y < 255)).sum()) for y in ys)
+    for c in range(1, 4):
+        pix = sum(int((y == c).sum()) for y in ys)
+        rem = sum(int(((y == c) & (d == -1)).sum()) for y, d in zip(ys, ds))
+        got = rep["classes"][NAMES[c]]
+        assert (got["pixels"], got["removed"]) == (pix, rem)
+        assert got["share_removed"] == pytest.approx(rem / pix)
+        assert got["pixel_share"] == pytest.approx(pix / all_fg)
+        # the per-class examples: images where some pixels of c were removed, largest share first
+        cand = []
+        for y, d, stem in zip(ys, ds, stems):
+            t, r = int((y == c).sum()), int(((y == c) & (d == -1)).sum())
+            if r:
+                cand.append((-r / t, -r, stem, r, t))
+        want = [{"stem": st, "share_removed": r / t, "removed": r, "pixels": t} for _, _, st, r, t in sorted(cand)[:2]]
+        assert rep["per_class_examples"][NAMES[c]] == pytest.approx(want) if want else \
+            rep["per_class_examples"][NAMES[c]] == []
+    assert rep["ranking"] == sorted(NAMES[1:], key=lambda k: -rep["classes"][k]["share_removed"])
+    saved = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert saved["per_class_examples"] == json.loads(json.dumps(rep["per_class_examples"]))
+    for name in ("biased_share.png", "most_changed.png", "per_class.png"):
+        with PIL_Image.open(tmp_path / "rep" / name) as im:
+            arr = np.asarray(im.convert("RGB"))
+        if name != "biased_share.png":  # the legend's "removed (biased)" swatch is drawn
+            assert (arr == np.array(BIASED_COLOR, np.uint8)).all(-1).sum() >= (SWATCH - 2) ** 2
+
+
+def test_more_examples_per_class_give_a_taller_grid_and_zero_gives_none(tmp_path):
+    root, *_ = _folders(tmp_path, seed=1)
+    sizes = {}
+    for k in (1, 3):
+        report_job(root / "labels", root / "debiased", root / "images", tmp_path / f"r{k}", class_names=NAMES,
+                   per_class=k, progress=False)
+        with PIL_Image.open(tmp_path / f"r{k}" / "per_class.png") as im:
+            sizes[k] = im.size
+    assert sizes[3][1] > sizes[1][1]
+    rep, _ = report_job(root / "labels", root / "debiased", root / "images", tmp_path / "r0", class_names=NAMES,
+                        per_class=0, num_examples=0, progress=False)
+    assert not (tmp_path / "r0" / "per_class.png").exists() and not (tmp_path / "r0" / "most_changed.png").exists()
+    assert all(v == [] for v in rep["per_class_examples"].values())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="per_class must be an integer >= 0"):
+            report_job(root / "labels", root / "debiased", root / "images", tmp_path / "rx", per_class=bad,
+                       progress=False)
+
+
+def test_cli_per_class_flag(tmp_path, capsys):
+    root, *_ = _folders(tmp_path, seed=2)
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps(NAMES))
+    assert main(["report", "--labels", str(root / "labels"), "--debiased", str(root / "debiased"), "--images",
+                 str(root / "images"), "--out", str(tmp_path / "rep"), "--class-names", str(names), "--per-class", "1",
+                 "--no-progress"]) == 0
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert all(len(v) <= 1 for v in rep["per_class_examples"].values())
+    assert any(len(v) == 1 for v in rep["per_class_examples"].values())
+    out = capsys.readouterr().out
+    assert "boat" in out
