@@ -365,9 +365,12 @@ def _main(argv: Optional[List[str]]) -> int:
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),
                 num_examples=args.num_examples, per_class=args.per_class, ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
             )
-            print("classes ranked by share of pseudo-label pixels marked biased:")
+            print("classes ranked by the share of their pseudo-label pixels marked biased (all images summed):")
+            width = max((len(n) for n in report["ranking"]), default=0)
             for name in report["ranking"]:
-                print(f"  {name}: {100 * report['classes'][name]['share_removed']:.1f}%")
+                c = report["classes"][name]
+                print(f"  {name:<{width}}  {100 * c['share_removed']:5.1f}% of {c['pixels']:,} pixels "
+                      f"({100 * c['pixel_share']:.1f}% of all foreground pixels)")
             print(f"report -> {args.out}; {s.line('read')}")
     except BrokenPipeError:
         raise  # the reader is gone: main() ends quietly

@@ -105,3 +105,9 @@ def test_cli_per_class_flag(tmp_path, capsys):
     assert any(len(v) == 1 for v in rep["per_class_examples"].values())
     out = capsys.readouterr().out
     assert "boat" in out
+    # the printed ranking is report.json's: each class in order, with its share and pixel count
+    lines = [l.strip() for l in out.splitlines() if "% of " in l and "pixels (" in l]
+    assert [l.split("  ")[0] for l in lines] == rep["ranking"]
+    for line, name in zip(lines, rep["ranking"]):
+        c = rep["classes"][name]
+        assert f"{100 * c['share_removed']:.1f}% of {c['pixels']:,} pixels" in line
