@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,15 +70,22 @@ BLOCKS = [b for f in FILES for b in _blocks(f)]
 def _check_demo(cwd: Path, scope: dict) -> None:
     metrics = json.loads((cwd / "mars_demo" / "metrics.json").read_text())
     assert metrics, "mars demo wrote an empty metrics.json"
-    assert (cwd / "mars_demo" / "world" / "features").is_dir()
+    assert (cwd / "mars_demo" / "world" / "train" / "features").is_dir()
 
 
 def _check_commands(cwd: Path, scope: dict) -> None:
-    n = len(list((cwd / "mars_demo" / "world" / "labels").glob("*.png")))
-    assert (cwd / "scratch" / "V.pt").is_file()
-    assert len(list((cwd / "scratch" / "debiased").glob("*.png"))) == n
-    report = json.loads((cwd / "scratch" / "report" / "report.json").read_text())
-    assert report
+    """The README says these commands give the demo table's columns (a) and (b) exactly."""
+    world, scratch = cwd / "mars_demo" / "world", cwd / "scratch"
+    metrics = json.loads((cwd / "mars_demo" / "metrics.json").read_text())
+    assert (scratch / "V.pt").is_file()
+    val = sorted(p.stem for p in (world / "val" / "labels").glob("*.png"))
+    assert sorted(p.stem for p in (scratch / "debiased_val").glob("*.png")) == val
+    for name, column in (("a.json", "(a) WSSS pseudo"), ("b.json", "(b) debiased")):
+        got, want = json.loads((scratch / name).read_text()), metrics["scores"][column]
+        for key in ("iou", "fp", "fn"):
+            assert np.allclose(got[key], want[key], rtol=0, atol=1e-12, equal_nan=True), (column, key)
+    report = json.loads((scratch / "report" / "report.json").read_text())
+    assert report["ranking"][:2] == ["boat", "train"]  # the README's sentence about the ranking
 
 
 def _check_three_calls(cwd: Path, scope: dict) -> None:
