@@ -100,13 +100,33 @@ def test_resume_skips_existing_files(tmp_path, images, stego):
     assert not [p for p in os.listdir(out) if p.startswith(".tmp")]
 
 
-def test_corrupt_image_stop_and_skip(tmp_path, images, stego):
+def _truncated_png() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((40, 56, 3), 90, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()[:60]  # a valid header, the pixels cut off
+
+
+BAD_IMAGES = {
+    "not-a-jpeg": ("broken.jpg", lambda: b"\xff\xd8 not really a jpeg"),
+    "empty": ("broken.png", lambda: b""),
+    "truncated": ("broken.png", _truncated_png),
+    "decompression-bomb": ("broken.png", lambda: __import__("test_cli_errors").bomb_png()),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_IMAGES))
+def test_bad_image_stop_and_skip(tmp_path, images, stego, kind):
+    """`mars features` keeps the --on-error contract: stop names the file, skip names and counts
+    it and writes every other image."""
     img_dir, _ = images
-    (img_dir / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
-    with pytest.raises(JobError, match=r"broken: .*broken\.jpg"):
+    name, data = BAD_IMAGES[kind]
+    (img_dir / name).write_bytes(data())
+    with pytest.raises(JobError, match=rf"broken: .*{name.replace('.', '[.]')}"):
         features_job(stego, img_dir, tmp_path / "stop", progress=False)
     s = features_job(stego, img_dir, tmp_path / "skip", on_error="skip", progress=False)
-    assert s.done == 5 and [stem for stem, _ in s.failed] == ["broken"] and "cannot read image" in s.failed[0][1]
+    assert s.done == 5 and [stem for stem, _ in s.failed] == ["broken"], s.failed
     assert not (tmp_path / "skip" / "broken.npy").exists() and (tmp_path / "skip" / "e.npy").is_file()
 
 
