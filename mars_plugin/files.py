@@ -24,6 +24,8 @@ from typing import Callable, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ._checks import BIASED_PNG_VALUE
+
 __all__ = [
     "BIASED_VALUE",
     "IGNORE_VALUE",
@@ -43,8 +45,9 @@ __all__ = [
     "stem_path",
 ]
 
-#: Byte written for biased pixels (-1) of debiased labels.
-BIASED_VALUE = 254
+#: Byte written for biased pixels (-1) of debiased labels (defined beside the core's label
+#: checks, which point a raw 254 to :func:`read_label`).
+BIASED_VALUE = BIASED_PNG_VALUE
 #: Byte of ignored pixels, as in every WSSS repository.
 IGNORE_VALUE = 255
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")

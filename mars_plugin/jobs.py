@@ -775,16 +775,15 @@ def report_job(
         except FILE_ERRORS as e:
             _fail(stem, e, on_error, summary)
             continue
-        fg = (y > 0) & (y != ignore_index)
-        gone = fg & (d == -1)
-        for c in torch.unique(y[fg]).tolist():
-            t_c, r_c = int((y == c).sum()), int((gone & (y == c)).sum())
+        counts = _removed_per_class(y, d, ignore_index)  # the same count as debias prints
+        for c, (t_c, r_c) in counts.items():
             total[c] = total.get(c, 0) + t_c
             removed[c] = removed.get(c, 0) + r_c
             if r_c:
                 per_class_images.setdefault(c, []).append((r_c / t_c, r_c, t_c, stem))
-        if int(fg.sum()):
-            per_image.append((int(gone.sum()) / int(fg.sum()), stem))
+        fg_pixels = sum(t for t, _ in counts.values())
+        if fg_pixels:
+            per_image.append((sum(r for _, r in counts.values()) / fg_pixels, stem))
         summary.done += 1
     if not total:
         raise JobError("no foreground pixel in any pseudo label: nothing to report")
