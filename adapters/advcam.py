@@ -42,20 +42,17 @@ Recipe::
     advcam.write_debiased(((i, debias_labels(features[i], y, V, classes[i], image=rgb[i]))
                            for i, y in labels.items()), "<VOC2012>/SegmentationClassAug_MARS")
     # 3. deeplab-pytorch: in ImageSets/SegmentationAug/train_aug.txt, second field
-    #    /SegmentationClassAug/<id>.png -> /SegmentationClassAug_MARS/<id>.png; then in main.py
-    #    L157  criterion = nn.CrossEntropyLoss(ignore_index=CONFIG.DATASET.IGNORE_LABEL)
-    #      ->  hook = MARSTrainingHook(model)    # model already DataParallel and on device (L153-154)
-    #          classes = advcam.load_image_labels(".../voc12/cls_labels.npy", trust_pickle=True)
-    #    L222, L225  _, images, labels = next(loader_iter)  ->  ids, images, labels = next(loader_iter)
-    #    L231-236  iter_loss = 0; for logit in logits: ... iter_loss += criterion(logit, labels_.to(device))
-    #      ->  iter_loss = hook(images.to(device), logits, labels.to(device),
-    #                           torch.stack([classes[i] for i in ids]).to(device))
-    #    after L247 optimizer.step():  hook.update(model)
+    #    /SegmentationClassAug/<id>.png -> /SegmentationClassAug_MARS/<id>.png, then the main.py
+    #    edits of docs/adapters.md, "AdvCAM + kazuto1011/deeplab-pytorch" (checked at 4219467):
+    #    L157-158 (criterion and criterion.to(device)) -> hook = MARSTrainingHook(model) and the
+    #    classes; L222/L225 keep the ids; L231-236 -> iter_loss = hook(...); after L247 hook.update(model).
+    #    tests/test_recipes.py applies exactly those lines to a loop of main.py's shape and runs it.
 
-The hook takes ``logits[0]`` of MSC's training output (the 1x scale; msc.py returns [1x, 0.75x,
-0.5x, max]): deeplab-pytorch's sum over the four scales becomes the MARS loss on the 1x logits.
-Debiased labels hold **254** for biased pixels; the unmodified ``CrossEntropyLoss`` (21 classes)
-would fail on them: train through ``MARSTrainingHook``, which maps 254 to -1.
+``MARSTrainingHook`` (``from mars_plugin.adapters import MARSTrainingHook``) sums the MARS loss
+over every logit map of MSC's training output (msc.py returns [1x, 0.75x, 0.5x, max]), as
+deeplab-pytorch sums its CE over them; its EMA teacher runs in eval mode, where MSC returns one
+map. Debiased labels hold **254** for biased pixels; the unmodified ``CrossEntropyLoss`` (21
+classes) would fail on them: train through ``MARSTrainingHook``, which maps 254 to -1.
 """
 from __future__ import annotations
 

@@ -30,13 +30,15 @@ Then the segmentation stage, ``ssc/experiment/seamv1-pseudovoc``:
 * ``config.py:27``: ``'DATA_PSEUDO_GT': '<...>/out_rw_mars'`` (the folder written above; read by
   ``ssc/lib/datasets/VOCDataset.py:74-78`` as ``np.array(Image.open(pseudo_gt_dir/<name>.png))``,
   so 254 reaches the loop unchanged).
-* ``train.py:85``: ``criterion = nn.CrossEntropyLoss(ignore_index=255)`` ->
-  ``hook = MARSTrainingHook(parameter_source)`` (``from mars_plugin.adapters.training_hook import
-  MARSTrainingHook``; ``parameter_source`` is the net on device 0, ``train.py:62-69``), and once
-  ``tags = seam.load_image_labels('voc12/cls_labels.npy', trust_pickle=True)``.
-* ``train.py:97``: ``loss = criterion(pred1, seg_label.to(0))`` ->
-  ``loss = hook(inputs.to(0), pred1, seg_label.to(0), torch.stack([tags[n] for n in sample['name']]).to(0))``.
-* after ``train.py:99`` ``optimizer.step()``: ``hook.update(parameter_source)``.
+* ``train.py`` (checked at a40f6c6; the file is tab-indented: new lines take tabs, like the
+  lines they replace, or Python raises ``TabError``/``IndentationError``), the edits of docs/adapters.md, "SEAM +
+  YudeWang/semantic-segmentation-codebase": after L34 import ``MARSTrainingHook`` and ``seam``
+  from ``mars_plugin.adapters``; L85 ``criterion = ...`` -> ``hook =
+  MARSTrainingHook(parameter_source)`` and ``tags = seam.load_image_labels(...,
+  trust_pickle=True)``; L97 ``loss = criterion(...)`` -> ``loss = hook(inputs.to(device), pred1,
+  seg_label.to(device), torch.stack([tags[n] for n in sample['name']]).to(device))`` (``device``
+  is ``train.py:62``); after L99 ``optimizer.step()``: ``hook.update(parameter_source)``.
+  tests/test_recipes.py applies exactly those lines to a loop of train.py's shape and runs it.
 
 The hook maps 254 to -1 (biased), fills those pixels from its EMA teacher and weighs them
 (Eq. 6-7). Without it, plain ``CrossEntropyLoss(ignore_index=255)`` would train on 254 as a
