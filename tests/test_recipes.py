@@ -361,29 +361,62 @@ def test_seam_recipe_pasted_with_spaces_is_an_indentation_error(tmp_path):
 # --------------------------------------------------------------------------------------------
 # IRNet / RS+EPM: no segmentation stage upstream; the doc's own loop runs on the adapters' files
 # --------------------------------------------------------------------------------------------
-def _own_loop_block() -> str:
+def _own_loop_blocks() -> List[str]:
+    """The IRNet loop and the RS+EPM lines that replace its three set-up lines."""
     text = DOC.read_text()
     start = text.index("### The training hook in your own loop")
     blocks = re.findall(r"```python\n(.*?)```", text[start:text.index("\n### ", start + 1)], flags=re.S)
-    assert len(blocks) == 1
-    return blocks[0]
+    assert len(blocks) == 2
+    return blocks
+
+
+def _jpegs(folder: Path, ids) -> None:
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    for i in ids:
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.jpg")
+
+
+def _run_loop(code: str, ids) -> dict:
+    scope: dict = {}
+    exec(compile(code, str(DOC), "exec"), scope)
+    assert torch.isfinite(scope["loss"]) and set(scope["labels"]) == set(ids)
+    assert (scope["labels"][ids[0]] == 254).any()  # the loop handed the stored 254 to the hook
+    return scope
 
 
 def test_own_loop_runs_on_irnet_files(tmp_path, monkeypatch):
-    from PIL import Image
-
     from mars_plugin.adapters import irnet
 
     ids = sorted(IDS)
     y = labels_for(ids)
     irnet.write_debiased(zip(ids, y.masked_fill(y == 254, -1)), tmp_path / "result" / "sem_seg_mars")
     write_cls_labels(tmp_path / "voc12" / "cls_labels.npy", IDS, str_keys=False)
-    (tmp_path / "JPEGImages").mkdir()
-    for i in ids:
-        Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(
-            tmp_path / "JPEGImages" / f"{i}.jpg")
+    _jpegs(tmp_path / "JPEGImages", ids)
     monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    exec(compile(_own_loop_block(), str(DOC), "exec"), scope)
-    assert torch.isfinite(scope["loss"]) and set(scope["labels"]) == set(ids)
-    assert (scope["labels"][ids[0]] == 254).any()  # the loop handed the stored 254 to the hook
+    _run_loop(_own_loop_blocks()[0], ids)
+
+
+def test_own_loop_runs_on_rsepm_files(tmp_path, monkeypatch):
+    from mars_plugin.adapters import rsepm
+
+    ids = sorted(IDS)
+    y = labels_for(ids)
+    rsepm.write_debiased(zip(ids, y.masked_fill(y == 254, -1)), rsepm.pseudo_label_dir(tmp_path / "experiments", "t@MARS"))
+    names = rsepm.class_names("voc")
+    (tmp_path / "VOC2012" / "train_aug" / "xml").mkdir(parents=True)
+    for i in ids:
+        objs = "".join(f"<object><name>{names[c]}</name><bndbox><xmin>1</xmin><ymin>1</ymin><xmax>9</xmax>"
+                       f"<ymax>9</ymax></bndbox></object>" for c in IDS[i])
+        (tmp_path / "VOC2012" / "train_aug" / "xml" / f"{i}.xml").write_text(
+            f"<annotation><size><width>16</width><height>16</height></size>{objs}</annotation>")
+    _jpegs(tmp_path / "VOC2012" / "train_aug" / "image", ids)
+    monkeypatch.chdir(tmp_path)
+    loop, setup = _own_loop_blocks()
+    setup = setup.replace("<tag>", "t").replace("<root>", "VOC2012")
+    lines = loop.split("\n")
+    first = next(k for k, l in enumerate(lines) if l.startswith("labels = "))
+    assert [l.split(" =")[0] for l in lines[first : first + 3]] == ["labels", "classes", "image_dir"]
+    scope = _run_loop("\n".join(lines[:first] + [setup] + lines[first + 3 :]), ids)
+    assert all(bool(scope["classes"][i][c - 1]) for i in ids for c in IDS[i])  # the xml tags
