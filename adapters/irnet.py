@@ -41,10 +41,12 @@ R-CNN on the pseudo labels, e.g. torchvision's)::
     classes = irnet.load_image_labels("voc12/cls_labels.npy", trust_pickle=True)
     irnet.write_debiased(((i, debias_labels(features[i], y, V, classes[i], image=rgb[i]))
                           for i, y in labels.items()), "result/sem_seg_mars")
-    # 3. train on result/sem_seg_mars/<id>.png; replace the line
+    # 3. train on result/sem_seg_mars/<id>.png: replace the line
     #        loss = nn.CrossEntropyLoss(ignore_index=255)(logits, labels)
     #    by  loss = hook(images, logits, labels, cls)  with hook = MARSTrainingHook(model)
-    #    (mars_plugin.adapters.training_hook), and call hook.update(model) after optimizer.step().
+    #    (from mars_plugin.adapters import MARSTrainingHook), and call hook.update(model) after
+    #    optimizer.step(): the whole loop is in docs/adapters.md, "The training hook in your own
+    #    loop", run as written by tests/test_recipes.py.
 
 Debiased labels hold **254** for the biased pixels (-1 in memory). Plain cross-entropy with
 ``ignore_index=255`` would take 254 as a class id (and fail on 21 classes): train on them only

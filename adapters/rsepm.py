@@ -36,13 +36,14 @@ tag=..., name=..., mask_dir='./experiments/')``, which reads
 unchanged. In your training loop (any DeepLab loop on that dataset), replace the
 ``nn.CrossEntropyLoss(ignore_index=255)(logits, masks)`` line by::
 
-    hook = MARSTrainingHook(model)                        # once; mars_plugin.adapters.training_hook
+    hook = MARSTrainingHook(model)                        # once; from mars_plugin.adapters import MARSTrainingHook
     loss = hook(images, logits, masks, classes)           # classes: (B, C) multi-hot from tags
     loss.backward(); optimizer.step(); hook.update(model)
 
 ``Dataset_For_Segmentation.__getitem__`` returns only (image, mask); to get ``classes``, wrap it
 so that it also returns ``tags[self.image_names[index].replace('.jpg', '')]`` (the id rule of
-``core/abc_modules.py:124``).
+``core/abc_modules.py:124``). docs/adapters.md, "The training hook in your own loop", has the
+whole loop on these files, run as written by tests/test_recipes.py.
 
 Formats (verified upstream)
 ---------------------------
