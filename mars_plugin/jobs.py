@@ -658,8 +658,11 @@ def evaluate_job(
     ignore_index: int = IGNORE_VALUE,
     on_error: str = "stop",
     progress: bool = True,
+    stems: Optional[Sequence[str]] = None,
 ) -> Tuple[Dict[str, object], JobSummary]:
-    """SEAM-style IoU/FP/FN over every ground-truth PNG of ``gt_dir`` and its prediction.
+    """SEAM-style IoU/FP/FN over every ground-truth PNG of ``gt_dir`` and its prediction
+    (or over ``stems`` only: e.g. the images that have a pseudo label, when ``gt_dir`` holds
+    the masks of the whole split).
 
     A prediction pixel of 254 (biased, in a debiased label) counts as background;
     ``ignore_index`` in a prediction counts as "no class". Any other value above C, in a
@@ -667,7 +670,12 @@ def evaluate_job(
     :func:`mars_plugin.metrics.segmentation_scores` plus ``confusion`` and ``num_images``.
     """
     _check_on_error(on_error)
-    stems = _stems(gt_dir)
+    if stems is None:
+        stems = _stems(gt_dir)
+    else:
+        stems = [stem_path(gt_dir, s, ".png").stem for s in stems]  # refuses unsafe ids
+        if not stems:
+            raise ValueError("stems is empty: nothing to evaluate")
     summary = JobSummary()
     cm = None
     for stem in _progress(stems, len(stems), "evaluate", progress):
