@@ -1,4 +1,4 @@
-"""USS feature extraction: images in, ``features/<stem>.npy`` out (``mars features``).
+"""USS feature extraction: images in, ``features/<stem>.npy`` (or ``.pt``) out (``mars features``).
 
 MARS needs per-pixel embeddings F of an unsupervised segmentation model for every image. Any
 object with ``__call__(images, output_size=None) -> (B, D, h, w)`` (the :class:`FeatureExtractor`
@@ -49,6 +49,8 @@ __all__ = [
 
 PathLike = Union[str, os.PathLike]
 ON_ERROR = ("stop", "skip")
+#: ``file_format`` of :func:`features_job`: numpy arrays, or fp16 torch tensors as DHR writes them.
+FILE_FORMATS = ("npy", "pt")
 USS_MODELS = ("stego", "leopart")
 
 
@@ -168,8 +170,9 @@ def features_job(
     stride: Optional[int] = None,
     on_error: str = "stop",
     progress: bool = True,
+    file_format: str = "npy",
 ) -> JobSummary:
-    """Write ``<out_dir>/<stem>.npy``, float16 (D, h, w), for every image of ``images_dir``.
+    """Write ``<out_dir>/<stem>.npy`` (or ``.pt``), float16 (D, h, w), for every image of ``images_dir``.
 
     Args:
         extractor: a :class:`FeatureExtractor` (an ``nn.Module`` is moved to ``device`` and put
@@ -186,13 +189,20 @@ def features_job(
             ``"stop"`` raises :class:`~mars_plugin.jobs.JobError` naming it; ``"skip"`` records
             it in the summary and goes on.
         progress: show a progress bar.
+        file_format: ``"npy"`` (a numpy array) or ``"pt"`` (an fp16 torch tensor, the file
+            DHR's produce_uss_features.py:34 writes); both are read by every ``mars`` command.
 
-    Outputs that already exist are skipped (resume), and every file is written atomically, so an
-    interrupted run never leaves a half-written ``.npy``. Returns a
+    Outputs that already exist in ``file_format`` are skipped (resume), and every file is
+    written atomically, so an interrupted run never leaves a half-written file. A stem whose
+    file of the *other* format is already there is a per-file failure (``on_error``): the
+    folder would hold two feature files for it, which the readers refuse. Returns a
     :class:`~mars_plugin.jobs.JobSummary`.
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if file_format not in FILE_FORMATS:
+        raise ValueError(f"file_format must be one of {FILE_FORMATS}, got {file_format!r}")
+    ext, other_ext = (".npy", ".pt") if file_format == "npy" else (".pt", ".npy")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
@@ -253,7 +263,7 @@ def features_job(
             if not np.isfinite(arr).all():
                 fail(stem, "embeddings are not finite in float16 (NaN, or beyond +-65504)")
                 continue
-            write_features(out_dir / f"{stem}.npy", arr)
+            write_features(out_dir / f"{stem}{ext}", arr)
             summary.done += 1
             tick()
 
@@ -263,7 +273,11 @@ def features_job(
         buckets: "OrderedDict[Tuple[int, int], List[Tuple[str, torch.Tensor]]]" = OrderedDict()
         buffered = 0
         for stem, path in items:
-            if (out_dir / f"{stem}.npy").is_file():
+            if (out_dir / f"{stem}{other_ext}").is_file():
+                fail(stem, f"{out_dir / (stem + other_ext)} already exists: a {stem}{ext} beside it would clash "
+                           "(two formats for one stem); remove one or pick that --format")
+                continue
+            if (out_dir / f"{stem}{ext}").is_file():
                 summary.existing += 1
                 tick()
                 continue
@@ -387,6 +401,8 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
                              "and Lightning's .ckpt files do); only for files you trust")
     parser.add_argument("--on-error", choices=ON_ERROR, default="stop",
                         help="an unreadable image: stop with its name (exit 2), or report it, go on and exit 1")
+    parser.add_argument("--format", choices=FILE_FORMATS, default="npy", dest="file_format",
+                        help="write <stem>.npy arrays or <stem>.pt fp16 torch tensors (DHR's format)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -400,5 +416,5 @@ def run_features(args: argparse.Namespace) -> JobSummary:
     return features_job(
         extractor, args.images, args.out, batch_size=args.batch_size, device=args.device, fp16=args.fp16,
         output_size="image" if args.full_size else None, stride=args.stride, on_error=args.on_error,
-        progress=not args.no_progress,
+        progress=not args.no_progress, file_format=args.file_format,
     )

@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("centroids", formatter_class=_Formatter, help="select debiased centroids (Eq. 1-3) from folders",
                        description="Stream (features, pseudo label) pairs and write the debiased centroids to a .pt file.")
-    c.add_argument("--features", required=True, help="folder of <stem>.npy float (D, h, w) embeddings")
+    c.add_argument("--features", required=True, help="folder of float (D, h, w) embeddings, <stem>.npy or <stem>.pt "
+                                                      "(DHR's fp16 tensors, read with weights_only=True)")
     c.add_argument("--labels", required=True, help="folder of <stem>.png pseudo labels (0 = background, 255 = ignore)")
     c.add_argument("--image-labels", default=None, help="JSON {stem: [1-based class ids]}; default: classes of each label")
     c.add_argument("--num-classes", type=int, required=True, help="C, the number of foreground classes")
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("debias", formatter_class=_Formatter, help="write debiased labels (Eq. 4-5) for a folder",
                        description="One P-mode PNG (VOC palette) per pseudo label; biased pixels are written as 254, "
                                    "ignore stays 255. Existing outputs are skipped, so an interrupted run resumes.")
-    b.add_argument("--features", required=True, help="folder of <stem>.npy embeddings")
+    b.add_argument("--features", required=True, help="folder of <stem>.npy or <stem>.pt embeddings")
     b.add_argument("--labels", required=True, help="folder of <stem>.png pseudo labels")
     b.add_argument("--centroids", required=True, help=".pt file written by 'mars centroids'")
     b.add_argument("--images", default=None, help="folder of RGB images <stem>.jpg/.png (needed by --refine crf)")
@@ -239,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("features", formatter_class=_Formatter,
                        help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
-                       description="Write one float16 <stem>.npy (D, h, w) per image with a STEGO or Leopart "
-                                   "checkpoint read from disk (nothing is downloaded); resumable, atomic writes.")
+                       description="Write one float16 (D, h, w) <stem>.npy (or <stem>.pt with --format pt) per image "
+                                   "with a STEGO or Leopart checkpoint read from disk (nothing is downloaded); "
+                                   "resumable, atomic writes.")
     add_features_arguments(f)
     add_threads(f)
 

@@ -1,25 +1,32 @@
-"""Files on disk: label PNGs with the VOC palette, feature .npy files, RGB images.
+"""Files on disk: label PNGs with the VOC palette, feature .npy/.pt files, RGB images.
 
 Layout used by the ``mars`` command line (one file per image, the image *stem* is the key):
 
 * ``images/<stem>.jpg|.png``: RGB images.
 * ``labels/<stem>.png``: pseudo labels, one byte per pixel (P mode with the VOC palette, or L):
   0 = background, 1..C = classes, 255 = ignore.
-* ``features/<stem>.npy``: float16 (or float32) USS embeddings of shape (D, h, w); (h, w) may
-  be smaller than the label (the core resizes).
+* ``features/<stem>.npy`` or ``features/<stem>.pt``: float16 (or float32) USS embeddings of
+  shape (D, h, w); (h, w) may be smaller than the label (the core resizes). ``.pt`` is what the
+  MARS authors' DHR writes (``torch.save(f_us.half().cpu(), ...)``, produce_uss_features.py:34,
+  read back with ``torch.load(...).float()``, core/datasets.py:94). A folder may mix both
+  formats across stems, never two files for one stem (:func:`find_features`).
 * debiased labels: like pseudo labels, with biased pixels (-1 in memory) written as
   :data:`BIASED_VALUE` = 254, a value no VOC/COCO class uses.
 
 Every writer is atomic: it writes a temporary file in the target folder and renames it, so an
 interrupted run never leaves a half-written file that a resumed run would take as done.
-Readers never unpickle: ``np.load(..., allow_pickle=False)``.
+Readers never unpickle: ``np.load(..., allow_pickle=False)`` and
+``torch.load(..., weights_only=True)`` (tensors only, no Python objects).
 """
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,12 +37,15 @@ __all__ = [
     "BIASED_VALUE",
     "IGNORE_VALUE",
     "IMAGE_EXTENSIONS",
+    "FEATURE_EXTENSIONS",
     "voc_palette",
     "atomic_write",
     "read_label",
     "write_label",
     "read_features",
     "write_features",
+    "find_features",
+    "feature_shape",
     "read_image",
     "write_image",
     "list_stems",
@@ -51,6 +61,8 @@ BIASED_VALUE = BIASED_PNG_VALUE
 #: Byte of ignored pixels, as in every WSSS repository.
 IGNORE_VALUE = 255
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
+#: Feature files: numpy arrays, or torch tensors as DHR writes them (see the module docstring).
+FEATURE_EXTENSIONS = (".npy", ".pt")
 
 PathLike = Union[str, os.PathLike]
 
@@ -166,9 +178,81 @@ def write_label(path: PathLike, label, *, biased_value: int = BIASED_VALUE, mode
     atomic_write(path, lambda tmp: im.save(tmp, format="PNG"))
 
 
+def _feature_suffix(path: str) -> str:
+    """The suffix of a feature file, one of :data:`FEATURE_EXTENSIONS` (else a ValueError)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in FEATURE_EXTENSIONS:
+        raise ValueError(f"{path}: feature files must end in one of {', '.join(FEATURE_EXTENSIONS)}, got "
+                         f"{suffix or 'no suffix'!r}")
+    return suffix
+
+
+def _torch_load_error(path: str, e: BaseException) -> ValueError:
+    """A one-line ValueError naming ``path`` for a failed ``torch.load(weights_only=True)``."""
+    msg = str(e)
+    if isinstance(e, EOFError) or (os.path.isfile(path) and os.path.getsize(path) == 0):
+        why = "empty file, 0 bytes"
+    elif isinstance(e, pickle.UnpicklingError) or "weights only" in msg.lower():
+        # torch's safe unpickler: a GLOBAL it refuses is a pickled Python object (a class, a
+        # function); anything else it refuses is no torch file at all (e.g. a plain pickle).
+        glob = re.search(r"GLOBAL\s+([\w.]+)", msg)
+        if glob:
+            why = f"it holds a pickled Python object, {glob.group(1)}, which mars never unpickles: weights_only=True"
+        else:
+            why = "not a tensor written by torch.save: the safe unpickler refused it"
+    elif "zip archive" in msg or "central directory" in msg:
+        why = "truncated or corrupt torch zip archive"
+    elif isinstance(e, OSError):
+        why = e.strerror or _one_line(e)
+    else:
+        why = f"not a tensor written by torch.save: {type(e).__name__} {_one_line(e)[:120]}"
+    return ValueError(f"{path}: cannot read features as a torch tensor ({why})")
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line (its type name when it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _load_pt(path: str, *, mmap: bool = False):
+    """``torch.load(path, map_location="cpu", weights_only=True)``: tensors, dicts, lists and
+    numbers only, never a Python object (so never code), whatever the file holds. Errors name
+    ``path``."""
+    try:
+        with warnings.catch_warnings():  # torch warns about foreign pickle protocols: the error says it
+            warnings.simplefilter("ignore")
+            if mmap:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- every failure to read the file is the same user error
+        raise _torch_load_error(path, e) from e
+
+
+def _check_pt_features(path: str, obj) -> torch.Tensor:
+    """``obj`` (what a .pt held) if it is a dense floating (D, h, w) tensor, else a ValueError."""
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"{path}: a .pt feature file must hold one float tensor of shape (D, h, w), got a "
+                         f"{type(obj).__name__}")
+    if obj.layout != torch.strided or not obj.is_floating_point() or obj.ndim != 3:
+        layout = "" if obj.layout == torch.strided else f" {obj.layout}"
+        raise ValueError(f"{path}: features must be a float tensor of shape (D, h, w), got{layout} "
+                         f"{obj.dtype} {tuple(obj.shape)}")
+    return obj
+
+
 def read_features(path: PathLike) -> torch.Tensor:
-    """(D, h, w) float32 embeddings from a .npy file (never unpickled)."""
+    """(D, h, w) float32 embeddings from a ``.npy`` or ``.pt`` file (never unpickled).
+
+    ``.npy``: ``np.load(allow_pickle=False)`` of a float array. ``.pt``: ``torch.load(...,
+    map_location="cpu", weights_only=True)`` of one float tensor, as DHR writes them
+    (produce_uss_features.py:34); weights_only never unpickles Python objects, so a file that
+    holds any (or needs them) is refused, never executed. Any other content, a 0-byte or
+    truncated file, or another suffix is a ValueError naming the file and what it held.
+    """
     path = os.fspath(path)
+    if _feature_suffix(path) == ".pt":
+        t = _check_pt_features(path, _load_pt(path))
+        return t.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:  # EOFError: a 0-byte file
@@ -178,12 +262,62 @@ def read_features(path: PathLike) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.float32))
 
 
+def feature_shape(path: PathLike) -> Tuple[int, ...]:
+    """The shape of the array in a feature file, without reading its data: the ``.npy`` header
+    (``mmap_mode="r"``), or ``torch.load(..., mmap=True, weights_only=True)`` for ``.pt`` (the
+    storage is mapped, not read). A file that cannot be mapped (torch < 2.1, the legacy
+    non-zip format) is read in full. A ValueError (naming the file) when it holds no array.
+    """
+    path = os.fspath(path)
+    if _feature_suffix(path) == ".npy":
+        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
+    try:
+        obj = _load_pt(path, mmap=True)
+    except ValueError:
+        obj = _load_pt(path)
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"{path}: holds a {type(obj).__name__}, not a tensor")
+    return tuple(obj.shape)
+
+
+def find_features(folder: PathLike, stem: str) -> Path:
+    """``folder/<stem>.npy`` or ``folder/<stem>.pt``, whichever exists.
+
+    A folder may hold either format, even mixed across stems, but never both files for one stem
+    (which one would be meant?): that, or neither, is a ValueError naming the files.
+    """
+    found = [p for p in (stem_path(folder, stem, ext) for ext in FEATURE_EXTENSIONS) if p.is_file()]
+    if not found:
+        looked = ", ".join(f"{stem}{ext}" for ext in FEATURE_EXTENSIONS)
+        raise ValueError(f"no features for {stem} in {folder} (looked for {looked})")
+    if len(found) > 1:
+        raise ValueError(f"two feature files for {stem}: {' and '.join(map(str, found))}; keep one")
+    return found[0]
+
+
 def write_features(path: PathLike, features, *, dtype=np.float16) -> None:
-    """Write (D, h, w) embeddings as a .npy file (float16 by default), atomically."""
-    arr = features.detach().cpu().numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
+    """Write (D, h, w) embeddings, atomically, as ``dtype`` (float16 by default): a ``.npy``
+    array, or for ``.pt`` a tensor with ``torch.save`` (the file DHR writes and
+    :func:`read_features` reads).
+
+    The ``.pt`` tensor is a fresh contiguous copy: ``torch.save`` writes a tensor's whole
+    underlying storage, so saving a slice of a bigger tensor as is would write all of it.
+    """
+    path = os.fspath(path)
+    suffix = _feature_suffix(path)
+    if isinstance(features, torch.Tensor):
+        f = features.detach().cpu()
+        arr = (f.float() if f.dtype == torch.bfloat16 else f).numpy()  # numpy has no bfloat16
+    else:
+        arr = np.asarray(features)
     if arr.ndim != 3:
         raise ValueError(f"features must be (D, h, w), got shape {arr.shape}")
     arr = arr.astype(dtype)
+    if suffix == ".pt":
+        # astype copies already; the clone makes sure the saved storage holds exactly D*h*w values.
+        t = torch.from_numpy(arr).clone(memory_format=torch.contiguous_format)
+        atomic_write(path, lambda tmp: torch.save(t, tmp))
+        return
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as fh:

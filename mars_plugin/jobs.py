@@ -27,6 +27,8 @@ from .files import (
     IGNORE_VALUE,
     atomic_write,
     classes_in_label,
+    feature_shape,
+    find_features,
     find_image,
     list_stems,
     read_features,
@@ -137,16 +139,17 @@ def check_features(feats: torch.Tensor, path: os.PathLike, dim: Optional[int], d
                          f"D={dim} ({dim_from})")
 
 
-def _common_dim(paths: Sequence[Path]) -> Optional[Tuple[int, str]]:
-    """The most common embedding size D among the .npy headers (read without the data), and
-    the first file that has it; unreadable headers are left for the per-file read to report."""
-    import numpy as np
-
+def _common_dim(features_dir: Path, stems: Sequence[str]) -> Optional[Tuple[int, str]]:
+    """The most common embedding size D among the stems' feature files (.npy headers, or .pt
+    tensors mapped without reading their data, see :func:`~mars_plugin.files.feature_shape`),
+    and the first file that has it; missing, clashing or unreadable files are left for the
+    per-file read to report."""
     first: Dict[int, str] = {}
     count: Dict[int, int] = {}
-    for p in paths:
+    for stem in stems:
         try:
-            shape = np.load(p, mmap_mode="r", allow_pickle=False).shape
+            p = find_features(features_dir, stem)
+            shape = feature_shape(p)
         except Exception:  # noqa: BLE001 -- reported, with its file, by the per-file read
             continue
         if len(shape) == 3:
@@ -326,13 +329,11 @@ def _centroid_samples(
     """Checked (features, label) pairs; every check that :func:`select_centroids` would make
     on a sample is made here first, so that a bad file is named and ``on_error`` applies.
     ``yielded`` receives the stem of each pair, in order."""
-    ref = _common_dim([features_dir / f"{s}.npy" for s in stems])
+    ref = _common_dim(features_dir, stems)
     dim, dim_from = ref if ref is not None else (None, "")
     for stem in _progress(stems, len(stems), "centroids", progress):
         try:
-            feat_path = features_dir / f"{stem}.npy"
-            if not feat_path.is_file():
-                raise ValueError(f"missing feature file {feat_path}")
+            feat_path = find_features(features_dir, stem)
             feats = read_features(feat_path)
             check_features(feats, feat_path, dim, dim_from)
             label_path = labels_dir / f"{stem}.png"
@@ -473,9 +474,7 @@ def _debias_read(stem: str) -> Dict[str, Any]:
     """One image's inputs, checked, and its soft mask M_hat (Eq. 4) on the job's device."""
     cfg = _WORKER
     V: DebiasedCentroids = cfg["centroids"]
-    feat_path = Path(cfg["features_dir"]) / f"{stem}.npy"
-    if not feat_path.is_file():
-        raise ValueError(f"missing feature file {feat_path}")
+    feat_path = find_features(cfg["features_dir"], stem)
     feats = read_features(feat_path)
     check_features(feats, feat_path, V.dim, f"as --centroids {cfg['centroids_path']}")
     feats = feats.to(cfg["device"])

@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mars_plugin import DebiasedCentroids
@@ -47,6 +48,25 @@ def _npy(path, change):
     np.save(path, change(arr.copy()))
 
 
+class Custom:
+    """A class of this test module: a .pt file holding one needs unpickling, which mars refuses."""
+
+
+def _pt(path, change, keep_npy=False):
+    """Replace the features ``<stem>.npy`` by ``<stem>.pt`` (DHR's fp16 tensor), changed by
+    ``change``: the folder then mixes both formats. ``keep_npy``: both formats for one stem."""
+    t = torch.from_numpy(np.load(path)).half()
+    if not keep_npy:
+        path.unlink()
+    torch.save(change(t), path.with_suffix(".pt"))
+
+
+def _pt_truncated(path):
+    _pt(path, lambda t: t)
+    pt = path.with_suffix(".pt")
+    pt.write_bytes(pt.read_bytes()[: len(pt.read_bytes()) // 2])
+
+
 def _label(path, value):
     with Image.open(path) as im:
         mode, arr = im.mode, np.array(im)
@@ -64,6 +84,14 @@ KINDS = {
     "npy-nan": ("features", lambda p: _npy(p, lambda a: (a.__setitem__((0, 0, 0), np.nan), a)[1])),
     "npy-other-D": ("features", lambda p: _npy(p, lambda a: a[:8])),
     "npy-missing": ("features", lambda p: p.unlink()),
+    "pt-empty": ("features", lambda p: (p.unlink(), p.with_suffix(".pt").write_bytes(b""))),
+    "pt-truncated": ("features", _pt_truncated),
+    "pt-pickled-class": ("features", lambda p: _pt(p, lambda t: {"features": t, "meta": Custom()})),
+    "pt-dict-of-tensors": ("features", lambda p: _pt(p, lambda t: {"features": t})),
+    "pt-int-tensor": ("features", lambda p: _pt(p, lambda t: t.to(torch.int16))),
+    "pt-nan": ("features", lambda p: _pt(p, lambda t: (t.__setitem__((0, 0, 0), float("nan")), t)[1])),
+    "pt-other-D": ("features", lambda p: _pt(p, lambda t: t[:8].clone())),
+    "pt-and-npy": ("features", lambda p: _pt(p, lambda t: t, keep_npy=True)),
     "png-corrupt": ("labels", lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")),
     "png-bomb": ("labels", lambda p: p.write_bytes(bomb_png())),
     "class-above-C": ("labels", lambda p: _label(p, 9)),
