@@ -25,14 +25,14 @@ import math
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.files import IMAGE_EXTENSIONS, read_image, write_features
+from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
 from mars_plugin.jobs import JobError, JobSummary
 
 from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
@@ -171,8 +171,10 @@ def features_job(
     on_error: str = "stop",
     progress: bool = True,
     file_format: str = "npy",
+    stems: Optional[Sequence[str]] = None,
 ) -> JobSummary:
-    """Write ``<out_dir>/<stem>.npy`` (or ``.pt``), float16 (D, h, w), for every image of ``images_dir``.
+    """Write ``<out_dir>/<stem>.npy`` (or ``.pt``), float16 (D, h, w), for every image of ``images_dir``
+    (or for the images of ``stems`` only).
 
     Args:
         extractor: a :class:`FeatureExtractor` (an ``nn.Module`` is moved to ``device`` and put
@@ -191,6 +193,8 @@ def features_job(
         progress: show a progress bar.
         file_format: ``"npy"`` (a numpy array) or ``"pt"`` (an fp16 torch tensor, the file
             DHR's produce_uss_features.py:34 writes); both are read by every ``mars`` command.
+        stems: only these images (e.g. those that have a pseudo label, when the image folder
+            holds a whole split); a stem with no image in ``images_dir`` is a per-file failure.
 
     Outputs that already exist in ``file_format`` are skipped (resume), and every file is
     written atomically, so an interrupted run never leaves a half-written file. A stem whose
@@ -225,6 +229,13 @@ def features_job(
     items, clashes = _image_paths(images_dir)
     if not items and not clashes:
         raise ValueError(f"{images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+    missing: List[str] = []
+    if stems is not None:
+        wanted = set(check_stem(s) for s in stems)
+        have = {s for s, _ in items} | set(clashes)
+        missing = sorted(wanted - have)
+        items = [(s, p) for s, p in items if s in wanted]
+        clashes = {s: n for s, n in clashes.items() if s in wanted}
     out_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(extractor, nn.Module):
         extractor.to(device).eval()
@@ -234,7 +245,7 @@ def features_job(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(items) + len(clashes), desc="features", unit="img")
+        bar = tqdm(total=len(items) + len(clashes) + len(missing), desc="features", unit="img")
 
     def tick(n: int = 1) -> None:
         if bar is not None:
@@ -268,6 +279,8 @@ def features_job(
             tick()
 
     try:
+        for stem in missing:
+            fail(stem, f"no image of this id in {images_dir} (looked for {', '.join(IMAGE_EXTENSIONS)})")
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
         buckets: "OrderedDict[Tuple[int, int], List[Tuple[str, torch.Tensor]]]" = OrderedDict()

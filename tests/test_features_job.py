@@ -297,3 +297,19 @@ def test_mars_features_then_mars_centroids_through_the_cli(tmp_path, images, cap
                  "--out", str(tmp_path / "V.pt"), "--no-progress"]) == 0
     V = DebiasedCentroids.load(tmp_path / "V.pt")
     assert V.dim == 24 and V.num_images == len(list(img_dir.iterdir())) and bool(V.valid[1:].all())
+
+
+def test_stems_limit_the_images_and_a_missing_one_is_named(tmp_path, images, stego):
+    img_dir, _ = images
+    full, part = tmp_path / "full", tmp_path / "part"
+    features_job(stego, img_dir, full, progress=False)
+    s = features_job(stego, img_dir, part, progress=False, stems=["c", "a"])
+    assert s.done == 2 and sorted(p.stem for p in part.glob("*.npy")) == ["a", "c"]
+    for stem in ("a", "c"):
+        assert torch.equal(read_features(part / f"{stem}.npy"), read_features(full / f"{stem}.npy"))
+    s = features_job(stego, img_dir, tmp_path / "other", progress=False, stems=["b", "zz"], on_error="skip")
+    assert s.done == 1 and [f for f, _ in s.failed] == ["zz"] and "no image of this id" in s.failed[0][1]
+    with pytest.raises(JobError, match="zz: no image of this id"):
+        features_job(stego, img_dir, tmp_path / "third", progress=False, stems=["zz"])
+    with pytest.raises(ValueError, match="not a plain file name"):
+        features_job(stego, img_dir, tmp_path / "fourth", progress=False, stems=["../a"])
