@@ -63,7 +63,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_wsss(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wsss", choices=("irnet", "advcam", "seam", "rsepm"), default=None,
+    p.add_argument("--wsss", choices=("irnet", "advcam", "seam", "rsepm", "dhr"), default=None,
                    help="read/write that WSSS repository's formats through mars_plugin.adapters "
                         "(skips IRNet/AdvCAM _palette.png siblings, reads its image-label file, writes its PNG mode)")
     p.add_argument("--dataset", choices=("voc", "coco"), default="voc", help="class set for --wsss rsepm tags")

@@ -271,7 +271,7 @@ def _stems(labels_dir: os.PathLike, skip_suffixes: Sequence[str] = ()) -> List[s
     return stems
 
 
-WSSS_ADAPTERS = ("irnet", "advcam", "seam", "rsepm")
+WSSS_ADAPTERS = ("irnet", "advcam", "seam", "rsepm", "dhr")
 
 
 @dataclass
