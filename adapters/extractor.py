@@ -145,6 +145,7 @@ class ModelExtractor(nn.Module):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32."""
         output_size = check_output_size(output_size)
         x = as_float_images(images)
         if self.preprocess is not None:
