@@ -13,10 +13,16 @@ protocol) can fill a feature folder with :func:`features_job`:
       ModelExtractor(vit, lambda out: rearrange(out[:, 1:], "b (h w) d -> b d h w", h=28),
                      preprocess=imagenet_preprocess(448))
 
+Every extractor also runs DHR's multi-scale, flip-averaged inference (``scales=``, see
+:func:`multiscale`, re-exported here from :mod:`mars_plugin.adapters.multiscale`).
+
 The command line (wired as ``mars features`` by :mod:`mars_plugin.cli`)::
 
     mars features --uss stego --checkpoint cocostuff27_vit_base_5.ckpt --trust-pickle \\
                   --images VOC2012/JPEGImages --out features --device cuda --fp16
+    # DHR's STEGO: DINO's backbone file + DHR's heads file, DHR's inference
+    mars features --uss stego --backbone dino_vitbase8_pretrain.pth --heads weights/STEGO_VOC2012.pt \\
+                  --dhr --images VOC2012/JPEGImages --out features --device cuda
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
 from mars_plugin.jobs import JobError, JobSummary
 
+from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
 from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
 
 __all__ = [
@@ -45,6 +52,9 @@ __all__ = [
     "load_extractor",
     "add_features_arguments",
     "run_features",
+    "multiscale",
+    "DHR_SCALES",
+    "DHR_SETTINGS",
 ]
 
 PathLike = Union[str, os.PathLike]
@@ -86,6 +96,11 @@ class ModelExtractor(nn.Module):
     ``preprocess=None`` the model sees exactly that), then ``output_transform`` maps its output
     (a tensor, tuple, dict, tokens...) to (B, D, h, w). With ``output_size`` the map is resized
     bilinearly; ``normalize=True`` L2-normalises every pixel's vector after that.
+
+    ``flip_average=True`` averages with the map of the horizontally flipped batch, flipped back.
+    ``scales`` (with ``patch_size``, the model's patch: its output grid must be the input's
+    sides / patch) runs :func:`multiscale` per image on ``preprocess(x)``, which must then
+    normalise the image (``imagenet_preprocess``), as DHR's inference expects.
     """
 
     def __init__(
@@ -95,6 +110,9 @@ class ModelExtractor(nn.Module):
         preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         *,
         normalize: bool = False,
+        flip_average: bool = False,
+        scales: Optional[Sequence[float]] = None,
+        patch_size: Optional[int] = None,
     ):
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -103,27 +121,44 @@ class ModelExtractor(nn.Module):
             raise TypeError("output_transform must be callable")
         if preprocess is not None and not callable(preprocess):
             raise TypeError("preprocess must be callable or None")
+        if scales is not None and (isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1):
+            raise ValueError(f"scales needs patch_size, the model's patch (an integer >= 1), got {patch_size!r}")
         self.model = model
         self.output_transform = output_transform
         self.preprocess = preprocess
         self.normalize = bool(normalize)
+        self.flip_average = bool(flip_average)
+        self.scales = None if scales is None else check_scales(scales)
+        self.patch_size = patch_size
         self.eval()
 
     def describe(self) -> str:
         return f"{type(self.model).__name__} through ModelExtractor"
 
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        output_size = check_output_size(output_size)
-        x = as_float_images(images)
-        if self.preprocess is not None:
-            x = self.preprocess(x)
+    def _map(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) preprocessed images -> (B, D, h, w), checked."""
         f = self.output_transform(self.model(x))
         if not isinstance(f, torch.Tensor) or f.ndim != 4 or f.shape[0] != x.shape[0]:
             got = f"shape {tuple(f.shape)}" if isinstance(f, torch.Tensor) else type(f).__name__
             raise ValueError(
                 f"output_transform must return a (B, D, h, w) tensor with B = {x.shape[0]} images, got {got}"
             )
+        return f
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32."""
+        output_size = check_output_size(output_size)
+        x = as_float_images(images)
+        if self.preprocess is not None:
+            x = self.preprocess(x)
+        if self.scales is not None:
+            f = torch.stack([multiscale(self._map, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
+        elif self.flip_average:
+            c, c_flip = self._map(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
+            f = (c + c_flip.flip(3)) / 2
+        else:
+            f = self._map(x)
         f = resize_features(f, output_size)
         if self.normalize:
             f = F.normalize(f, dim=1)
@@ -326,21 +361,64 @@ def features_job(
 
 def load_extractor(
     uss: str,
-    checkpoint: PathLike,
+    checkpoint: Optional[PathLike] = None,
     *,
+    backbone: Optional[PathLike] = None,
+    heads: Optional[PathLike] = None,
     trust_pickle: bool = False,
-    res: Optional[int] = None,
-    flip_average: bool = True,
+    res: Optional[Union[int, str]] = None,
+    flip_average: Optional[bool] = None,
     head: bool = False,
     normalize: Optional[bool] = None,
     interpolation: Optional[str] = None,
     prefix: Optional[str] = None,
+    scales: Optional[Sequence[float]] = None,
+    dhr: bool = False,
 ) -> nn.Module:
-    """A STEGO or Leopart extractor from its checkpoint, with the options of ``mars features``.
+    """A STEGO or Leopart extractor from its files, with the options of ``mars features``.
 
-    None means the model's default: res 320 / 448, interpolation nearest / bilinear, L2
-    normalisation on for STEGO and for the Leopart head, off for Leopart backbone tokens.
+    Files: one ``checkpoint`` (STEGO's or Leopart's ``.ckpt``), or for STEGO as DHR stores it
+    ``backbone`` (DINO's ``dino_vitbase8_pretrain.pth``) and ``heads`` (``STEGO_<dataset>.pt``),
+    read by :meth:`~mars_plugin.adapters.stego.STEGOExtractor.from_files` (weights only, so
+    ``trust_pickle`` does not apply to them). None means the model's default: res 320 / 448,
+    interpolation nearest / bilinear, L2 normalisation on for STEGO and for the Leopart head, off
+    for Leopart backbone tokens, flip averaging on for STEGO and off for Leopart, one scale.
+    ``res="native"``: the image's own resolution. ``dhr=True`` fills the options left None with
+    :data:`DHR_SETTINGS` (native resolution, ``DHR_SCALES``, flip, no L2 normalisation).
     """
+    if uss not in USS_MODELS:
+        raise ValueError(f"uss must be one of {USS_MODELS}, got {uss!r}")
+    two_files = backbone is not None or heads is not None
+    if checkpoint is not None and two_files:
+        raise ValueError("give either --checkpoint FILE or --backbone FILE --heads FILE, not both")
+    if checkpoint is None and not two_files:
+        raise ValueError("no model files: give --checkpoint FILE (STEGO or Leopart .ckpt), or for DHR's STEGO "
+                         "--backbone dino_vitbase8_pretrain.pth --heads STEGO_<dataset>.pt")
+    if two_files:
+        if uss != "stego":
+            raise ValueError("--backbone/--heads are DHR's two STEGO files; Leopart reads one --checkpoint")
+        if backbone is None or heads is None:
+            raise ValueError(f"--backbone and --heads go together (DINO's backbone file and DHR's STEGO_<dataset>.pt); "
+                             f"got only {'--backbone' if heads is None else '--heads'}")
+        if trust_pickle:
+            raise ValueError("--trust-pickle applies to --checkpoint; --backbone and --heads are plain state dicts, "
+                             "always read with weights_only=True")
+    if dhr:  # DHR's settings fill only what the caller left unset
+        res = "native" if res is None else res
+        scales = DHR_SETTINGS["scales"] if scales is None else scales
+        flip_average = DHR_SETTINGS["flip_average"] if flip_average is None else flip_average
+        normalize = DHR_SETTINGS["normalize"] if normalize is None else normalize
+    if isinstance(res, str) and res != "native":
+        raise ValueError(f"res must be an integer or 'native', got {res!r}")
+    kw: Dict[str, Any] = {}
+    if res is not None:
+        kw["res"] = None if res == "native" else res
+    if interpolation is not None:
+        kw["interpolation"] = interpolation
+    if flip_average is not None:
+        kw["flip_average"] = flip_average
+    if scales is not None:
+        kw["scales"] = scales
     if uss == "stego":
         from .stego import STEGOExtractor
 
@@ -348,26 +426,40 @@ def load_extractor(
             raise ValueError("--head is a Leopart option; STEGO's embedding is its code")
         if prefix is not None:
             raise ValueError("--prefix is a Leopart option; STEGO checkpoints always store the model under 'net.'")
-        kw: Dict[str, Any] = {"flip_average": flip_average}
-        if res is not None:
-            kw["res"] = res
         if normalize is not None:
             kw["normalize"] = normalize
-        if interpolation is not None:
-            kw["interpolation"] = interpolation
+        if two_files:
+            return STEGOExtractor.from_files(backbone, heads, **kw)
         return STEGOExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, **kw)
-    if uss == "leopart":
-        from .leopart import LeopartExtractor
+    from .leopart import LeopartExtractor
 
-        if not flip_average:
-            raise ValueError("--no-flip is a STEGO option; Leopart's evaluation does not flip")
-        kw = {"head": head, "normalize": normalize}
-        if res is not None:
-            kw["res"] = res
-        if interpolation is not None:
-            kw["interpolation"] = interpolation
-        return LeopartExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, prefix=prefix, **kw)
-    raise ValueError(f"uss must be one of {USS_MODELS}, got {uss!r}")
+    kw.update(head=head, normalize=normalize)
+    return LeopartExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, prefix=prefix, **kw)
+
+
+def _res_arg(text: str) -> Union[int, str]:
+    """--res: an integer side, or 'native' (the image's own resolution)."""
+    if text.strip().lower() == "native":
+        return "native"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'native', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'native', got {value}")
+    return value
+
+
+def _scales_arg(text: str) -> Tuple[float, ...]:
+    """--scales: comma-separated positive numbers, e.g. 2,1,1.5,0.5 (order kept)."""
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 2,1,1.5,0.5, got {text!r}") from None
+    try:
+        return check_scales(values)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # An empty "%(default)" field: ArgumentDefaultsHelpFormatter then leaves out its "(default: None)"
@@ -379,22 +471,37 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``mars features`` (use an ``ArgumentDefaultsHelpFormatter`` to show defaults)."""
     parser.add_argument("--uss", choices=USS_MODELS, required=True,
                         help="unsupervised segmentation model the checkpoint belongs to")
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", default=None,
                         help="STEGO Lightning .ckpt (cocostuff27_vit_base_5.ckpt, potsdam_test.ckpt, ...) or Leopart "
-                             ".ckpt (leopart_vits16.ckpt, leopart_vitb8.ckpt, or a Lightning checkpoint)")
+                             ".ckpt (leopart_vits16.ckpt, leopart_vitb8.ckpt, or a Lightning checkpoint); or give "
+                             "--backbone and --heads" + _OWN_DEFAULT)
+    parser.add_argument("--backbone", default=None,
+                        help="STEGO as DHR stores it: DINO's backbone file (dino_vitbase8_pretrain.pth), with --heads"
+                             + _OWN_DEFAULT)
+    parser.add_argument("--heads", default=None,
+                        help="STEGO as DHR stores it: the heads file (weights/STEGO_<dataset>.pt, 'cluster1' and "
+                             "'cluster2'), with --backbone" + _OWN_DEFAULT)
     parser.add_argument("--images", required=True, help="folder of RGB images <stem>.jpg/.jpeg/.png/.bmp")
     parser.add_argument("--out", required=True, help="output folder of <stem>.npy float16 (D, h, w) embeddings")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass (same-size images only)")
     parser.add_argument("--fp16", action="store_true", help="run the network under float16 autocast (GPU)")
-    parser.add_argument("--res", type=int, default=None,
+    parser.add_argument("--res", type=_res_arg, default=None,
                         help="STEGO: shorter image side fed to the ViT (default: 320, its evaluation); "
-                             "Leopart: square input side (default: 448, its evaluation)" + _OWN_DEFAULT)
+                             "Leopart: square input side (default: 448, its evaluation); 'native': the image's own "
+                             "resolution (DHR)" + _OWN_DEFAULT)
     parser.add_argument("--interpolation", choices=("nearest", "bilinear"), default=None,
                         help="input resize (default: nearest for STEGO, as its transform; bilinear for Leopart)"
                              + _OWN_DEFAULT)
-    parser.add_argument("--no-flip", action="store_true",
-                        help="STEGO: do not average the code with that of the horizontally flipped image")
+    parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                        help="average the embeddings with those of the horizontally flipped image (default: yes for "
+                             "STEGO, as its evaluation; no for Leopart)" + _OWN_DEFAULT)
+    parser.add_argument("--scales", type=_scales_arg, default=None,
+                        help="DHR's multi-scale inference at these comma-separated scales of the --res image, e.g. "
+                             "2,1,1.5,0.5 (the first sets the output grid; default: one scale)" + _OWN_DEFAULT)
+    parser.add_argument("--dhr", action="store_true",
+                        help="DHR's inference: --res native --scales 2,1,1.5,0.5 --flip --no-normalize (flags given "
+                             "explicitly win)")
     parser.add_argument("--head", action="store_true",
                         help="Leopart: use the 256-d projection-head embedding instead of the backbone tokens")
     parser.add_argument("--prefix", default=None,
@@ -422,8 +529,9 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
 def run_features(args: argparse.Namespace) -> JobSummary:
     """``mars features``: load the extractor, say what it is on stdout, run :func:`features_job`."""
     extractor = load_extractor(
-        args.uss, args.checkpoint, trust_pickle=args.trust_pickle, res=args.res, flip_average=not args.no_flip,
-        head=args.head, normalize=args.normalize, interpolation=args.interpolation, prefix=args.prefix,
+        args.uss, args.checkpoint, backbone=args.backbone, heads=args.heads, trust_pickle=args.trust_pickle,
+        res=args.res, flip_average=args.flip, head=args.head, normalize=args.normalize,
+        interpolation=args.interpolation, prefix=args.prefix, scales=args.scales, dhr=args.dhr,
     )
     print(f"{extractor.describe()} -> {args.out}", flush=True)
     return features_job(

@@ -26,18 +26,23 @@ What Leopart computes, read from its code (file:line of that commit):
 ``head=True`` gives the L2-normalised 256-d projection instead (the space Leopart's clustering
 loss trains). The 448 x 448 resize does not keep the aspect ratio; the (h, w) = (448/p, 448/p)
 grid still covers the whole image, and the MARS core resizes it to each label bilinearly.
+
+Leopart's evaluation neither flips nor uses several scales; ``flip_average=True`` and
+``scales=...`` (DHR's multi-scale inference, :mod:`mars_plugin.adapters.multiscale`) are offered
+so that Leopart embeddings can be computed the way DHR computes STEGO's; both are off by default.
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from .multiscale import check_scales, multiscale, nearest_patch_size, scaled_size
 from .vit import (
     INTERPOLATIONS,
     DinoViT,
@@ -111,10 +116,16 @@ class LeopartExtractor(nn.Module):
         projection_head: Leopart's projection head, needed for ``head=True``.
         head: embed with the projection head (256-d, L2-normalised as ``forward_head`` does)
             instead of the backbone tokens (D-d, what Leopart's evaluation clusters; default).
-        res: square input side (448, Leopart's evaluation); a multiple of the patch.
+        res: square input side (448, Leopart's evaluation); a multiple of the patch. None: the
+            image's own resolution (each side rounded to the nearest patch multiple; with
+            ``scales``, the image exactly as it is).
         normalize: L2-normalise each embedding after the final resize; None (default) follows
             Leopart: normalised with the head, raw backbone tokens without.
         interpolation: ``"bilinear"`` (torchvision's default in ``T.Resize``) or ``"nearest"``.
+        flip_average: average with the embeddings of the horizontally flipped image, flipped
+            back (off by default: Leopart's evaluation does not flip).
+        scales: None (one scale) or DHR's multi-scale inference at these scales of the base
+            image (:func:`~mars_plugin.adapters.multiscale.multiscale`); the first sets the grid.
     """
 
     def __init__(
@@ -123,15 +134,20 @@ class LeopartExtractor(nn.Module):
         projection_head: Optional[nn.Module] = None,
         *,
         head: bool = False,
-        res: int = 448,
+        res: Optional[int] = 448,
         normalize: Optional[bool] = None,
         interpolation: str = "bilinear",
+        flip_average: bool = False,
+        scales: Optional[Sequence[float]] = None,
     ):
         super().__init__()
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        if isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size or res % model.patch_size:
-            raise ValueError(f"res must be a positive multiple of the patch size {model.patch_size}, got {res!r}")
+        if res is not None and (
+            isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size or res % model.patch_size
+        ):
+            raise ValueError(f"res must be None (the image's own resolution) or a positive multiple of the patch size "
+                             f"{model.patch_size}, got {res!r}")
         if head and projection_head is None:
             raise ValueError("head=True needs Leopart's projection head, and none was given (the checkpoint has no "
                              "'projection_head.*' weights)")
@@ -141,6 +157,8 @@ class LeopartExtractor(nn.Module):
         self.res = res
         self.normalize = self.head if normalize is None else bool(normalize)
         self.interpolation = interpolation
+        self.flip_average = bool(flip_average)
+        self.scales = None if scales is None else check_scales(scales)
         self.eval()
 
     @classmethod
@@ -195,26 +213,55 @@ class LeopartExtractor(nn.Module):
 
     def describe(self) -> str:
         what = f"projection head ({self.dim}-d)" if self.head else f"backbone tokens ({self.dim}-d)"
+        size = "full resolution" if self.res is None else f"input {self.res}x{self.res} ({self.interpolation})"
+        scales = "" if self.scales is None else f", scales {', '.join(f'{s:g}' for s in self.scales)}"
         return (
-            f"Leopart {describe_vit(self.model)}, {what}; input {self.res}x{self.res} ({self.interpolation}), "
-            f"L2 normalisation {'on' if self.normalize else 'off'}"
+            f"Leopart {describe_vit(self.model)}, {what}; {size}{scales}, "
+            f"flip averaging {'on' if self.flip_average else 'off'}, L2 normalisation {'on' if self.normalize else 'off'}"
         )
 
+    def input_size(self, height: int, width: int) -> Tuple[int, int]:
+        """Base input size: ``(res, res)``; with ``res=None`` the image's own size (with
+        ``scales``) or each side rounded to the nearest patch multiple (one scale)."""
+        if self.res is not None:
+            return self.res, self.res
+        if self.scales is not None:
+            return height, width
+        return nearest_patch_size(height, width, self.patch_size)
+
     def grid_size(self, height: int, width: int) -> Tuple[int, int]:
-        """(h, w) of the embeddings with ``output_size=None`` (the same for every image)."""
-        return self.res // self.patch_size, self.res // self.patch_size
+        """(h, w) of the embeddings with ``output_size=None`` (with ``scales``: the first scale's grid)."""
+        h, w = self.input_size(height, width)
+        if self.scales is not None:
+            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
+        return h // self.patch_size, w // self.patch_size
+
+    def code(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) normalised images, sides multiples of the patch -> (B, D, H/p, W/p): the
+        backbone's normed patch tokens (``forward_backbone(x)[:, 1:]``) or, with ``head``, the
+        L2-normalised projection (``forward_head``, ``src/vit.py:240-245``)."""
+        p = self.patch_size
+        if x.shape[-2] % p or x.shape[-1] % p:
+            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
+        tokens = self.model.forward_tokens(x)[:, 1:]
+        if self.head:
+            tokens = F.normalize(self.projection_head(tokens).float(), dim=-1)
+        return rearrange(tokens, "b (h w) d -> b d h w", h=x.shape[-2] // p, w=x.shape[-1] // p)
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32."""
+        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32 ((h, w): :meth:`grid_size`
+        or ``output_size``)."""
         output_size = check_output_size(output_size)
         x = as_float_images(images)
-        x = normalize_imagenet(resize_images(x, (self.res, self.res), self.interpolation))
-        tokens = self.model.forward_tokens(x)[:, 1:]
-        if self.head:
-            tokens = F.normalize(self.projection_head(tokens).float(), dim=-1)  # forward_head, src/vit.py:240-245
-        g = self.res // self.patch_size
-        f = rearrange(tokens, "b (h w) d -> b d h w", h=g, w=g)
+        x = normalize_imagenet(resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation))
+        if self.scales is not None:
+            f = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
+        elif self.flip_average:
+            c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
+            f = (c + c_flip.flip(3)) / 2
+        else:
+            f = self.code(x)
         f = resize_features(f, output_size)
         if self.normalize:
             f = F.normalize(f, dim=1)

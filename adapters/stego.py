@@ -29,17 +29,34 @@ about ``res`` and both sides are multiples of the patch (each side ``round(side 
 patch) * patch``, aspect kept up to half a patch), the code is computed there, and the core later
 resizes the (h, w) code to the label bilinearly: the label grid stays aligned with the image.
 ``interpolation="nearest"`` keeps STEGO's resize; ``"bilinear"`` is offered for smoother input.
+
+DHR's STEGO (shjo-april/DHR @ 94d5189, the MARS authors' follow-up) is the same network stored
+in two files, read by :meth:`STEGOExtractor.from_files`:
+
+* the backbone is DINO's release file ``dino_vitbase8_pretrain.pth``, a flat state dict with
+  DINO's keys loaded strictly into ``vit_base(8, num_classes=0)`` (``core/uss/models.py:11-14``),
+  so it holds exactly the backbone's keys;
+* the heads file ``weights/STEGO_<dataset>.pt`` is ``{'cluster1': ..., 'cluster2': ...}``, the
+  state dicts of ``Sequential(Conv2d(768, 70, 1))`` and ``Sequential(Conv2d(768, 768, 1), ReLU,
+  Conv2d(768, 70, 1))`` (``core/uss/models.py:48-53,62-66``, ``dim=70`` l. 40), each loaded with
+  ``load_state_dict``'s default ``strict=True``; other top-level keys are not read;
+* ``forward`` = ``cluster1(feat) + cluster2(feat)`` on the last block's normed patch tokens
+  (``core/uss/models.py:28-37,68-72``; ``get_intermediate_feat(image)[0][0][:, 1:]``), i.e.
+  :meth:`STEGOExtractor.code`;
+* DHR's features come from :func:`~mars_plugin.adapters.multiscale.multiscale` on the
+  full-resolution image, not L2-normalised: ``from_files(b, h, **DHR_SETTINGS)``.
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .multiscale import DHR_SETTINGS, check_scales, multiscale, nearest_patch_size, scaled_size
 from .vit import (
     INTERPOLATIONS,
     DinoViT,
@@ -55,7 +72,7 @@ from .vit import (
     vit_from_state_dict,
 )
 
-__all__ = ["STEGOExtractor", "stego_input_size"]
+__all__ = ["STEGOExtractor", "stego_input_size", "DHR_SETTINGS"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -73,6 +90,27 @@ def stego_input_size(height: int, width: int, res: int, patch: int) -> Tuple[int
         return max(patch, int(math.floor(n * s / patch + 0.5)) * patch)
 
     return side(height), side(width)
+
+
+def _load_tensor_file(path: PathLike, what: str) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``; a file that needs unpickling
+    is a PermissionError naming the objects it holds (found by torch's scanner, never run)."""
+    try:
+        return load_checkpoint(path, trust_pickle=False, what=what)
+    except PermissionError:
+        try:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(os.fspath(path))
+        except Exception:  # noqa: BLE001 - an old pickle protocol the scanner cannot read
+            found = ["objects in an old pickle protocol"]
+        raise PermissionError(
+            f"{os.fspath(path)}: this {what} holds pickled Python objects ({', '.join(found[:6])}), not only "
+            f"tensors; DHR's files are plain state dicts, and they are only read with torch.load(weights_only=True), "
+            f"so this file is refused and nothing in it was run"
+        ) from None
+
+
+def _what_is(obj: Any) -> str:
+    return f"a {type(obj).__name__}" + (f" with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, Mapping) else "")
 
 
 def _conv(sd: Mapping[str, torch.Tensor], prefix: str, what: str) -> nn.Conv2d:
@@ -101,12 +139,21 @@ class STEGOExtractor(nn.Module):
         cluster1: ``Sequential(Conv2d(D, dim, 1))``, STEGO's linear projection.
         cluster2: ``Sequential(Conv2d(D, D, 1), ReLU, Conv2d(D, dim, 1))`` or None (a model trained
             with ``projection_type: linear``).
-        res: shorter image side fed to the network (320, STEGO's evaluation).
+        res: shorter image side fed to the network (320, STEGO's evaluation); None: the image's
+            own resolution (each side rounded to the nearest patch multiple; with ``scales``, the
+            image exactly as it is, as DHR feeds it).
         flip_average: average the code of the image and of its horizontal flip, flipped back
-            (STEGO's evaluation, default).
+            (STEGO's evaluation, default; DHR's ``hflip=True``).
         normalize: L2-normalise each pixel's code after the final resize (default; STEGO's
-            cluster probe does the same).
-        interpolation: ``"nearest"`` (STEGO's ``T.Resize(res, Image.NEAREST)``) or ``"bilinear"``.
+            cluster probe does the same; DHR does not).
+        interpolation: ``"nearest"`` (STEGO's ``T.Resize(res, Image.NEAREST)``) or ``"bilinear"``;
+            the resize to ``res`` only (the scales are always bilinear, as DHR's).
+        scales: None (one scale, the behaviour above) or DHR's multi-scale inference
+            (:func:`~mars_plugin.adapters.multiscale.multiscale`) at these scales of the base
+            image (the ``res``-resized one, or the image itself when ``res=None``); the first
+            scale sets the output grid. ``DHR_SCALES`` = (2.0, 1.0, 1.5, 0.5).
+
+    ``STEGOExtractor.from_files(backbone, heads, **DHR_SETTINGS)`` reproduces DHR's features.
     """
 
     def __init__(
@@ -115,16 +162,18 @@ class STEGOExtractor(nn.Module):
         cluster1: nn.Module,
         cluster2: Optional[nn.Module] = None,
         *,
-        res: int = 320,
+        res: Optional[int] = 320,
         flip_average: bool = True,
         normalize: bool = True,
         interpolation: str = "nearest",
+        scales: Optional[Sequence[float]] = None,
     ):
         super().__init__()
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        if isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size:
-            raise ValueError(f"res must be an integer >= the patch size {model.patch_size}, got {res!r}")
+        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size):
+            raise ValueError(f"res must be None (the image's own resolution) or an integer >= the patch size "
+                             f"{model.patch_size}, got {res!r}")
         self.model = model
         self.cluster1 = cluster1
         self.cluster2 = cluster2
@@ -132,6 +181,7 @@ class STEGOExtractor(nn.Module):
         self.flip_average = bool(flip_average)
         self.normalize = bool(normalize)
         self.interpolation = interpolation
+        self.scales = None if scales is None else check_scales(scales)
         self.eval()
 
     # -- construction ----------------------------------------------------------------------
@@ -187,6 +237,70 @@ class STEGOExtractor(nn.Module):
         sd = state_dict_of(obj, path, "STEGO checkpoint")
         return cls.from_state_dict(sd, what=f"{os.fspath(path)}", **kwargs)
 
+    @classmethod
+    def from_files(cls, backbone: PathLike, heads: PathLike, **kwargs) -> "STEGOExtractor":
+        """DHR's STEGO from its two files: DINO's ``dino_vitbase8_pretrain.pth`` and ``STEGO_<dataset>.pt``.
+
+        ``backbone``: a flat state dict with DINO's keys, loaded strictly as DHR does
+        (``core/uss/models.py:11-14``, ``strict=True``): a missing or unexpected key, or a shape
+        mismatch, is a ValueError naming the key and the file. The variant (ViT-B/8 for DHR) is
+        read from the shapes. ``heads``: ``{'cluster1': {'0.weight', '0.bias'}, 'cluster2':
+        {'0.weight', '0.bias', '2.weight', '2.bias'}}`` (``core/uss/models.py:48-53``), checked
+        key by key and shape by shape (1x1 convolutions, ``cluster1`` and ``cluster2`` taking the
+        backbone's width, ``cluster2``'s hidden width equal to it, both giving the same dim).
+        Other top-level keys of the heads file are not read, as in DHR.
+
+        Both files are opened with ``torch.load(map_location="cpu", weights_only=True)`` only:
+        DHR's files are plain state dicts, so a file holding pickled Python objects is refused
+        with a PermissionError and never unpickled (there is no trust option here). Keyword
+        arguments go to the constructor; ``**DHR_SETTINGS`` gives DHR's inference.
+        """
+        bsd = _load_tensor_file(backbone, "DINO backbone file")
+        if not isinstance(bsd, Mapping) or not all(isinstance(k, str) for k in bsd):
+            raise ValueError(f"{os.fspath(backbone)}: the DINO backbone file must hold a flat state dict (DINO's "
+                             f"dino_vitbase8_pretrain.pth), got {_what_is(bsd)}")
+        not_tensors = sorted(k for k, v in bsd.items() if not isinstance(v, torch.Tensor))
+        if not_tensors:
+            raise ValueError(f"{os.fspath(backbone)}: the DINO backbone file must map names to tensors; "
+                             f"{not_tensors[:5]} are not tensors (a training checkpoint? DHR loads the released "
+                             f"backbone weights alone, strictly)")
+        model = vit_from_state_dict(bsd, what=f"{os.fspath(backbone)} (DINO backbone)")
+        hobj = _load_tensor_file(heads, "STEGO heads file")
+        hname = os.fspath(heads)
+        if not isinstance(hobj, Mapping):
+            raise ValueError(f"{hname}: the STEGO heads file must be a dict with 'cluster1' and 'cluster2', got "
+                             f"{_what_is(hobj)}")
+        missing = [k for k in ("cluster1", "cluster2") if k not in hobj]
+        if missing:
+            raise ValueError(f"{hname}: the STEGO heads file has no key(s) {missing} (keys: {sorted(map(str, hobj))[:8]}); "
+                             f"DHR's STEGO_<dataset>.pt holds 'cluster1' and 'cluster2' (core/uss/models.py:51-53)")
+        parts = {}
+        for name, layers in (("cluster1", ("0",)), ("cluster2", ("0", "2"))):
+            sd = hobj[name]
+            what = f"{hname} ['{name}']"
+            if not isinstance(sd, Mapping):
+                raise ValueError(f"{what}: must be a state dict, got {_what_is(sd)}")
+            want = {f"{i}.{t}" for i in layers for t in ("weight", "bias")}
+            unexpected = sorted(set(map(str, sd)) - want)
+            if unexpected:
+                raise ValueError(f"{what}: unexpected key(s) {unexpected}; expected {sorted(want)}")
+            for k, v in sd.items():
+                if not isinstance(v, torch.Tensor):
+                    raise ValueError(f"{what}: {k!r} is a {type(v).__name__}, not a tensor")
+            parts[name] = [_conv(sd, i, what) for i in layers]
+        width = model.embed_dim
+        (c1,), (a, b) = parts["cluster1"], parts["cluster2"]
+        if c1.in_channels != width:
+            raise ValueError(f"{hname} ['cluster1']: 0.weight takes {c1.in_channels} channels but the backbone in "
+                             f"{os.fspath(backbone)} is {width} wide")
+        if (a.in_channels, a.out_channels, b.in_channels, b.out_channels) != (width, width, width, c1.out_channels):
+            raise ValueError(
+                f"{hname} ['cluster2']: Conv2d {a.in_channels}->{a.out_channels}, ReLU, Conv2d "
+                f"{b.in_channels}->{b.out_channels}; expected {width}->{width}, ReLU, {width}->{c1.out_channels} "
+                f"(backbone width {width}, cluster1 dim {c1.out_channels})"
+            )
+        return cls(model, nn.Sequential(c1), nn.Sequential(a, nn.ReLU(), b), **kwargs)
+
     # -- properties ------------------------------------------------------------------------
 
     @property
@@ -199,19 +313,30 @@ class STEGOExtractor(nn.Module):
 
     def describe(self) -> str:
         proj = "nonlinear" if self.cluster2 is not None else "linear"
+        size = "full resolution" if self.res is None else f"shorter side {self.res}, {self.interpolation} resize"
+        scales = "" if self.scales is None else f"scales {', '.join(f'{s:g}' for s in self.scales)}, "
         return (
-            f"STEGO on DINO {describe_vit(self.model)}, {proj} projection to dim {self.dim}; shorter side {self.res}, "
-            f"{self.interpolation} resize, flip averaging {'on' if self.flip_average else 'off'}, "
+            f"STEGO on DINO {describe_vit(self.model)}, {proj} projection to dim {self.dim}; {size}, {scales}"
+            f"flip averaging {'on' if self.flip_average else 'off'}, "
             f"L2 normalisation {'on' if self.normalize else 'off'}"
         )
 
     def input_size(self, height: int, width: int) -> Tuple[int, int]:
-        """Network input size for an image of ``height`` x ``width`` (see :func:`stego_input_size`)."""
-        return stego_input_size(height, width, self.res, self.patch_size)
+        """Base input size for an image of ``height`` x ``width``: :func:`stego_input_size` at
+        ``res``; with ``res=None`` the image's own size (with ``scales``) or each side rounded to
+        the nearest patch multiple (one scale)."""
+        if self.res is not None:
+            return stego_input_size(height, width, self.res, self.patch_size)
+        if self.scales is not None:
+            return height, width
+        return nearest_patch_size(height, width, self.patch_size)
 
     def grid_size(self, height: int, width: int) -> Tuple[int, int]:
-        """(h, w) of the code for an image of ``height`` x ``width`` with ``output_size=None``."""
+        """(h, w) of the code for an image of ``height`` x ``width`` with ``output_size=None``
+        (with ``scales``: the grid of the first scale)."""
         h, w = self.input_size(height, width)
+        if self.scales is not None:
+            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
         return h // self.patch_size, w // self.patch_size
 
     # -- computation -----------------------------------------------------------------------
@@ -233,13 +358,17 @@ class STEGOExtractor(nn.Module):
         """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, dim, h, w) float32.
 
         (h, w) is the patch grid of the resized input (:meth:`grid_size`) or ``output_size``
-        (bilinear, align_corners=False, as STEGO up-samples its code).
+        (bilinear, align_corners=False, as STEGO up-samples its code). With ``scales`` each
+        image's code is :func:`~mars_plugin.adapters.multiscale.multiscale` of :meth:`code` on
+        the normalised base image (DHR's ``inference``, ``core/uss/__init__.py:54-74``).
         """
         output_size = check_output_size(output_size)
         x = as_float_images(images)
         x = resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation)
         x = normalize_imagenet(x)
-        if self.flip_average:
+        if self.scales is not None:
+            code = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
+        elif self.flip_average:
             both = self.code(torch.cat([x, x.flip(3)], dim=0)).float()
             c, c_flip = both.chunk(2, dim=0)
             code = (c + c_flip.flip(3)) / 2

@@ -238,7 +238,7 @@ def test_cli_stego_needs_trust_then_writes(tmp_path, images, capsys):
     assert (s.done, s.existing) == (0, 5)
 
 
-def test_cli_leopart_and_help(tmp_path, images):
+def test_cli_leopart_and_help(tmp_path, images, capsys):
     img_dir, _ = images
     ckpt = tmp_path / "leopart_vits16.ckpt"
     torch.save(prefixed(leopart_net(hidden=32, out=24), "model."), ckpt)
@@ -248,14 +248,15 @@ def test_cli_leopart_and_help(tmp_path, images):
     f = np.load(tmp_path / "lp" / "c.npy").astype(np.float32)
     assert s.done == 5 and f.shape == (24, 48, 32)
     np.testing.assert_allclose(np.linalg.norm(f, axis=0), 1.0, atol=5e-3)
+    # Leopart takes --flip too (off by default, as its evaluation)
     _, args = parse(["--uss", "leopart", "--checkpoint", str(ckpt), "--images", str(img_dir),
-                     "--out", str(tmp_path / "lp2"), "--no-flip", "--no-progress"])
-    with pytest.raises(ValueError, match="STEGO option"):
-        run_features(args)
+                     "--out", str(tmp_path / "lp2"), "--res", "32", "--flip", "--no-progress"])
+    assert run_features(args).done == 5 and "flip averaging on" in capsys.readouterr().out
     p, _ = parse(["--uss", "stego", "--checkpoint", "x", "--images", "y", "--out", "z"])
     text = p.format_help()
     for flag in ("--uss", "--checkpoint", "--device", "--batch-size", "--fp16", "--res", "--no-flip", "--head",
-                 "--trust-pickle", "--stride", "--full-size", "--on-error", "--no-progress", "--normalize"):
+                 "--trust-pickle", "--stride", "--full-size", "--on-error", "--no-progress", "--normalize",
+                 "--backbone", "--heads", "--scales", "--flip", "--dhr"):
         assert flag in text
     assert "default: 8" in text and "default: cpu" in text
     with pytest.raises(SystemExit):
