@@ -450,7 +450,7 @@ def _res_arg(text: str) -> Union[int, str]:
     return value
 
 
-def _scales_arg(text: str) -> Tuple[float, ...]:
+def scales_argument(text: str) -> Tuple[float, ...]:
     """--scales: comma-separated positive numbers, e.g. 2,1,1.5,0.5 (order kept)."""
     try:
         values = [float(t) for t in text.split(",")]
@@ -496,7 +496,7 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="average the embeddings with those of the horizontally flipped image (default: yes for "
                              "STEGO, as its evaluation; no for Leopart)" + _OWN_DEFAULT)
-    parser.add_argument("--scales", type=_scales_arg, default=None,
+    parser.add_argument("--scales", type=scales_argument, default=None,
                         help="DHR's multi-scale inference at these comma-separated scales of the --res image, e.g. "
                              "2,1,1.5,0.5 (the first sets the output grid; default: one scale)" + _OWN_DEFAULT)
     parser.add_argument("--dhr", action="store_true",

@@ -62,6 +62,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-index", type=int, default=255, help="label value of ignored pixels")
 
 
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    """The hyperparameters of Eq. 1-3 (``mars centroids``, ``mars reproduce``)."""
+    p.add_argument("--alpha", type=float, default=0.4, help="share of candidates averaged per class (Eq. 2)")
+    p.add_argument("--k-fg", type=int, default=2, help="K-means clusters per foreground class")
+    p.add_argument("--k-bg", type=int, default=2, help="K-means clusters for the background")
+    p.add_argument("--seed", type=int, default=0, help="K-means seed")
+
+
 def _add_wsss(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wsss", choices=("irnet", "advcam", "seam", "rsepm", "dhr"), default=None,
                    help="read/write that WSSS repository's formats through mars_plugin.adapters "
@@ -176,10 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--image-labels", default=None, help="JSON {stem: [1-based class ids]}; default: classes of each label")
     c.add_argument("--num-classes", type=int, required=True, help="C, the number of foreground classes")
     c.add_argument("--out", required=True, help="output .pt file")
-    c.add_argument("--alpha", type=float, default=0.4, help="share of candidates averaged per class (Eq. 2)")
-    c.add_argument("--k-fg", type=int, default=2, help="K-means clusters per foreground class")
-    c.add_argument("--k-bg", type=int, default=2, help="K-means clusters for the background")
-    c.add_argument("--seed", type=int, default=0, help="K-means seed")
+    _add_selection(c)
     c.add_argument("--batch-size", type=int, default=64,
                    help="images clustered per batched K-means call (512 suits a GPU)")
     c.add_argument("--device", default="cpu",
@@ -236,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(e)
     add_threads(e)
 
-    from .adapters.extractor import add_features_arguments
+    from .adapters.extractor import DHR_SCALES, scales_argument, add_features_arguments
 
     f = sub.add_parser("features", formatter_class=_Formatter,
                        help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
@@ -260,6 +265,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "(per_class.png; 0: none)")
     _add_common(r)
     add_threads(r)
+    p = sub.add_parser("reproduce", formatter_class=_Formatter,
+                       help="the paper's VOC setting end to end on DHR's folder tree, with the paper's figures beside",
+                       description="On <root>/<data>/<domain>/{image,mask,xml} (DHR's layout): STEGO features with "
+                                   "DHR's multi-scale inference, centroids, debias, evaluation of the pseudo and "
+                                   "the debiased labels against <domain>/mask, and report.md with the paper's "
+                                   "published figures beside. Every stage resumes; --out remembers its settings.")
+    p.add_argument("--root", required=True, help="folder holding <data>/<domain>/{image,mask,xml} (DHR's --root)")
+    p.add_argument("--pseudo", required=True, help="folder of pseudo-label PNGs (e.g. RS+EPM's)")
+    p.add_argument("--out", required=True, help="output folder (features, centroids, debiased labels, report.md)")
+    p.add_argument("--uss-backbone", default=None, help="DINO's dino_vitbase8_pretrain.pth (read with weights_only)")
+    p.add_argument("--uss-heads", default=None, help="DHR's STEGO_<data>.pt heads file (read with weights_only)")
+    p.add_argument("--features", default=None,
+                   help="instead of --uss-backbone/--uss-heads: a folder of <id>.pt/.npy features already computed "
+                        "(e.g. <root>/VOC2012/train_aug/STEGO from DHR's produce_uss_features.py)")
+    p.add_argument("--data", default="VOC2012", help="dataset folder under --root (DHR's --data)")
+    p.add_argument("--domain", default="train_aug", help="split folder under <data> (DHR's --domain)")
+    p.add_argument("--scales", type=scales_argument, default=DHR_SCALES,
+                   help="feature scales, comma-separated; the first sets the feature grid (DHR's inference)")
+    p.add_argument("--no-flip", action="store_true", help="no flip averaging of the features")
+    _add_selection(p)
+    p.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="dense CRF or a plain threshold")
+    p.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
+    p.add_argument("--device", default="cpu", help="where features, K-means and CRF run: cpu, cuda, cuda:1, auto")
+    p.add_argument("--fp16", action="store_true", help="features under float16 autocast (GPUs)")
+    p.add_argument("--batch-size", type=int, default=8, help="images per CRF call (64 suits a GPU)")
+    p.add_argument("--workers", type=int, default=1, help="debias processes on the CPU (one thread each)")
+    p.add_argument("--num-examples", type=int, default=8, help="most-changed images shown in the report")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="a bad input file: stop with its name (exit 2), or skip it, name it and exit 1")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_threads(p)
+
     return ap
 
 
@@ -362,6 +399,21 @@ def _main(argv: Optional[List[str]]) -> int:
                     atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
                 except OSError as e:
                     raise jobs.JobError(f"--json {args.json}: cannot write it ({e.strerror or e})") from None
+        elif args.command == "reproduce":
+            from .reproduce import reproduce
+
+            res = reproduce(
+                args.root, args.pseudo, args.out, backbone=args.uss_backbone, heads=args.uss_heads,
+                features_dir=args.features, data=args.data, domain=args.domain, scales=args.scales,
+                flip=not args.no_flip, alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed,
+                refine=args.refine, crf_params=args.crf_params, device=args.device, fp16=args.fp16,
+                batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
+                on_error=args.on_error, progress=progress,
+            )
+            p, d = res["pseudo"], res["debiased"]
+            print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
+                  f"({p['num_images']} images); details and the paper's figures in {res['report']}")
+            s = res["summary"]
         elif args.command == "report":
             report, s = jobs.report_job(
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),

@@ -1,0 +1,139 @@
+"""Seconds per image of each `mars reproduce` stage on a generated DHR-layout tree of VOC-sized
+(500x375) images, with a random-weight STEGO of the real size (DINO ViT-B/8 + 70-d heads, DHR's
+two files) and DHR's multi-scale inference (scales 2, 1, 1.5, 0.5, flip), extrapolated to VOC
+train_aug (10,582 images).
+
+The weights are random, so the scores mean nothing here; the work per image is the real one.
+
+    python benchmarks/bench_reproduce.py [--images 16] [--device cuda] [--fp16 | --compare-fp16] [--arch b8|s8|t8]
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import machine_line  # noqa: E402
+
+from mars_plugin.adapters._common import VOC_CLASSES  # noqa: E402
+from mars_plugin.adapters.vit import DinoViT  # noqa: E402
+from mars_plugin.files import write_image, write_label  # noqa: E402
+from mars_plugin.reproduce import reproduce  # noqa: E402
+
+VOC_TRAIN_AUG = 10582
+#: (width, depth, patch). b8 is DHR's STEGO; t8 (2 blocks) is only a quick check that the script runs.
+ARCHS = {"b8": (768, 12, 8), "s8": (384, 12, 8), "t8": (192, 2, 8)}
+
+
+def make_tree(root: str, n: int, H: int = 375, W: int = 500, seed: int = 0):
+    """<root>/VOC2012/train_aug/{image,mask,xml} and <root>/pseudo: a rectangle object on a
+    two-part background, the pseudo label spilling into the ground below it."""
+    rng = np.random.default_rng(seed)
+    dom = os.path.join(root, "VOC2012", "train_aug")
+    for sub in ("image", "mask", "xml"):
+        os.makedirs(os.path.join(dom, sub), exist_ok=True)
+    colours = rng.integers(0, 256, size=(24, 3))
+    for i in range(n):
+        c = 1 + i % 20
+        gt = np.zeros((H, W), np.int64)
+        y0, x0 = rng.integers(20, H // 2), rng.integers(20, W // 2)
+        gt[y0:y0 + H // 3, x0:x0 + W // 3] = c
+        kinds = gt.copy()
+        kinds[H // 2:][kinds[H // 2:] == 0] = 21 + i % 3
+        pseudo = gt.copy()
+        pseudo[y0 + H // 3:y0 + H // 3 + 30, x0:x0 + W // 3] = c  # the biased band
+        img = np.clip(colours[kinds] + rng.normal(0, 12, size=(H, W, 3)), 0, 255).astype(np.uint8)
+        stem = f"2007_{i:06d}"
+        write_image(os.path.join(dom, "image", stem + ".jpg"), img)
+        write_label(os.path.join(dom, "mask", stem + ".png"), torch.from_numpy(gt))
+        write_label(os.path.join(root, "pseudo", stem + ".png"), torch.from_numpy(pseudo))
+        ann = ET.Element("annotation")
+        ET.SubElement(ET.SubElement(ann, "object"), "name").text = VOC_CLASSES[c]
+        ET.ElementTree(ann).write(os.path.join(dom, "xml", stem + ".xml"))
+
+
+def make_weights(root: str, arch: str, dim: int = 70):
+    width, depth, patch = ARCHS[arch]
+    torch.manual_seed(0)
+    vit = DinoViT(patch_size=patch, embed_dim=width, depth=depth, num_patches=784)
+    for p in vit.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    conv = torch.nn.Conv2d
+    heads = {"cluster1": torch.nn.Sequential(conv(width, dim, 1)).state_dict(),
+             "cluster2": torch.nn.Sequential(conv(width, width, 1), torch.nn.ReLU(), conv(width, dim, 1)).state_dict()}
+    b, h = os.path.join(root, f"dino_vit{arch}.pth"), os.path.join(root, "STEGO_VOC2012.pt")
+    torch.save(vit.state_dict(), b)
+    torch.save(heads, h)
+    return b, h
+
+
+def _table(stages, n, total):
+    print("| stage | s total | s per image | VOC train_aug (10,582 images) |")
+    print("| --- | --- | --- | --- |")
+    for name, info in stages.items():
+        sec = info["seconds"]
+        print(f"| {name} | {sec:.2f} | {sec / n:.3f} | {sec / n * VOC_TRAIN_AUG / 60:.0f} min |")
+    print(f"| all (incl. set-up) | {total:.2f} | {total / n:.3f} | {total / n * VOC_TRAIN_AUG / 60:.0f} min |")
+
+
+def _agreement(out_a: str, out_b: str):
+    """Mean and min per-pixel cosine of the two runs' features, and the share of debiased-label
+    pixels that are equal."""
+    from mars_plugin.files import read_features, read_label
+
+    cos, equal, total = [], 0, 0
+    for name in sorted(os.listdir(os.path.join(out_a, "features"))):
+        fa = read_features(os.path.join(out_a, "features", name))
+        fb = read_features(os.path.join(out_b, "features", name))
+        cos.append(torch.nn.functional.cosine_similarity(fa, fb, dim=0).flatten())
+        stem = name[:-3]
+        la = read_label(os.path.join(out_a, "debiased", stem + ".png"))
+        lb = read_label(os.path.join(out_b, "debiased", stem + ".png"))
+        equal += int((la == lb).sum())
+        total += la.numel()
+    cos = torch.cat(cos)
+    return float(cos.mean()), float(cos.min()), equal / total
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fp16", action="store_true", help="features under float16 autocast")
+    ap.add_argument("--compare-fp16", action="store_true",
+                    help="run float32 and float16 autocast on the same tree and compare features and labels")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="b8")
+    ap.add_argument("--batch-size", type=int, default=16, help="images per CRF call")
+    args = ap.parse_args()
+    print(machine_line(args.device))
+    print(f"load average: {os.getloadavg()}")
+    runs = [False, True] if args.compare_fp16 else [args.fp16]
+    n = args.images
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tree(tmp, n)
+        b, h = make_weights(tmp, args.arch)
+        for fp16 in runs:
+            out = os.path.join(tmp, "out16" if fp16 else "out32")
+            t = time.perf_counter()
+            reproduce(tmp, os.path.join(tmp, "pseudo"), out, backbone=b, heads=h, device=args.device, fp16=fp16,
+                      batch_size=args.batch_size, progress=False, log=lambda s: None)
+            total = time.perf_counter() - t
+            with open(os.path.join(out, "reproduce.json")) as fh:
+                stages = json.load(fh)["stages"]
+            print(f"\n{n} images of 500x375, STEGO ViT-{args.arch.upper()} random weights, DHR scales 2,1,1.5,0.5 + "
+                  f"flip, device {args.device}{', fp16 autocast' if fp16 else ', float32'}\n")
+            _table(stages, n, total)
+        if args.compare_fp16:
+            mean, low, same = _agreement(os.path.join(tmp, "out32"), os.path.join(tmp, "out16"))
+            print(f"\nfloat16 autocast against float32: per-pixel feature cosine mean {mean:.6f}, min {low:.6f}; "
+                  f"debiased labels equal on {100 * same:.4f}% of the pixels")
+
+
+if __name__ == "__main__":
+    main()
