@@ -23,6 +23,9 @@ The command line (wired as ``mars features`` by :mod:`mars_plugin.cli`)::
     # DHR's STEGO: DINO's backbone file + DHR's heads file, DHR's inference
     mars features --uss stego --backbone dino_vitbase8_pretrain.pth --heads weights/STEGO_VOC2012.pt \\
                   --dhr --images VOC2012/JPEGImages --out features --device cuda
+    # DINOv2's patch tokens from its release file, DHR's inference
+    mars features --uss dinov2 --backbone dinov2_vitb14_pretrain.pth --dhr \\
+                  --images VOC2012/JPEGImages --out features --device cuda
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ PathLike = Union[str, os.PathLike]
 ON_ERROR = ("stop", "skip")
 #: ``file_format`` of :func:`features_job`: numpy arrays, or fp16 torch tensors as DHR writes them.
 FILE_FORMATS = ("npy", "pt")
-USS_MODELS = ("stego", "leopart")
+USS_MODELS = ("stego", "leopart", "dinov2")
 
 
 @runtime_checkable
@@ -375,7 +378,7 @@ def load_extractor(
     scales: Optional[Sequence[float]] = None,
     dhr: bool = False,
 ) -> nn.Module:
-    """A STEGO or Leopart extractor from its files, with the options of ``mars features``.
+    """A STEGO, Leopart or DINOv2 extractor from its files, with the options of ``mars features``.
 
     Files: one ``checkpoint`` (STEGO's or Leopart's ``.ckpt``), or for STEGO as DHR stores it
     ``backbone`` (DINO's ``dino_vitbase8_pretrain.pth``) and ``heads`` (``STEGO_<dataset>.pt``),
@@ -385,16 +388,28 @@ def load_extractor(
     for Leopart backbone tokens, flip averaging on for STEGO and off for Leopart, one scale.
     ``res="native"``: the image's own resolution. ``dhr=True`` fills the options left None with
     :data:`DHR_SETTINGS` (native resolution, ``DHR_SCALES``, flip, no L2 normalisation).
+    DINOv2 reads one ``backbone`` (``dinov2_vitb14_pretrain.pth``...,
+    :meth:`~mars_plugin.adapters.dinov2.DINOv2Extractor.from_files`); its defaults: native
+    resolution, bilinear, no flip, no L2 normalisation.
     """
     if uss not in USS_MODELS:
         raise ValueError(f"uss must be one of {USS_MODELS}, got {uss!r}")
+    if uss == "dinov2":
+        if backbone is None or checkpoint is not None or heads is not None:
+            raise ValueError("--uss dinov2 reads one --backbone FILE (DINOv2's dinov2_vitb14_pretrain.pth...), "
+                             "without --checkpoint or --heads")
+        if trust_pickle:
+            raise ValueError("--trust-pickle does not apply to --uss dinov2: the backbone file is a plain state "
+                             "dict, always read with weights_only=True")
+        if head or prefix is not None:
+            raise ValueError("--head and --prefix are Leopart options")
     two_files = backbone is not None or heads is not None
     if checkpoint is not None and two_files:
         raise ValueError("give either --checkpoint FILE or --backbone FILE --heads FILE, not both")
     if checkpoint is None and not two_files:
         raise ValueError("no model files: give --checkpoint FILE (STEGO or Leopart .ckpt), or for DHR's STEGO "
                          "--backbone dino_vitbase8_pretrain.pth --heads STEGO_<dataset>.pt")
-    if two_files:
+    if two_files and uss != "dinov2":  # dinov2's one --backbone was checked above
         if uss != "stego":
             raise ValueError("--backbone/--heads are DHR's two STEGO files; Leopart reads one --checkpoint")
         if backbone is None or heads is None:
@@ -419,6 +434,12 @@ def load_extractor(
         kw["flip_average"] = flip_average
     if scales is not None:
         kw["scales"] = scales
+    if uss == "dinov2":
+        from .dinov2 import DINOv2Extractor
+
+        if normalize is not None:
+            kw["normalize"] = normalize
+        return DINOv2Extractor.from_files(backbone, **kw)
     if uss == "stego":
         from .stego import STEGOExtractor
 
@@ -476,7 +497,8 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
                              ".ckpt (leopart_vits16.ckpt, leopart_vitb8.ckpt, or a Lightning checkpoint); or give "
                              "--backbone and --heads" + _OWN_DEFAULT)
     parser.add_argument("--backbone", default=None,
-                        help="STEGO as DHR stores it: DINO's backbone file (dino_vitbase8_pretrain.pth), with --heads"
+                        help="STEGO as DHR stores it: DINO's backbone file (dino_vitbase8_pretrain.pth), with --heads; "
+                             "--uss dinov2: DINOv2's release file (dinov2_vitb14_pretrain.pth, ..._reg4_pretrain.pth)"
                              + _OWN_DEFAULT)
     parser.add_argument("--heads", default=None,
                         help="STEGO as DHR stores it: the heads file (weights/STEGO_<dataset>.pt, 'cluster1' and "
@@ -488,7 +510,8 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp16", action="store_true", help="run the network under float16 autocast (GPU)")
     parser.add_argument("--res", type=_res_arg, default=None,
                         help="STEGO: shorter image side fed to the ViT (default: 320, its evaluation); "
-                             "Leopart: square input side (default: 448, its evaluation); 'native': the image's own "
+                             "Leopart: square input side (default: 448, its evaluation); DINOv2: shorter side "
+                             "(default: native); 'native': the image's own "
                              "resolution (DHR)" + _OWN_DEFAULT)
     parser.add_argument("--interpolation", choices=("nearest", "bilinear"), default=None,
                         help="input resize (default: nearest for STEGO, as its transform; bilinear for Leopart)"
