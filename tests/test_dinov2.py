@@ -115,8 +115,9 @@ def layer_norm(x, weight, bias, eps=1e-6):
     return (x - mu) / torch.sqrt(var + eps) * weight + bias
 
 
-def reference_tokens(sd, x, heads, offset=None, antialias=None):
-    """(B, h*w, D) float64: the normed last-block patch tokens, [CLS] and registers dropped."""
+def reference_tokens(sd, x, heads, offset=None, antialias=None, keep_all=False):
+    """(B, h*w, D) float64: the normed last-block patch tokens, [CLS] and registers dropped
+    (``keep_all``: all of them, (B, 1 + R + h*w, D), [CLS] then the registers)."""
     sd = {k: v.double() for k, v in sd.items()}
     regs = sd.get("register_tokens")
     r = 0 if regs is None else regs.shape[1]
@@ -154,7 +155,7 @@ def reference_tokens(sd, x, heads, offset=None, antialias=None):
             y = hid @ b("mlp.fc2.weight").T + b("mlp.fc2.bias")
         t = t + y * b("ls2.gamma")
     t = layer_norm(t, sd["norm.weight"], sd["norm.bias"])
-    return t[:, 1 + r:]
+    return t if keep_all else t[:, 1 + r:]
 
 
 def reference_map(sd, x, heads):
@@ -187,6 +188,9 @@ def test_forward_equals_reference(registers, size):
     err = float((seq.double() - ref).abs().max())
     assert err <= TOL, err
     assert float(ref.abs().max()) > 0.5  # not trivially small
+    # the whole sequence too: [CLS], then the registers (the patch tokens alone cannot tell their place)
+    err_all = float((tokens.double() - reference_tokens(sd, x, heads=2, keep_all=True)).abs().max())
+    assert err_all <= TOL, err_all
     torch.testing.assert_close(fmap[:, :, 1, w - 1], seq[:, 1 * w + w - 1])  # row-major, as DINOv2's reshape
 
 
