@@ -303,17 +303,15 @@ def test_from_files_with_dhr_settings_equals_reference(tmp_path):
 
 
 def test_from_files_refuses_pickles_v1_and_bad_files(tmp_path):
-    import pickle
-
-    class Payload:
-        def __reduce__(self):
-            return (print, ("ran",))
+    from test_stego import Payload  # touches a file when unpickled
 
     sd = dinov2_state_dict(depth=1)
     p = tmp_path / "pickled.pth"
-    torch.save(dict(sd, meta=Payload()), p)
+    marker = tmp_path / "ran"
+    torch.save(dict(sd, meta=Payload(str(marker))), p)
     with pytest.raises(PermissionError, match=r"pickled\.pth: .*weights_only=True"):
         DINOv2Extractor.from_files(p, num_heads=2)
+    assert not marker.exists()
     v1 = tmp_path / "dino_vits16.pth"
     torch.save(DinoViT(16, 384, 1, num_patches=4).state_dict(), v1)
     with pytest.raises(ValueError, match=r"dino_vits16\.pth .*DINO v1 ViT-S/16"):
@@ -322,7 +320,6 @@ def test_from_files_refuses_pickles_v1_and_bad_files(tmp_path):
     torch.save({"model": sd}, nested)
     with pytest.raises(ValueError, match="must map names to tensors"):
         DINOv2Extractor.from_files(nested, num_heads=2)
-    assert pickle  # the module is only used by the payload's protocol
 
 
 def test_cli_dinov2_dhr_writes_pt_features(tmp_path, capsys):
