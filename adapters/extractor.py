@@ -64,7 +64,7 @@ PathLike = Union[str, os.PathLike]
 ON_ERROR = ("stop", "skip")
 #: ``file_format`` of :func:`features_job`: numpy arrays, or fp16 torch tensors as DHR writes them.
 FILE_FORMATS = ("npy", "pt")
-USS_MODELS = ("stego", "leopart", "dinov2")
+USS_MODELS = ("stego", "leopart", "dinov2", "cause")
 
 
 @runtime_checkable
@@ -378,12 +378,15 @@ def load_extractor(
     scales: Optional[Sequence[float]] = None,
     dhr: bool = False,
 ) -> nn.Module:
-    """A STEGO, Leopart or DINOv2 extractor from its files, with the options of ``mars features``.
+    """A STEGO, Leopart, DINOv2 or CAUSE extractor from its files, with the options of ``mars features``.
 
     Files: one ``checkpoint`` (STEGO's or Leopart's ``.ckpt``), or for STEGO as DHR stores it
     ``backbone`` (DINO's ``dino_vitbase8_pretrain.pth``) and ``heads`` (``STEGO_<dataset>.pt``),
     read by :meth:`~mars_plugin.adapters.stego.STEGOExtractor.from_files` (weights only, so
-    ``trust_pickle`` does not apply to them). None means the model's default: res 320 / 448,
+    ``trust_pickle`` does not apply to them); CAUSE as DHR stores it, always two files: ``backbone``
+    (DINOv2 weights) and ``heads`` (``CAUSE_<dataset>.pt``), read by
+    :meth:`~mars_plugin.adapters.cause.CAUSEExtractor.from_files` (defaults: native resolution,
+    bilinear, flip on, L2 normalisation on). None means the model's default: res 320 / 448,
     interpolation nearest / bilinear, L2 normalisation on for STEGO and for the Leopart head, off
     for Leopart backbone tokens, flip averaging on for STEGO and off for Leopart, one scale.
     ``res="native"``: the image's own resolution. ``dhr=True`` fills the options left None with
@@ -406,12 +409,15 @@ def load_extractor(
     two_files = backbone is not None or heads is not None
     if checkpoint is not None and two_files:
         raise ValueError("give either --checkpoint FILE or --backbone FILE --heads FILE, not both")
+    if uss == "cause" and not two_files:  # DHR stores CAUSE only as two files
+        raise ValueError("--uss cause reads DHR's two files: --backbone DINOv2 weights --heads CAUSE_<dataset>.pt, "
+                         "not --checkpoint")
     if checkpoint is None and not two_files:
         raise ValueError("no model files: give --checkpoint FILE (STEGO or Leopart .ckpt), or for DHR's STEGO "
                          "--backbone dino_vitbase8_pretrain.pth --heads STEGO_<dataset>.pt")
     if two_files and uss != "dinov2":  # dinov2's one --backbone was checked above
-        if uss != "stego":
-            raise ValueError("--backbone/--heads are DHR's two STEGO files; Leopart reads one --checkpoint")
+        if uss == "leopart":
+            raise ValueError("--backbone/--heads are DHR's two STEGO or CAUSE files; Leopart reads one --checkpoint")
         if backbone is None or heads is None:
             raise ValueError(f"--backbone and --heads go together (DINO's backbone file and DHR's STEGO_<dataset>.pt); "
                              f"got only {'--backbone' if heads is None else '--heads'}")
@@ -440,6 +446,14 @@ def load_extractor(
         if normalize is not None:
             kw["normalize"] = normalize
         return DINOv2Extractor.from_files(backbone, **kw)
+    if uss == "cause":
+        from .cause import CAUSEExtractor
+
+        if head or prefix is not None:
+            raise ValueError(f"{'--head' if head else '--prefix'} is a Leopart option; CAUSE's embedding is its code")
+        if normalize is not None:
+            kw["normalize"] = normalize
+        return CAUSEExtractor.from_files(backbone, heads, **kw)
     if uss == "stego":
         from .stego import STEGOExtractor
 
@@ -497,12 +511,13 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
                              ".ckpt (leopart_vits16.ckpt, leopart_vitb8.ckpt, or a Lightning checkpoint); or give "
                              "--backbone and --heads" + _OWN_DEFAULT)
     parser.add_argument("--backbone", default=None,
-                        help="STEGO as DHR stores it: DINO's backbone file (dino_vitbase8_pretrain.pth), with --heads; "
-                             "--uss dinov2: DINOv2's release file (dinov2_vitb14_pretrain.pth, ..._reg4_pretrain.pth)"
+                        help="STEGO or CAUSE as DHR stores them: the backbone file (DINO's dino_vitbase8_pretrain.pth; "
+                             "DINOv2 weights for CAUSE), with --heads; --uss dinov2: DINOv2's release file alone "
+                             "(dinov2_vitb14_pretrain.pth, ..._reg4_pretrain.pth)"
                              + _OWN_DEFAULT)
     parser.add_argument("--heads", default=None,
-                        help="STEGO as DHR stores it: the heads file (weights/STEGO_<dataset>.pt, 'cluster1' and "
-                             "'cluster2'), with --backbone" + _OWN_DEFAULT)
+                        help="STEGO or CAUSE as DHR stores them: the heads file (weights/STEGO_<dataset>.pt, 'cluster1' "
+                             "and 'cluster2'; weights/CAUSE_<dataset>.pt, 'decoder' and 'codebook'), with --backbone" + _OWN_DEFAULT)
     parser.add_argument("--images", required=True, help="folder of RGB images <stem>.jpg/.jpeg/.png/.bmp")
     parser.add_argument("--out", required=True, help="output folder of <stem>.npy float16 (D, h, w) embeddings")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

@@ -1,0 +1,416 @@
+"""CAUSE features (Kim et al., Pattern Recognition 2024) as DHR computes them, for MARS.
+
+DHR (shjo-april/DHR @ 94d5189, the MARS authors' follow-up) trains with CAUSE features on a
+DINOv2 backbone. What it computes, read from its code (file:line of that commit):
+
+* ``CAUSE`` (``core/uss/models.py:115-150``) holds ``backbone = DINOv2(arch, 14)`` (l. 119; the
+  torch.hub ``dinov2_vit?14`` model, l. 78-84) and ``segment = Segment_TR(D, 90, 322**2 // 14**2)``
+  (l. 125: 529 queries). The heads file ``weights/CAUSE_<dataset>.pt`` is ``{'decoder': ...,
+  'codebook': ...}``: ``segment.load_state_dict(checkpoint['decoder'])`` (default ``strict=True``)
+  and ``segment.head_ema.codebook = checkpoint['codebook']`` (l. 127-129), a plain attribute,
+  not a parameter. ``pe`` is a copy of ``head_ema.query_pos`` (l. 131).
+* ``forward`` (l. 143-150): ``z = backbone.forward_features(images)[:, 1:, :]``, the tokens after
+  DINOv2's final LayerNorm without [CLS] (l. 102-113); ``pe = interpolate_pe(pe, fh * fw)``
+  (``core/uss/utils.py:7-8``: ``F.interpolate(pe.T[None], N, mode='linear')``, align_corners
+  False, so the 529 rows are resampled linearly to N rows); ``segment.head_ema(z, (fh, fw), pe)``.
+* ``Segment_TR`` (``core/uss/layers.py:84-92``) holds only ``head_ema``, a ``CauseDecoder``
+  (l. 68-82): ``query_pos`` (529, D) and ``tr = TRDecoder(D, 90)`` (l. 36-66): ``self_attn`` and
+  ``multihead_attn`` = ``nn.MultiheadAttention(D, 1, dropout=0.0)`` in (N, B, D) layout,
+  ``linear1`` (D -> 2048), ``linear2`` (2048 -> D), ``norm1..3`` = ``nn.LayerNorm(D)`` (eps
+  1e-5), ``f1`` = ``Conv2d(D, 90, 1)``, ``f2`` = ``Sequential(Conv2d(D, D, 1), ReLU, Conv2d(D,
+  90, 1))``.
+* ``CauseDecoder.forward`` (l. 77-82): the target is ``vqt(z, codebook)``: each token replaced by
+  the codebook row of largest cosine similarity (``layers.py:20-34``: both sides
+  ``F.normalize``-d, ``argmax``, which takes the first row on ties); memory = z; pos = pe.
+* ``TRDecoder.forward`` (l. 52-66), post-norm, no dropout in the layer:
+  ``t = norm1(tgt + self_attn(q=tgt+pe, k=tgt+pe, v=tgt))``;
+  ``t = norm2(t + multihead_attn(q=t+pe, k=z, v=z))`` (no positional term on the key);
+  ``t = norm3(t + linear2(relu(linear1(t))))``; ``u = z + t`` (the *unquantised* tokens added
+  after the last norm, l. 62); nothing else is normalised; the code is ``f1(u) + f2(u)`` on the
+  (B, D, fh, fw) map (tokens row-major, ``transform``, l. 5-11), a (B, 90, fh, fw) map (l. 63-65,
+  82).
+* DHR's features: ``inference(model, Normalize(image))`` (``produce_uss_features.py:12,17,32-34``,
+  ``core/uss/__init__.py:54-74``), i.e. :func:`~mars_plugin.adapters.multiscale.multiscale` on the
+  full-resolution image, not L2-normalised: ``CAUSEExtractor.from_files(b, h, **DHR_SETTINGS)``.
+
+What we do differently: our modules run attention in (B, N, D) layout (``batch_first=True``; the
+state-dict keys do not depend on it) and without the attention-weight output DHR discards, so the
+numbers agree to float32 rounding; the quantisation always runs in float32 (also under fp16
+autocast, where near ties could otherwise flip). Our backbone drops DINOv2's register tokens as
+well as [CLS] (``patch_token_sequence``); DHR's ``[:, 1:]`` would keep registers, but DHR's hub
+models have none. ``patch_size`` is the backbone's (14 for DINOv2); the queries are resampled to
+any token count, as in DHR.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .multiscale import DHR_SETTINGS, check_scales, multiscale, nearest_patch_size, scaled_size
+from .stego import _load_tensor_file, _what_is, stego_input_size
+from .vit import (
+    INTERPOLATIONS,
+    DinoViT,
+    as_float_images,
+    check_output_size,
+    describe_vit,
+    normalize_imagenet,
+    resize_features,
+    resize_images,
+    vit_from_state_dict,
+)
+
+__all__ = [
+    "CAUSEExtractor",
+    "CAUSESegment",
+    "CAUSEHead",
+    "CAUSEDecoderLayer",
+    "quantize_cosine",
+    "resample_queries",
+    "DHR_SETTINGS",
+]
+
+PathLike = Union[str, os.PathLike]
+
+#: DHR's decoder sizes: 90 output channels (``core/uss/models.py:116``), 322**2 // 14**2 = 529
+#: queries (l. 125), FFN width 2048 and one attention head (``core/uss/layers.py:37``).
+CAUSE_DIM, CAUSE_QUERIES, CAUSE_HIDDEN = 90, 529, 2048
+
+
+def quantize_cosine(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Each token replaced by the codebook row most cosine-similar to it (CAUSE's ``vqt``).
+
+    Shapes: ``z`` (..., D), ``codebook`` (K, D) -> (..., D), rows of ``codebook``. Both sides are
+    L2-normalised (``F.normalize``, eps 1e-12) and the row of largest dot product wins; on ties the
+    first such row (``argmax``), as ``core/uss/layers.py:20-34``. Computed in float32 at least
+    (also under fp16 autocast, where near ties could flip).
+    """
+    dtype = torch.promote_types(torch.promote_types(z.dtype, codebook.dtype), torch.float32)
+    c = codebook.to(dtype)
+    sim = F.normalize(z.to(dtype), dim=-1) @ F.normalize(c, dim=-1).t()
+    return c[sim.argmax(dim=-1)]
+
+
+def resample_queries(query_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """The (Q, D) learned query positions resampled to (n, D) along the first axis.
+
+    DHR's ``interpolate_pe`` (``core/uss/utils.py:7-8``): 1-D linear interpolation with
+    align_corners False over the row index (not over a 2-D grid: the tokens' row-major order is
+    treated as one sequence), the identity when ``n == Q``.
+    """
+    return F.interpolate(query_pos.t()[None], size=int(n), mode="linear", align_corners=False)[0].t()
+
+
+class CAUSEDecoderLayer(nn.Module):
+    """CAUSE's one-layer transformer decoder and its two projection heads (DHR's ``TRDecoder``,
+    ``core/uss/layers.py:36-66``); submodule names as upstream, so state-dict keys match.
+
+    Shapes: ``forward(tgt, memory, pos, grid)``: ``tgt``, ``memory`` (B, N, D), ``pos`` (N, D),
+    ``grid`` = (h, w) with h * w = N -> (B, reduced_dim, h, w).
+    """
+
+    def __init__(self, dim: int, reduced_dim: int = CAUSE_DIM, hidden_dim: int = CAUSE_HIDDEN, nhead: int = 1):
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(dim, nhead, batch_first=True)
+        self.multihead_attn = nn.MultiheadAttention(dim, nhead, batch_first=True)
+        self.linear1 = nn.Linear(dim, hidden_dim)
+        self.linear2 = nn.Linear(hidden_dim, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.f1 = nn.Conv2d(dim, reduced_dim, 1)
+        self.f2 = nn.Sequential(nn.Conv2d(dim, dim, 1), nn.ReLU(), nn.Conv2d(dim, reduced_dim, 1))
+
+    def forward(self, tgt: torch.Tensor, memory: torch.Tensor, pos: torch.Tensor, grid: Tuple[int, int]) -> torch.Tensor:
+        q = tgt + pos
+        t = self.norm1(tgt + self.self_attn(q, q, tgt, need_weights=False)[0])
+        t = self.norm2(t + self.multihead_attn(t + pos, memory, memory, need_weights=False)[0])
+        t = self.norm3(t + self.linear2(F.relu(self.linear1(t))))
+        # the unquantised tokens come back here, after the last norm (layers.py:62)
+        u = (memory + t).transpose(1, 2).reshape(memory.shape[0], memory.shape[2], *grid)
+        return self.f1(u) + self.f2(u)
+
+
+class CAUSEHead(nn.Module):
+    """DHR's ``CauseDecoder`` (``core/uss/layers.py:68-82``): ``query_pos`` (Q, D) and ``tr``.
+
+    Shapes: ``forward(z, grid, codebook)``: ``z`` (B, N, D) backbone tokens, row-major over
+    ``grid`` = (h, w); ``codebook`` (K, D) -> (B, reduced_dim, h, w). The positional term is
+    ``query_pos`` resampled to N rows (:func:`resample_queries`), the target the quantised tokens
+    (:func:`quantize_cosine`), the memory the tokens themselves.
+    """
+
+    def __init__(self, num_queries: int, dim: int, reduced_dim: int = CAUSE_DIM, hidden_dim: int = CAUSE_HIDDEN):
+        super().__init__()
+        self.query_pos = nn.Parameter(torch.zeros(num_queries, dim))
+        self.tr = CAUSEDecoderLayer(dim, reduced_dim, hidden_dim)
+
+    def forward(self, z: torch.Tensor, grid: Tuple[int, int], codebook: torch.Tensor) -> torch.Tensor:
+        pos = resample_queries(self.query_pos, z.shape[1]).to(z.dtype)
+        tgt = quantize_cosine(z, codebook).to(z.dtype)
+        return self.tr(tgt, z, pos, grid)
+
+
+class CAUSESegment(nn.Module):
+    """DHR's ``Segment_TR`` (``core/uss/layers.py:84-92``): only the EMA head ``head_ema``, so the
+    state-dict keys are ``head_ema.query_pos`` and ``head_ema.tr.*``, those of ``checkpoint['decoder']``.
+
+    Shapes: as :class:`CAUSEHead`.
+    """
+
+    def __init__(self, dim: int, reduced_dim: int = CAUSE_DIM, num_queries: int = CAUSE_QUERIES,
+                 hidden_dim: int = CAUSE_HIDDEN):
+        super().__init__()
+        self.head_ema = CAUSEHead(num_queries, dim, reduced_dim, hidden_dim)
+
+    @property
+    def width(self) -> int:
+        return int(self.head_ema.query_pos.shape[1])
+
+    @property
+    def dim(self) -> int:
+        return int(self.head_ema.tr.f1.out_channels)
+
+    def forward(self, z: torch.Tensor, grid: Tuple[int, int], codebook: torch.Tensor) -> torch.Tensor:
+        return self.head_ema(z, grid, codebook)
+
+
+def _decoder_from_state_dict(sd: Any, width: int, what: str) -> CAUSESegment:
+    """A :class:`CAUSESegment` sized by ``sd``'s shapes and loaded strictly; errors name the keys."""
+    if not isinstance(sd, Mapping) or not all(isinstance(k, str) for k in sd):
+        raise ValueError(f"{what}: must be the state dict of DHR's Segment_TR (keys 'head_ema.*'), got {_what_is(sd)}")
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{what}: {k!r} is a {type(v).__name__}, not a tensor")
+
+    def size(key: str, axis: int, default: int) -> int:
+        v = sd.get(key)
+        return int(v.shape[axis]) if isinstance(v, torch.Tensor) and v.ndim > axis else default
+
+    seg = CAUSESegment(
+        width,
+        reduced_dim=size("head_ema.tr.f1.weight", 0, CAUSE_DIM),
+        num_queries=size("head_ema.query_pos", 0, CAUSE_QUERIES),
+        hidden_dim=size("head_ema.tr.linear1.weight", 0, CAUSE_HIDDEN),
+    )
+    expected = set(seg.state_dict())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        msg = [f"{what} does not match DHR's Segment_TR (core/uss/layers.py:36-92) of width {width}:"]
+        if missing:
+            msg.append(f"missing key(s) {missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        if unexpected:
+            msg.append(f"unexpected key(s) {unexpected[:8]}"
+                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+        raise ValueError(" ".join(msg))
+    try:
+        seg.load_state_dict(dict(sd), strict=True)
+    except RuntimeError as e:  # shape mismatches, each named by torch with its key
+        raise ValueError(f"{what} (backbone width {width}): {' '.join(str(e).split())}") from e
+    return seg.eval()
+
+
+class CAUSEExtractor(nn.Module):
+    """CAUSE's 90-d code for whole images: (B, 3, H, W) -> (B, dim, h, w).
+
+    Args:
+        backbone: the DINOv2 ViT: an ``nn.Module`` with ``patch_size``, ``embed_dim`` and
+            ``patch_token_sequence(x) -> (B, N, D)`` (final-LayerNorm patch tokens, row-major).
+        segment: a :class:`CAUSESegment` of width D (the backbone's).
+        codebook: (K, D) float tensor, CAUSE's concept codebook (kept as a non-persistent buffer, so
+            it follows ``.to(device)`` but ``state_dict()`` holds only ``backbone.*`` and
+            ``segment.*``, as DHR keeps it outside the decoder's state dict).
+        res: None (default: the image's own resolution, each side rounded to the nearest patch
+            multiple; with ``scales``, the image exactly as it is, as DHR feeds it) or the shorter
+            side fed to the network.
+        scales: None (one scale) or DHR's multi-scale inference at these scales of the base image
+            (:func:`~mars_plugin.adapters.multiscale.multiscale`); the first sets the output grid.
+        flip_average: average with the horizontally flipped image's code, flipped back (default;
+            DHR's ``hflip=True``).
+        normalize: L2-normalise each pixel's code after the final resize (default; DHR does not).
+        interpolation: the resize to ``res`` (``"bilinear"`` default, or ``"nearest"``).
+
+    ``CAUSEExtractor.from_files(backbone, heads, **DHR_SETTINGS)`` reproduces DHR's features.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        segment: CAUSESegment,
+        codebook: torch.Tensor,
+        *,
+        res: Optional[int] = None,
+        scales: Optional[Sequence[float]] = None,
+        flip_average: bool = True,
+        normalize: bool = True,
+        interpolation: str = "bilinear",
+    ):
+        super().__init__()
+        if not isinstance(backbone, nn.Module) or not callable(getattr(backbone, "patch_token_sequence", None)):
+            raise TypeError(f"backbone must be an nn.Module with patch_token_sequence(x) -> (B, N, D) (the DINOv2 "
+                            f"DinoViT), got {type(backbone).__name__}")
+        patch, width = getattr(backbone, "patch_size", None), getattr(backbone, "embed_dim", None)
+        if not isinstance(patch, int) or patch < 1 or not isinstance(width, int) or width < 1:
+            raise TypeError(f"backbone must have integer patch_size and embed_dim, got {patch!r} and {width!r}")
+        if not isinstance(segment, CAUSESegment):
+            raise TypeError(f"segment must be a CAUSESegment (DHR's Segment_TR), got {type(segment).__name__}")
+        if segment.width != width:
+            raise ValueError(f"segment is {segment.width} wide but the backbone is {width} wide")
+        if not isinstance(codebook, torch.Tensor) or not codebook.is_floating_point():
+            raise TypeError(f"codebook must be a float (K, D) tensor, got {_what_is(codebook) if not isinstance(codebook, torch.Tensor) else codebook.dtype}")
+        if codebook.ndim != 2 or codebook.shape[0] < 1 or codebook.shape[1] != width:
+            raise ValueError(f"codebook must be (K, {width}) with K >= 1 (D = the backbone width), "
+                             f"got shape {tuple(codebook.shape)}")
+        if not torch.isfinite(codebook).all():
+            raise ValueError("codebook holds NaN or infinite values")
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or res < patch):
+            raise ValueError(f"res must be None (the image's own resolution) or an integer >= the patch size "
+                             f"{patch}, got {res!r}")
+        self.backbone = backbone
+        self.segment = segment
+        self.register_buffer("codebook", codebook.detach().float().clone(), persistent=False)
+        self.res = res
+        self.scales = None if scales is None else check_scales(scales)
+        self.flip_average = bool(flip_average)
+        self.normalize = bool(normalize)
+        self.interpolation = interpolation
+        self.eval()
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_files(cls, backbone: PathLike, heads: PathLike, **kwargs: Any) -> "CAUSEExtractor":
+        """DHR's CAUSE from its two files: the DINOv2 backbone weights and ``CAUSE_<dataset>.pt``.
+
+        ``backbone``: a flat state dict of DINOv2 weights (the torch.hub model's
+        ``state_dict()``), built and loaded strictly by
+        :func:`~mars_plugin.adapters.vit.vit_from_state_dict` (variant from the shapes); it must
+        be a patch-14 model, as DHR's ``DINOv2(arch, 14)`` (``core/uss/models.py:119``).
+        ``heads``: ``{'decoder': Segment_TR state dict, 'codebook': (K, D) tensor}``
+        (``core/uss/models.py:127-129``); the decoder is loaded strictly (a missing, unexpected or
+        mis-shaped key is a ValueError naming the key and the file), its sizes read from the
+        shapes (DHR's: 90 channels, 529 queries, FFN 2048), and the codebook must be (K, D) with D
+        the backbone's width. Other top-level keys are not read, as in DHR.
+
+        Both files are opened with ``torch.load(map_location="cpu", weights_only=True)`` only: a
+        file holding pickled Python objects is refused with a PermissionError and never unpickled
+        (there is no trust option). Keyword arguments go to the constructor.
+        """
+        bname, hname = os.fspath(backbone), os.fspath(heads)
+        bsd = _load_tensor_file(backbone, "DINOv2 backbone file")
+        if not isinstance(bsd, Mapping) or not all(isinstance(k, str) for k in bsd):
+            raise ValueError(f"{bname}: the DINOv2 backbone file must hold a flat state dict, got {_what_is(bsd)}")
+        not_tensors = sorted(k for k, v in bsd.items() if not isinstance(v, torch.Tensor))
+        if not_tensors:
+            raise ValueError(f"{bname}: the DINOv2 backbone file must map names to tensors; {not_tensors[:5]} are "
+                             f"not tensors")
+        model = vit_from_state_dict(bsd, what=f"{bname} (DINOv2 backbone)")
+        if model.patch_size != 14 or not model.is_dinov2:
+            raise ValueError(f"{bname}: DHR's CAUSE runs on a DINOv2 ViT with 14-pixel patches "
+                             f"(core/uss/models.py:74-119); this file holds a {describe_vit(model)}")
+        hobj = _load_tensor_file(heads, "CAUSE heads file")
+        if not isinstance(hobj, Mapping):
+            raise ValueError(f"{hname}: the CAUSE heads file must be a dict with 'decoder' and 'codebook', got "
+                             f"{_what_is(hobj)}")
+        missing = [k for k in ("decoder", "codebook") if k not in hobj]
+        if missing:
+            raise ValueError(f"{hname}: the CAUSE heads file has no key(s) {missing} (keys: {sorted(map(str, hobj))[:8]}); "
+                             f"DHR's CAUSE_<dataset>.pt holds 'decoder' and 'codebook' (core/uss/models.py:127-129)")
+        width = model.embed_dim
+        codebook = hobj["codebook"]
+        if not isinstance(codebook, torch.Tensor) or not codebook.is_floating_point():
+            raise ValueError(f"{hname} ['codebook']: must be a float (K, {width}) tensor, got "
+                             + (f"dtype {codebook.dtype}" if isinstance(codebook, torch.Tensor) else _what_is(codebook)))
+        if codebook.ndim != 2 or codebook.shape[0] < 1 or codebook.shape[1] != width:
+            raise ValueError(f"{hname} ['codebook']: must be (K, {width}), D = the width of the backbone in {bname}; "
+                             f"got shape {tuple(codebook.shape)}")
+        segment = _decoder_from_state_dict(hobj["decoder"], width, f"{hname} ['decoder']")
+        return cls(model, segment, codebook, **kwargs)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def dim(self) -> int:
+        return self.segment.dim
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.backbone.patch_size)
+
+    def describe(self) -> str:
+        net = describe_vit(self.backbone) if isinstance(self.backbone, DinoViT) else type(self.backbone).__name__
+        size = "full resolution" if self.res is None else f"shorter side {self.res}, {self.interpolation} resize"
+        scales = "" if self.scales is None else f"scales {', '.join(f'{s:g}' for s in self.scales)}, "
+        return (
+            f"CAUSE on {net}, codebook of {self.codebook.shape[0]}, decoder to dim {self.dim}; {size}, "
+            f"{scales}flip averaging {'on' if self.flip_average else 'off'}, "
+            f"L2 normalisation {'on' if self.normalize else 'off'}"
+        )
+
+    def input_size(self, height: int, width: int) -> Tuple[int, int]:
+        """Base input size for an image of ``height`` x ``width``: the shorter side at ``res``
+        (:func:`~mars_plugin.adapters.stego.stego_input_size`); with ``res=None`` the image's own
+        size (with ``scales``) or each side rounded to the nearest patch multiple (one scale)."""
+        if self.res is not None:
+            return stego_input_size(height, width, self.res, self.patch_size)
+        if self.scales is not None:
+            return height, width
+        return nearest_patch_size(height, width, self.patch_size)
+
+    def grid_size(self, height: int, width: int) -> Tuple[int, int]:
+        """(h, w) of the code for an image of ``height`` x ``width`` with ``output_size=None``."""
+        h, w = self.input_size(height, width)
+        if self.scales is not None:
+            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
+        return h // self.patch_size, w // self.patch_size
+
+    # -- computation -----------------------------------------------------------------------
+
+    def code(self, x: torch.Tensor) -> torch.Tensor:
+        """CAUSE's code of normalised images whose sides are multiples of the patch (14).
+
+        Shapes: (B, 3, H, W) -> (B, dim, H / 14, W / 14); DHR's ``CAUSE.forward``
+        (``core/uss/models.py:143-150``).
+        """
+        p = self.patch_size
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(f"x must be a normalised (B, 3, H, W) batch, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.shape[-2] % p or x.shape[-1] % p:
+            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
+        grid = (x.shape[-2] // p, x.shape[-1] // p)
+        z = self.backbone.patch_token_sequence(x)
+        if z.ndim != 3 or z.shape[0] != x.shape[0] or z.shape[1] != grid[0] * grid[1] or z.shape[2] != self.segment.width:
+            raise ValueError(f"backbone.patch_token_sequence gave {tuple(z.shape)} for a {tuple(x.shape)} batch; "
+                             f"expected ({x.shape[0]}, {grid[0] * grid[1]}, {self.segment.width})")
+        return self.segment(z, grid, self.codebook)
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, dim, h, w) float32.
+
+        (h, w) is :meth:`grid_size` or ``output_size`` (bilinear, align_corners=False). With
+        ``scales`` each image's code is :func:`~mars_plugin.adapters.multiscale.multiscale` of
+        :meth:`code` on the normalised base image (DHR's ``inference``, ``core/uss/__init__.py:54-74``).
+        """
+        output_size = check_output_size(output_size)
+        x = as_float_images(images)
+        x = resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation)
+        x = normalize_imagenet(x)
+        if self.scales is not None:
+            code = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
+        elif self.flip_average:
+            c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
+            code = (c + c_flip.flip(3)) / 2
+        else:
+            code = self.code(x).float()
+        code = resize_features(code, output_size)
+        if self.normalize:
+            code = F.normalize(code, dim=1)
+        return code
