@@ -19,7 +19,7 @@ built and warmed up, with the rows run smallest first so that each one's peak sh
 inference row then shows the largest peak so far, not its own: its peak is that of its 2.0 scale
 plus the small sums).
 
-    python benchmarks/bench_multiscale.py [--device cpu|cuda] [--arch b8|s8] [--repeats 3]
+    python benchmarks/bench_multiscale.py [--model stego|dinov2|cause] [--device cpu|cuda] [--arch b8|s8|s14|b14|l14|g14] [--repeats 3]
                                           [--size 500x375] [--fp16]
 """
 import argparse
@@ -39,21 +39,47 @@ from mars_plugin.adapters.multiscale import DHR_SCALES, multiscale, scaled_size 
 from mars_plugin.adapters.stego import STEGOExtractor  # noqa: E402
 from mars_plugin.adapters.vit import DinoViT, normalize_imagenet  # noqa: E402
 
-ARCHS = {"b8": (768, 12, 12), "s8": (384, 12, 6)}
-PATCH, DIM = 8, 70  # DHR's STEGO: patch 8, 70-d code (core/uss/models.py:40)
+
+#: --model: (architectures {name: (width, depth, heads)}, patch). STEGO is DHR's ViT-B/8 + 70-d
+#: heads; DINOv2 the plain tokens; CAUSE DINOv2 + the decoder to 90 dims with a 2048-row codebook.
+#: g14 is DINOv2 ViT-g (SwiGLU MLP, 40 blocks), the backbone DHR's produce_uss_features.py defaults to.
+MODELS = {
+    "stego": ({"b8": (768, 12, 12), "s8": (384, 12, 6)}, 8),
+    "dinov2": ({"s14": (384, 12, 6), "b14": (768, 12, 12), "l14": (1024, 24, 16), "g14": (1536, 40, 24)}, 14),
+    "cause": ({"s14": (384, 12, 6), "b14": (768, 12, 12), "l14": (1024, 24, 16), "g14": (1536, 40, 24)}, 14),
+}
+DIM = 70  # DHR's STEGO code: 70 dims (core/uss/models.py:40)
+CODEBOOK = 2048
 ROW_SCALES = (0.5, 1.0, 1.5, 2.0)
 
 
-def build(arch: str, device: torch.device) -> STEGOExtractor:
-    width, depth, heads = ARCHS[arch]
-    torch.manual_seed(0)
-    vit = DinoViT(PATCH, width, depth, heads, num_patches=(224 // PATCH) ** 2)
+def _random_(module: nn.Module) -> nn.Module:
     with torch.no_grad():
-        for p in vit.parameters():
+        for p in module.parameters():
             p.normal_(0, 0.02)
-    c1 = nn.Sequential(nn.Conv2d(width, DIM, 1))
-    c2 = nn.Sequential(nn.Conv2d(width, width, 1), nn.ReLU(), nn.Conv2d(width, DIM, 1))
-    return STEGOExtractor(vit, c1, c2).to(device).eval()
+    return module
+
+
+def build(model: str, arch: str, device: torch.device) -> nn.Module:
+    """A random-weight extractor with a ``code(x)`` of the model's real size."""
+    archs, patch = MODELS[model]
+    width, depth, heads = archs[arch]
+    torch.manual_seed(0)
+    if model == "stego":
+        vit = _random_(DinoViT(patch, width, depth, heads, num_patches=(224 // patch) ** 2))
+        c1 = nn.Sequential(nn.Conv2d(width, DIM, 1))
+        c2 = nn.Sequential(nn.Conv2d(width, width, 1), nn.ReLU(), nn.Conv2d(width, DIM, 1))
+        return STEGOExtractor(vit, c1, c2).to(device).eval()
+    vit = _random_(DinoViT(patch, width, depth, heads, num_patches=37 * 37, layer_scale=True, mask_token=True,
+                           ffn="swiglu" if arch == "g14" else "mlp"))
+    if model == "dinov2":
+        from mars_plugin.adapters.dinov2 import DINOv2Extractor
+
+        return DINOv2Extractor(vit).to(device).eval()
+    from mars_plugin.adapters.cause import CAUSEExtractor, CAUSESegment
+
+    seg = _random_(CAUSESegment(width))
+    return CAUSEExtractor(vit, seg, torch.randn(CODEBOOK, width)).to(device).eval()
 
 
 def peak_rss_mb() -> float:
@@ -98,7 +124,10 @@ def _loadavg() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--arch", choices=sorted(ARCHS), default="b8", help="b8: DINO ViT-B/8 (DHR's); s8: ViT-S/8")
+    ap.add_argument("--model", choices=sorted(MODELS), default="stego",
+                    help="stego (DINO ViT-B/8 + heads, DHR's STEGO), dinov2 (plain tokens) or cause (DINOv2 + decoder)")
+    ap.add_argument("--arch", default=None,
+                    help="stego: b8 (default) or s8; dinov2/cause: s14, b14 (default), l14 or g14")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="500x375", help="image W x H")
     ap.add_argument("--fp16", action="store_true", help="float16 autocast (CUDA)")
@@ -113,8 +142,12 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA GPU")
 
+    archs, PATCH = MODELS[args.model]
+    arch = args.arch or ("b8" if args.model == "stego" else "b14")
+    if arch not in archs:
+        ap.error(f"--arch for --model {args.model} must be one of {sorted(archs)}, got {arch!r}")
     load_before = _loadavg()
-    model = build(args.arch, device)
+    model = build(args.model, arch, device)
     g = torch.Generator().manual_seed(0)
     image = normalize_imagenet(torch.rand(1, 3, H, W, generator=g))[0].to(device)
     ctx = torch.autocast(device.type, dtype=torch.float16, enabled=args.fp16)
@@ -144,11 +177,9 @@ def main() -> None:
     rows.append(("DHR " + ", ".join(f"{s:g}" for s in DHR_SCALES), "all four", "4 x 2", f"{total:,} (sum)",
                  med, lo, hi, mem))
 
-    width, depth, heads = ARCHS[args.arch]
     print(machine_line(args.device))
     print(f"/proc/loadavg before: {load_before}; after: {_loadavg()}")
-    print(f"model: STEGO code on DINO ViT-{'B' if width == 768 else 'S'}/8 (width {width}, depth {depth}, {heads} "
-          f"heads, random weights) + heads to {DIM} dims; image {W}x{H}; {'fp16 autocast' if args.fp16 else 'fp32'}; "
+    print(f"model: {model.describe()} (random weights); image {W}x{H}; {'fp16 autocast' if args.fp16 else 'fp32'}; "
           f"weights {weights_mb:.0f} MB; repeats {args.repeats}; whole script {time.perf_counter() - started:.0f} s")
     mem_name = "peak CUDA MB above weights" if device.type == "cuda" else "peak RSS growth MB"
     print()

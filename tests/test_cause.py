@@ -415,3 +415,31 @@ def test_from_files_with_the_real_vit_loader(tmp_path):
     ex = CAUSEExtractor.from_files(b, h)
     x = normalised(28, 42, seed=9)
     torch.testing.assert_close(ex.code(x), ref_code(ex, dec, cb, x), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("uss", ["cause", "dinov2"])
+def test_features_written_as_pt_feed_mars_centroids(tmp_path, uss):
+    """`mars features --uss cause|dinov2 --format pt` writes what `mars centroids` reads."""
+    from PIL import Image
+
+    from mars_plugin.cli import main
+    from mars_plugin.files import write_label
+    from mars_plugin.selection import DebiasedCentroids
+
+    b, h, *_ = dhr_files(tmp_path)
+    images, labels, feats = tmp_path / "images", tmp_path / "labels", tmp_path / "features"
+    images.mkdir()
+    rng = np.random.default_rng(5)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (28, 42, 3)).astype(np.uint8)).save(images / f"im{i}.png")
+        y = torch.zeros(28, 42, dtype=torch.long)
+        y[:, 21:] = 1 + i % 2
+        write_label(labels / f"im{i}.png", y)
+    files = ["--backbone", str(b)] + (["--heads", str(h)] if uss == "cause" else [])
+    assert main(["features", "--uss", uss, *files, "--dhr", "--format", "pt", "--images", str(images),
+                 "--out", str(feats), "--no-progress"]) == 0
+    assert sorted(p.name for p in feats.iterdir()) == [f"im{i}.pt" for i in range(4)]
+    assert main(["centroids", "--features", str(feats), "--labels", str(labels), "--num-classes", "2",
+                 "--out", str(tmp_path / "V.pt"), "--no-progress"]) == 0
+    V = DebiasedCentroids.load(tmp_path / "V.pt")
+    assert V.centroids.shape == (3, 90 if uss == "cause" else WIDTH) and bool(V.valid[1:].all())
