@@ -50,17 +50,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .multiscale import DHR_SETTINGS, check_scales, multiscale, nearest_patch_size, scaled_size
-from .stego import _load_tensor_file, _what_is, stego_input_size
+from .code_extractor import CodeExtractor, load_tensor_file, what_is
+from .multiscale import DHR_SETTINGS
 from .vit import (
-    INTERPOLATIONS,
     DinoViT,
-    as_float_images,
-    check_output_size,
     describe_vit,
-    normalize_imagenet,
-    resize_features,
-    resize_images,
     vit_from_state_dict,
 )
 
@@ -182,7 +176,7 @@ class CAUSESegment(nn.Module):
 def _decoder_from_state_dict(sd: Any, width: int, what: str) -> CAUSESegment:
     """A :class:`CAUSESegment` sized by ``sd``'s shapes and loaded strictly; errors name the keys."""
     if not isinstance(sd, Mapping) or not all(isinstance(k, str) for k in sd):
-        raise ValueError(f"{what}: must be the state dict of DHR's Segment_TR (keys 'head_ema.*'), got {_what_is(sd)}")
+        raise ValueError(f"{what}: must be the state dict of DHR's Segment_TR (keys 'head_ema.*'), got {what_is(sd)}")
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"{what}: {k!r} is a {type(v).__name__}, not a tensor")
@@ -214,7 +208,7 @@ def _decoder_from_state_dict(sd: Any, width: int, what: str) -> CAUSESegment:
     return seg.eval()
 
 
-class CAUSEExtractor(nn.Module):
+class CAUSEExtractor(CodeExtractor):
     """CAUSE's 90-d code for whole images: (B, 3, H, W) -> (B, dim, h, w).
 
     Args:
@@ -261,25 +255,17 @@ class CAUSEExtractor(nn.Module):
         if segment.width != width:
             raise ValueError(f"segment is {segment.width} wide but the backbone is {width} wide")
         if not isinstance(codebook, torch.Tensor) or not codebook.is_floating_point():
-            raise TypeError(f"codebook must be a float (K, D) tensor, got {_what_is(codebook) if not isinstance(codebook, torch.Tensor) else codebook.dtype}")
+            raise TypeError(f"codebook must be a float (K, D) tensor, got {what_is(codebook) if not isinstance(codebook, torch.Tensor) else codebook.dtype}")
         if codebook.ndim != 2 or codebook.shape[0] < 1 or codebook.shape[1] != width:
             raise ValueError(f"codebook must be (K, {width}) with K >= 1 (D = the backbone width), "
                              f"got shape {tuple(codebook.shape)}")
         if not torch.isfinite(codebook).all():
             raise ValueError("codebook holds NaN or infinite values")
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or res < patch):
-            raise ValueError(f"res must be None (the image's own resolution) or an integer >= the patch size "
-                             f"{patch}, got {res!r}")
+        self._set_inputs(patch, res=res, flip_average=flip_average, normalize=normalize,
+                         interpolation=interpolation, scales=scales)
         self.backbone = backbone
         self.segment = segment
         self.register_buffer("codebook", codebook.detach().float().clone(), persistent=False)
-        self.res = res
-        self.scales = None if scales is None else check_scales(scales)
-        self.flip_average = bool(flip_average)
-        self.normalize = bool(normalize)
-        self.interpolation = interpolation
         self.eval()
 
     # -- construction ----------------------------------------------------------------------
@@ -303,9 +289,9 @@ class CAUSEExtractor(nn.Module):
         (there is no trust option). Keyword arguments go to the constructor.
         """
         bname, hname = os.fspath(backbone), os.fspath(heads)
-        bsd = _load_tensor_file(backbone, "DINOv2 backbone file")
+        bsd = load_tensor_file(backbone, "DINOv2 backbone file")
         if not isinstance(bsd, Mapping) or not all(isinstance(k, str) for k in bsd):
-            raise ValueError(f"{bname}: the DINOv2 backbone file must hold a flat state dict, got {_what_is(bsd)}")
+            raise ValueError(f"{bname}: the DINOv2 backbone file must hold a flat state dict, got {what_is(bsd)}")
         not_tensors = sorted(k for k, v in bsd.items() if not isinstance(v, torch.Tensor))
         if not_tensors:
             raise ValueError(f"{bname}: the DINOv2 backbone file must map names to tensors; {not_tensors[:5]} are "
@@ -314,10 +300,10 @@ class CAUSEExtractor(nn.Module):
         if model.patch_size != 14 or not model.is_dinov2:
             raise ValueError(f"{bname}: DHR's CAUSE runs on a DINOv2 ViT with 14-pixel patches "
                              f"(core/uss/models.py:74-119); this file holds a {describe_vit(model)}")
-        hobj = _load_tensor_file(heads, "CAUSE heads file")
+        hobj = load_tensor_file(heads, "CAUSE heads file")
         if not isinstance(hobj, Mapping):
             raise ValueError(f"{hname}: the CAUSE heads file must be a dict with 'decoder' and 'codebook', got "
-                             f"{_what_is(hobj)}")
+                             f"{what_is(hobj)}")
         missing = [k for k in ("decoder", "codebook") if k not in hobj]
         if missing:
             raise ValueError(f"{hname}: the CAUSE heads file has no key(s) {missing} (keys: {sorted(map(str, hobj))[:8]}); "
@@ -326,7 +312,7 @@ class CAUSEExtractor(nn.Module):
         codebook = hobj["codebook"]
         if not isinstance(codebook, torch.Tensor) or not codebook.is_floating_point():
             raise ValueError(f"{hname} ['codebook']: must be a float (K, {width}) tensor, got "
-                             + (f"dtype {codebook.dtype}" if isinstance(codebook, torch.Tensor) else _what_is(codebook)))
+                             + (f"dtype {codebook.dtype}" if isinstance(codebook, torch.Tensor) else what_is(codebook)))
         if codebook.ndim != 2 or codebook.shape[0] < 1 or codebook.shape[1] != width:
             raise ValueError(f"{hname} ['codebook']: must be (K, {width}), D = the width of the backbone in {bname}; "
                              f"got shape {tuple(codebook.shape)}")
@@ -353,23 +339,6 @@ class CAUSEExtractor(nn.Module):
             f"L2 normalisation {'on' if self.normalize else 'off'}"
         )
 
-    def input_size(self, height: int, width: int) -> Tuple[int, int]:
-        """Base input size for an image of ``height`` x ``width``: the shorter side at ``res``
-        (:func:`~mars_plugin.adapters.stego.stego_input_size`); with ``res=None`` the image's own
-        size (with ``scales``) or each side rounded to the nearest patch multiple (one scale)."""
-        if self.res is not None:
-            return stego_input_size(height, width, self.res, self.patch_size)
-        if self.scales is not None:
-            return height, width
-        return nearest_patch_size(height, width, self.patch_size)
-
-    def grid_size(self, height: int, width: int) -> Tuple[int, int]:
-        """(h, w) of the code for an image of ``height`` x ``width`` with ``output_size=None``."""
-        h, w = self.input_size(height, width)
-        if self.scales is not None:
-            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
-        return h // self.patch_size, w // self.patch_size
-
     # -- computation -----------------------------------------------------------------------
 
     def code(self, x: torch.Tensor) -> torch.Tensor:
@@ -390,27 +359,3 @@ class CAUSEExtractor(nn.Module):
             raise ValueError(f"backbone.patch_token_sequence gave {tuple(z.shape)} for a {tuple(x.shape)} batch; "
                              f"expected ({x.shape[0]}, {grid[0] * grid[1]}, {self.segment.width})")
         return self.segment(z, grid, self.codebook)
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, dim, h, w) float32.
-
-        (h, w) is :meth:`grid_size` or ``output_size`` (bilinear, align_corners=False). With
-        ``scales`` each image's code is :func:`~mars_plugin.adapters.multiscale.multiscale` of
-        :meth:`code` on the normalised base image (DHR's ``inference``, ``core/uss/__init__.py:54-74``).
-        """
-        output_size = check_output_size(output_size)
-        x = as_float_images(images)
-        x = resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation)
-        x = normalize_imagenet(x)
-        if self.scales is not None:
-            code = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
-        elif self.flip_average:
-            c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
-            code = (c + c_flip.flip(3)) / 2
-        else:
-            code = self.code(x).float()
-        code = resize_features(code, output_size)
-        if self.normalize:
-            code = F.normalize(code, dim=1)
-        return code

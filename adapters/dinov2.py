@@ -21,23 +21,14 @@ offset 0 with antialias for the ``_reg`` models, ``dinov2/hub/backbones.py``).
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from .multiscale import check_scales, multiscale, nearest_patch_size, scaled_size
-from .stego import _load_tensor_file, _what_is, stego_input_size
+from .code_extractor import CodeExtractor, load_tensor_file, what_is
 from .vit import (
-    INTERPOLATIONS,
     DinoViT,
-    as_float_images,
-    check_output_size,
     describe_vit,
-    normalize_imagenet,
-    resize_features,
-    resize_images,
     vit_from_state_dict,
 )
 
@@ -46,7 +37,7 @@ __all__ = ["DINOv2Extractor"]
 PathLike = Union[str, os.PathLike]
 
 
-class DINOv2Extractor(nn.Module):
+class DINOv2Extractor(CodeExtractor):
     """DINOv2's normed last-block patch tokens for whole images: (B, 3, H, W) -> (B, D, h, w).
 
     ``state_dict()`` has the backbone's keys under ``model.``.
@@ -81,17 +72,9 @@ class DINOv2Extractor(nn.Module):
         super().__init__()
         if not isinstance(model, DinoViT):
             raise TypeError(f"model must be a DinoViT, got {type(model).__name__}")
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size):
-            raise ValueError(f"res must be None (the image's own resolution) or an integer >= the patch size "
-                             f"{model.patch_size}, got {res!r}")
+        self._set_inputs(model.patch_size, res=res, flip_average=flip_average, normalize=normalize,
+                         interpolation=interpolation, scales=scales)
         self.model = model
-        self.res = res
-        self.flip_average = bool(flip_average)
-        self.normalize = bool(normalize)
-        self.interpolation = interpolation
-        self.scales = None if scales is None else check_scales(scales)
         self.eval()
 
     # -- construction ----------------------------------------------------------------------
@@ -125,11 +108,11 @@ class DINOv2Extractor(nn.Module):
         strictly (``dinov2/hub/backbones.py:58``, ``strict=True``). Keyword arguments go to the
         constructor; ``**DHR_SETTINGS`` gives DHR's inference.
         """
-        sd = _load_tensor_file(backbone, "DINOv2 backbone file")
+        sd = load_tensor_file(backbone, "DINOv2 backbone file")
         name = os.fspath(backbone)
         if not isinstance(sd, Mapping) or not all(isinstance(k, str) for k in sd):
             raise ValueError(f"{name}: the DINOv2 backbone file must hold a flat state dict (DINOv2's "
-                             f"dinov2_vitb14_pretrain.pth), got {_what_is(sd)}")
+                             f"dinov2_vitb14_pretrain.pth), got {what_is(sd)}")
         not_tensors = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
         if not_tensors:
             raise ValueError(f"{name}: the DINOv2 backbone file must map names to tensors; {not_tensors[:5]} are "
@@ -155,24 +138,6 @@ class DINOv2Extractor(nn.Module):
             f"L2 normalisation {'on' if self.normalize else 'off'}"
         )
 
-    def input_size(self, height: int, width: int) -> Tuple[int, int]:
-        """Base input size for an image of ``height`` x ``width``: shorter side ``res`` (sides
-        rounded to the patch); with ``res=None`` the image's own size (with ``scales``) or each
-        side rounded to the nearest multiple of the patch (one scale)."""
-        if self.res is not None:
-            return stego_input_size(height, width, self.res, self.patch_size)
-        if self.scales is not None:
-            return height, width
-        return nearest_patch_size(height, width, self.patch_size)
-
-    def grid_size(self, height: int, width: int) -> Tuple[int, int]:
-        """(h, w) of the map for an image of ``height`` x ``width`` with ``output_size=None``
-        (with ``scales``: the grid of the first scale)."""
-        h, w = self.input_size(height, width)
-        if self.scales is not None:
-            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
-        return h // self.patch_size, w // self.patch_size
-
     # -- computation -----------------------------------------------------------------------
 
     def code(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,26 +147,3 @@ class DINOv2Extractor(nn.Module):
         if x.shape[-2] % p or x.shape[-1] % p:
             raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
         return self.model.patch_tokens(x)
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32.
-
-        (h, w) is :meth:`grid_size` or ``output_size`` (bilinear, align_corners=False). With
-        ``scales`` each image's map is :func:`~mars_plugin.adapters.multiscale.multiscale` of
-        :meth:`code` on the normalised base image.
-        """
-        output_size = check_output_size(output_size)
-        x = as_float_images(images)
-        x = normalize_imagenet(resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation))
-        if self.scales is not None:
-            f = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
-        elif self.flip_average:
-            c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
-            f = (c + c_flip.flip(3)) / 2
-        else:
-            f = self.code(x).float()
-        f = resize_features(f, output_size)
-        if self.normalize:
-            f = F.normalize(f, dim=1)
-        return f

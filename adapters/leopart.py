@@ -42,17 +42,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from .multiscale import check_scales, multiscale, nearest_patch_size, scaled_size
+from .code_extractor import CodeExtractor
+from .multiscale import nearest_patch_size
 from .vit import (
-    INTERPOLATIONS,
     DinoViT,
-    as_float_images,
-    check_output_size,
     describe_vit,
     load_checkpoint,
-    normalize_imagenet,
-    resize_features,
-    resize_images,
     select_prefix,
     state_dict_of,
     vit_from_state_dict,
@@ -108,7 +103,7 @@ def _projection_head(sd: Mapping[str, torch.Tensor], what: str) -> nn.Module:
     return head
 
 
-class LeopartExtractor(nn.Module):
+class LeopartExtractor(CodeExtractor):
     """Leopart's patch embeddings: (B, 3, H, W) -> (B, D, res/p, res/p).
 
     Args:
@@ -141,8 +136,6 @@ class LeopartExtractor(nn.Module):
         scales: Optional[Sequence[float]] = None,
     ):
         super().__init__()
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
         if res is not None and (
             isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size or res % model.patch_size
         ):
@@ -151,14 +144,13 @@ class LeopartExtractor(nn.Module):
         if head and projection_head is None:
             raise ValueError("head=True needs Leopart's projection head, and none was given (the checkpoint has no "
                              "'projection_head.*' weights)")
+        # Leopart's res is a square side, so it must also be a multiple of the patch (checked above).
+        self._set_inputs(model.patch_size, res=res, flip_average=flip_average,
+                         normalize=bool(head) if normalize is None else normalize, interpolation=interpolation,
+                         scales=scales)
         self.model = model
         self.projection_head = projection_head
         self.head = bool(head)
-        self.res = res
-        self.normalize = self.head if normalize is None else bool(normalize)
-        self.interpolation = interpolation
-        self.flip_average = bool(flip_average)
-        self.scales = None if scales is None else check_scales(scales)
         self.eval()
 
     @classmethod
@@ -229,13 +221,6 @@ class LeopartExtractor(nn.Module):
             return height, width
         return nearest_patch_size(height, width, self.patch_size)
 
-    def grid_size(self, height: int, width: int) -> Tuple[int, int]:
-        """(h, w) of the embeddings with ``output_size=None`` (with ``scales``: the first scale's grid)."""
-        h, w = self.input_size(height, width)
-        if self.scales is not None:
-            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
-        return h // self.patch_size, w // self.patch_size
-
     def code(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) normalised images, sides multiples of the patch -> (B, D, H/p, W/p): the
         backbone's normed patch tokens (``forward_backbone(x)[:, 1:]``) or, with ``head``, the
@@ -247,25 +232,6 @@ class LeopartExtractor(nn.Module):
         if self.head:
             tokens = F.normalize(self.projection_head(tokens).float(), dim=-1)
         return rearrange(tokens, "b (h w) d -> b d h w", h=x.shape[-2] // p, w=x.shape[-1] // p)
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32 ((h, w): :meth:`grid_size`
-        or ``output_size``)."""
-        output_size = check_output_size(output_size)
-        x = as_float_images(images)
-        x = normalize_imagenet(resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation))
-        if self.scales is not None:
-            f = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
-        elif self.flip_average:
-            c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
-            f = (c + c_flip.flip(3)) / 2
-        else:
-            f = self.code(x)
-        f = resize_features(f, output_size)
-        if self.normalize:
-            f = F.normalize(f, dim=1)
-        return f
 
 
 def _in_features(head: nn.Module) -> int:

@@ -48,25 +48,18 @@ in two files, read by :meth:`STEGOExtractor.from_files`:
 """
 from __future__ import annotations
 
-import math
 import os
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .multiscale import DHR_SETTINGS, check_scales, multiscale, nearest_patch_size, scaled_size
+from .code_extractor import CodeExtractor, load_tensor_file, stego_input_size, what_is
+from .multiscale import DHR_SETTINGS
 from .vit import (
-    INTERPOLATIONS,
     DinoViT,
-    as_float_images,
-    check_output_size,
     describe_vit,
     load_checkpoint,
-    normalize_imagenet,
-    resize_features,
-    resize_images,
     select_prefix,
     state_dict_of,
     vit_from_state_dict,
@@ -75,42 +68,6 @@ from .vit import (
 __all__ = ["STEGOExtractor", "stego_input_size", "DHR_SETTINGS"]
 
 PathLike = Union[str, os.PathLike]
-
-
-def stego_input_size(height: int, width: int, res: int, patch: int) -> Tuple[int, int]:
-    """The network input size for an image: shorter side ~ ``res``, both sides multiples of ``patch``.
-
-    Each side becomes ``floor(side * res / min(H, W) / patch + 0.5) * patch`` (at least one patch).
-    """
-    if height < 1 or width < 1:
-        raise ValueError(f"image size must be positive, got {height}x{width}")
-    s = res / min(height, width)
-
-    def side(n: int) -> int:
-        return max(patch, int(math.floor(n * s / patch + 0.5)) * patch)
-
-    return side(height), side(width)
-
-
-def _load_tensor_file(path: PathLike, what: str) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``; a file that needs unpickling
-    is a PermissionError naming the objects it holds (found by torch's scanner, never run)."""
-    try:
-        return load_checkpoint(path, trust_pickle=False, what=what)
-    except PermissionError:
-        try:
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(os.fspath(path))
-        except Exception:  # noqa: BLE001 - an old pickle protocol the scanner cannot read
-            found = ["objects in an old pickle protocol"]
-        raise PermissionError(
-            f"{os.fspath(path)}: this {what} holds pickled Python objects ({', '.join(found[:6])}), not only "
-            f"tensors; DHR's files are plain state dicts, and they are only read with torch.load(weights_only=True), "
-            f"so this file is refused and nothing in it was run"
-        ) from None
-
-
-def _what_is(obj: Any) -> str:
-    return f"a {type(obj).__name__}" + (f" with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, Mapping) else "")
 
 
 def _conv(sd: Mapping[str, torch.Tensor], prefix: str, what: str) -> nn.Conv2d:
@@ -128,7 +85,7 @@ def _conv(sd: Mapping[str, torch.Tensor], prefix: str, what: str) -> nn.Conv2d:
     return conv
 
 
-class STEGOExtractor(nn.Module):
+class STEGOExtractor(CodeExtractor):
     """STEGO's code for whole images: (B, 3, H, W) -> (B, dim, h, w).
 
     The submodules carry STEGO's own names (``model``, ``cluster1``, ``cluster2``), so
@@ -169,19 +126,11 @@ class STEGOExtractor(nn.Module):
         scales: Optional[Sequence[float]] = None,
     ):
         super().__init__()
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size):
-            raise ValueError(f"res must be None (the image's own resolution) or an integer >= the patch size "
-                             f"{model.patch_size}, got {res!r}")
+        self._set_inputs(model.patch_size, res=res, flip_average=flip_average, normalize=normalize,
+                         interpolation=interpolation, scales=scales)
         self.model = model
         self.cluster1 = cluster1
         self.cluster2 = cluster2
-        self.res = res
-        self.flip_average = bool(flip_average)
-        self.normalize = bool(normalize)
-        self.interpolation = interpolation
-        self.scales = None if scales is None else check_scales(scales)
         self.eval()
 
     # -- construction ----------------------------------------------------------------------
@@ -255,21 +204,21 @@ class STEGOExtractor(nn.Module):
         with a PermissionError and never unpickled (there is no trust option here). Keyword
         arguments go to the constructor; ``**DHR_SETTINGS`` gives DHR's inference.
         """
-        bsd = _load_tensor_file(backbone, "DINO backbone file")
+        bsd = load_tensor_file(backbone, "DINO backbone file")
         if not isinstance(bsd, Mapping) or not all(isinstance(k, str) for k in bsd):
             raise ValueError(f"{os.fspath(backbone)}: the DINO backbone file must hold a flat state dict (DINO's "
-                             f"dino_vitbase8_pretrain.pth), got {_what_is(bsd)}")
+                             f"dino_vitbase8_pretrain.pth), got {what_is(bsd)}")
         not_tensors = sorted(k for k, v in bsd.items() if not isinstance(v, torch.Tensor))
         if not_tensors:
             raise ValueError(f"{os.fspath(backbone)}: the DINO backbone file must map names to tensors; "
                              f"{not_tensors[:5]} are not tensors (a training checkpoint? DHR loads the released "
                              f"backbone weights alone, strictly)")
         model = vit_from_state_dict(bsd, what=f"{os.fspath(backbone)} (DINO backbone)")
-        hobj = _load_tensor_file(heads, "STEGO heads file")
+        hobj = load_tensor_file(heads, "STEGO heads file")
         hname = os.fspath(heads)
         if not isinstance(hobj, Mapping):
             raise ValueError(f"{hname}: the STEGO heads file must be a dict with 'cluster1' and 'cluster2', got "
-                             f"{_what_is(hobj)}")
+                             f"{what_is(hobj)}")
         missing = [k for k in ("cluster1", "cluster2") if k not in hobj]
         if missing:
             raise ValueError(f"{hname}: the STEGO heads file has no key(s) {missing} (keys: {sorted(map(str, hobj))[:8]}); "
@@ -279,7 +228,7 @@ class STEGOExtractor(nn.Module):
             sd = hobj[name]
             what = f"{hname} ['{name}']"
             if not isinstance(sd, Mapping):
-                raise ValueError(f"{what}: must be a state dict, got {_what_is(sd)}")
+                raise ValueError(f"{what}: must be a state dict, got {what_is(sd)}")
             want = {f"{i}.{t}" for i in layers for t in ("weight", "bias")}
             unexpected = sorted(set(map(str, sd)) - want)
             if unexpected:
@@ -313,31 +262,7 @@ class STEGOExtractor(nn.Module):
 
     def describe(self) -> str:
         proj = "nonlinear" if self.cluster2 is not None else "linear"
-        size = "full resolution" if self.res is None else f"shorter side {self.res}, {self.interpolation} resize"
-        scales = "" if self.scales is None else f"scales {', '.join(f'{s:g}' for s in self.scales)}, "
-        return (
-            f"STEGO on DINO {describe_vit(self.model)}, {proj} projection to dim {self.dim}; {size}, {scales}"
-            f"flip averaging {'on' if self.flip_average else 'off'}, "
-            f"L2 normalisation {'on' if self.normalize else 'off'}"
-        )
-
-    def input_size(self, height: int, width: int) -> Tuple[int, int]:
-        """Base input size for an image of ``height`` x ``width``: :func:`stego_input_size` at
-        ``res``; with ``res=None`` the image's own size (with ``scales``) or each side rounded to
-        the nearest patch multiple (one scale)."""
-        if self.res is not None:
-            return stego_input_size(height, width, self.res, self.patch_size)
-        if self.scales is not None:
-            return height, width
-        return nearest_patch_size(height, width, self.patch_size)
-
-    def grid_size(self, height: int, width: int) -> Tuple[int, int]:
-        """(h, w) of the code for an image of ``height`` x ``width`` with ``output_size=None``
-        (with ``scales``: the grid of the first scale)."""
-        h, w = self.input_size(height, width)
-        if self.scales is not None:
-            h, w = scaled_size(h, w, self.scales[0], self.patch_size)
-        return h // self.patch_size, w // self.patch_size
+        return f"STEGO on DINO {describe_vit(self.model)}, {proj} projection to dim {self.dim}; {self.settings_text()}"
 
     # -- computation -----------------------------------------------------------------------
 
@@ -352,29 +277,3 @@ class STEGOExtractor(nn.Module):
         if self.cluster2 is not None:
             out = out + self.cluster2(feat)
         return out
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, dim, h, w) float32.
-
-        (h, w) is the patch grid of the resized input (:meth:`grid_size`) or ``output_size``
-        (bilinear, align_corners=False, as STEGO up-samples its code). With ``scales`` each
-        image's code is :func:`~mars_plugin.adapters.multiscale.multiscale` of :meth:`code` on
-        the normalised base image (DHR's ``inference``, ``core/uss/__init__.py:54-74``).
-        """
-        output_size = check_output_size(output_size)
-        x = as_float_images(images)
-        x = resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation)
-        x = normalize_imagenet(x)
-        if self.scales is not None:
-            code = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
-        elif self.flip_average:
-            both = self.code(torch.cat([x, x.flip(3)], dim=0)).float()
-            c, c_flip = both.chunk(2, dim=0)
-            code = (c + c_flip.flip(3)) / 2
-        else:
-            code = self.code(x).float()
-        code = resize_features(code, output_size)
-        if self.normalize:
-            code = F.normalize(code, dim=1)
-        return code
