@@ -351,8 +351,7 @@ class CAUSEExtractor(CodeExtractor):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"x must be a normalised (B, 3, H, W) batch, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.shape[-2] % p or x.shape[-1] % p:
-            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
+        self._check_patch_multiple(x)
         grid = (x.shape[-2] // p, x.shape[-1] // p)
         z = self.backbone.patch_token_sequence(x)
         if z.ndim != 3 or z.shape[0] != x.shape[0] or z.shape[1] != grid[0] * grid[1] or z.shape[2] != self.segment.width:

@@ -106,6 +106,12 @@ class CodeExtractor(nn.Module):
         self.interpolation = interpolation
         self.scales = None if scales is None else check_scales(scales)
 
+    def _check_patch_multiple(self, x: torch.Tensor) -> None:
+        """``code``'s input check: sides that are multiples of the patch (the ViT cuts patches)."""
+        p = self.patch_size
+        if x.shape[-2] % p or x.shape[-1] % p:
+            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
+
     def settings_text(self) -> str:
         """The input settings, as ``describe()`` ends."""
         size = "full resolution" if self.res is None else f"shorter side {self.res}, {self.interpolation} resize"

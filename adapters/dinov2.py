@@ -143,7 +143,5 @@ class DINOv2Extractor(CodeExtractor):
     def code(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) normalised images, sides multiples of 14 -> (B, D, H/14, W/14): DHR's
         ``DINOv2.forward`` (``core/uss/models.py:97-100``)."""
-        p = self.patch_size
-        if x.shape[-2] % p or x.shape[-1] % p:
-            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
+        self._check_patch_multiple(x)
         return self.model.patch_tokens(x)

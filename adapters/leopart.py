@@ -225,9 +225,8 @@ class LeopartExtractor(CodeExtractor):
         """(B, 3, H, W) normalised images, sides multiples of the patch -> (B, D, H/p, W/p): the
         backbone's normed patch tokens (``forward_backbone(x)[:, 1:]``) or, with ``head``, the
         L2-normalised projection (``forward_head``, ``src/vit.py:240-245``)."""
+        self._check_patch_multiple(x)
         p = self.patch_size
-        if x.shape[-2] % p or x.shape[-1] % p:
-            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
         tokens = self.model.forward_tokens(x)[:, 1:]
         if self.head:
             tokens = F.normalize(self.projection_head(tokens).float(), dim=-1)

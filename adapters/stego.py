@@ -269,9 +269,7 @@ class STEGOExtractor(CodeExtractor):
     def code(self, x: torch.Tensor) -> torch.Tensor:
         """STEGO's code of already normalised images whose sides are multiples of the patch:
         ``cluster1(feat) + cluster2(feat)`` (``src/modules.py:108-111``, dropout off)."""
-        p = self.patch_size
-        if x.shape[-2] % p or x.shape[-1] % p:
-            raise ValueError(f"image sides must be multiples of the patch {p}, got {tuple(x.shape[-2:])}")
+        self._check_patch_multiple(x)
         feat = self.model.patch_tokens(x)
         out = self.cluster1(feat)
         if self.cluster2 is not None:

@@ -351,21 +351,9 @@ def test_from_files_is_strict_and_names_file_and_key(tmp_path):
     assert CAUSEExtractor.from_files(b, h).dim == 90
 
 
-def _touch(path):
-    """What a malicious pickle would run: leaves a marker file."""
-    open(path, "w").close()
-    return {}
-
-
-class Payload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_touch, (self.marker,))
-
-
 def test_pickled_objects_in_heads_file_are_refused_and_never_run(tmp_path):
+    from test_stego import Payload  # touches a file when unpickled
+
     proof = tmp_path / "proof"
     pickle.loads(pickle.dumps(Payload(str(proof))))  # the payload does run when unpickled...
     assert proof.exists()
