@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(e)
     add_threads(e)
 
-    from .adapters.extractor import DHR_SCALES, scales_argument, add_features_arguments
+    from .adapters.extractor import _OWN_DEFAULT, DHR_SCALES, scales_argument, add_features_arguments
+    from .reproduce import USS_CHOICES
 
     f = sub.add_parser("features", formatter_class=_Formatter,
                        help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
@@ -266,32 +267,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(r)
     add_threads(r)
     p = sub.add_parser("reproduce", formatter_class=_Formatter,
-                       help="the paper's VOC setting end to end on DHR's folder tree, with the paper's figures beside",
-                       description="On <root>/<data>/<domain>/{image,mask,xml} (DHR's layout): STEGO features with "
-                                   "DHR's multi-scale inference, centroids, debias, evaluation of the pseudo and "
-                                   "the debiased labels against <domain>/mask, and report.md with the paper's "
-                                   "published figures beside. Every stage resumes; --out remembers its settings.")
+                       help="the paper's setting end to end on DHR's folder tree (VOC2012, COCO2014), with the "
+                            "paper's figures and the other methods' masks beside",
+                       description="On <root>/<data>/<domain>/{image,mask,xml} (DHR's layout): USS features with "
+                                   "DHR's multi-scale inference (the model files as 'mars features' takes them), "
+                                   "centroids, debias, evaluation of the pseudo and the debiased labels against "
+                                   "<domain>/mask and of every other method folder of <root>/WSS/<data>/ (e.g. the "
+                                   "authors' MARS masks) with its agreement with ours, and report.md with the "
+                                   "paper's published figures beside. Every stage resumes; --out remembers its "
+                                   "settings. Under torchrun the ranks share every stage.")
     p.add_argument("--root", required=True, help="folder holding <data>/<domain>/{image,mask,xml} (DHR's --root)")
-    p.add_argument("--pseudo", required=True, help="folder of pseudo-label PNGs (e.g. RS+EPM's)")
+    p.add_argument("--pseudo", required=True, help="folder of pseudo-label PNGs (e.g. <root>/WSS/VOC2012/RSEPM/train_aug)")
     p.add_argument("--out", required=True, help="output folder (features, centroids, debiased labels, report.md)")
-    p.add_argument("--uss-backbone", default=None, help="DINO's dino_vitbase8_pretrain.pth (read with weights_only)")
-    p.add_argument("--uss-heads", default=None, help="DHR's STEGO_<data>.pt heads file (read with weights_only)")
+    p.add_argument("--uss", choices=USS_CHOICES, default="stego",
+                   help="the USS model (paper: stego; DHR: cause), loaded exactly as by 'mars features'")
+    p.add_argument("--checkpoint", default=None,
+                   help="STEGO Lightning .ckpt (e.g. cocostuff27_vit_base_5.ckpt; a pickle: needs --trust-pickle) "
+                        "or Leopart .ckpt" + _OWN_DEFAULT)
+    p.add_argument("--backbone", "--uss-backbone", dest="backbone", default=None,
+                   help="DINO's dino_vitbase8_pretrain.pth (stego, with --heads) or DINOv2's "
+                        "dinov2_vit?14_pretrain.pth (cause with --heads; dinov2 alone); weights_only" + _OWN_DEFAULT)
+    p.add_argument("--heads", "--uss-heads", dest="heads", default=None,
+                   help="DHR's STEGO_<data>.pt or CAUSE_<data>.pt, or CAUSE's own release (see docs/adapters.md); "
+                        "weights_only" + _OWN_DEFAULT)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow unpickling --checkpoint (STEGO's and Lightning's .ckpt files need it); only for "
+                        "files you trust")
     p.add_argument("--features", default=None,
-                   help="instead of --uss-backbone/--uss-heads: a folder of <id>.pt/.npy features already computed "
-                        "(e.g. <root>/VOC2012/train_aug/STEGO from DHR's produce_uss_features.py)")
-    p.add_argument("--data", default="VOC2012", help="dataset folder under --root (DHR's --data)")
-    p.add_argument("--domain", default="train_aug", help="split folder under <data> (DHR's --domain)")
+                   help="instead of the model files: a folder of <id>.pt/.npy features already computed "
+                        "(e.g. <root>/VOC2012/train_aug/STEGO from DHR's produce_uss_features.py)" + _OWN_DEFAULT)
+    p.add_argument("--data", default="VOC2012", help="dataset folder under --root (DHR's --data: VOC2012, COCO2014)")
+    p.add_argument("--domain", default=None,
+                   help="split folder under <data> (DHR's --domain; default: train_aug for VOC2012, train "
+                        "otherwise)" + _OWN_DEFAULT)
     p.add_argument("--scales", type=scales_argument, default=DHR_SCALES,
                    help="feature scales, comma-separated; the first sets the feature grid (DHR's inference)")
     p.add_argument("--no-flip", action="store_true", help="no flip averaging of the features")
     _add_selection(p)
     p.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="dense CRF or a plain threshold")
     p.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
-    p.add_argument("--device", default="cpu", help="where features, K-means and CRF run: cpu, cuda, cuda:1, auto")
+    p.add_argument("--device", default="cpu",
+                   help="where features, K-means and CRF run: cpu, cuda, cuda:1, or auto (under torchrun: GPU "
+                        "LOCAL_RANK)")
     p.add_argument("--fp16", action="store_true", help="features under float16 autocast (GPUs)")
     p.add_argument("--batch-size", type=int, default=8, help="images per CRF call (64 suits a GPU)")
     p.add_argument("--workers", type=int, default=1, help="debias processes on the CPU (one thread each)")
     p.add_argument("--num-examples", type=int, default=8, help="most-changed images shown in the report")
+    p.add_argument("--no-references", action="store_true",
+                   help="do not score the other method folders of <root>/WSS/<data>/")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the tree and say what each stage would read and write, computing and writing "
+                        "nothing (exit 1 when it finds a mismatch)")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="a bad input file: stop with its name (exit 2), or skip it, name it and exit 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -402,17 +428,21 @@ def _main(argv: Optional[List[str]]) -> int:
         elif args.command == "reproduce":
             from .reproduce import reproduce
 
+            joined = _maybe_init_distributed()
             res = reproduce(
-                args.root, args.pseudo, args.out, backbone=args.uss_backbone, heads=args.uss_heads,
-                features_dir=args.features, data=args.data, domain=args.domain, scales=args.scales,
-                flip=not args.no_flip, alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed,
-                refine=args.refine, crf_params=args.crf_params, device=args.device, fp16=args.fp16,
-                batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
-                on_error=args.on_error, progress=progress,
+                args.root, args.pseudo, args.out, uss=args.uss, checkpoint=args.checkpoint, backbone=args.backbone,
+                heads=args.heads, trust_pickle=args.trust_pickle, features_dir=args.features, data=args.data,
+                domain=args.domain, scales=args.scales, flip=not args.no_flip, alpha=args.alpha, k_fg=args.k_fg,
+                k_bg=args.k_bg, seed=args.seed, refine=args.refine, crf_params=args.crf_params, device=args.device,
+                fp16=args.fp16, batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
+                references=not args.no_references, on_error=args.on_error, dry_run=args.dry_run, progress=progress,
             )
+            if args.dry_run:
+                return 1 if res["mismatches"] else 0
             p, d = res["pseudo"], res["debiased"]
-            print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
-                  f"({p['num_images']} images); details and the paper's figures in {res['report']}")
+            if res["rank"] == 0:
+                print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
+                      f"({p['num_images']} images); details and the paper's figures in {res['report']}")
             s = res["summary"]
         elif args.command == "report":
             report, s = jobs.report_job(

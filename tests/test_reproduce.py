@@ -161,16 +161,23 @@ def test_features_stage_from_dhr_files_through_the_cli(tree, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv_extra, message", [
-    ([], "either --uss-backbone/--uss-heads"),
-    (["--uss-backbone", "b.pth"], "both --uss-backbone and --uss-heads"),
+    ([], "give the USS model files"),
+    (["--uss-backbone", "b.pth"], "--backbone b.pth: no such file"),
     (["--features", "nowhere"], "--features nowhere: not a folder"),
+    (["--features", ".", "--checkpoint", "x.ckpt"], "not both"),
+    (["--uss", "cause", "--checkpoint", "{real}"], "--uss cause reads"),
+    (["--uss", "stego", "--backbone", "{real}"], "--backbone and --heads go together"),
+    (["--uss", "stego", "--checkpoint", "{real}", "--heads", "{real}"], "either --checkpoint FILE or --backbone"),
 ])
 def test_bad_flags_are_named(tree, tmp_path, capsys, argv_extra, message):
     _, root, pseudo, _ = tree
+    real = tmp_path / "real.pth"  # exists: the flag combination, not the file, is what is wrong
+    real.write_bytes(b"x")
     argv = ["reproduce", "--root", str(root), "--data", DATA, "--pseudo", str(pseudo), "--out", str(tmp_path / "o"),
-            "--no-progress"] + argv_extra
+            "--no-progress"] + [a.replace("{real}", str(real)) for a in argv_extra]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "centroids.pt").exists()  # refused before any work
 
 
 def test_missing_tree_is_named(tmp_path, capsys):
