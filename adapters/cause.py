@@ -1,4 +1,5 @@
-"""CAUSE features (Kim et al., Pattern Recognition 2024) as DHR computes them, for MARS.
+"""CAUSE features (Kim et al., Pattern Recognition 2024) as DHR computes them, for MARS, from DHR's
+heads file or from CAUSE's own release.
 
 DHR (shjo-april/DHR @ 94d5189, the MARS authors' follow-up) trains with CAUSE features on a
 DINOv2 backbone. What it computes, read from its code (file:line of that commit):
@@ -32,6 +33,39 @@ DINOv2 backbone. What it computes, read from its code (file:line of that commit)
 * DHR's features: ``inference(model, Normalize(image))`` (``produce_uss_features.py:12,17,32-34``,
   ``core/uss/__init__.py:54-74``), i.e. :func:`~mars_plugin.adapters.multiscale.multiscale` on the
   full-resolution image, not L2-normalised: ``CAUSEExtractor.from_files(b, h, **DHR_SETTINGS)``.
+
+CAUSE's own release (ByungKwanLee/Causal-Unsupervised-Segmentation @ ee0aa84; file:line of that
+commit) is read too, from the files as its scripts write and read them:
+
+* ``segment_tr.pth`` in ``CAUSE/<dataset>/<baseline>/<num_codebook>/`` (``train_front_door_tr.py:
+  291-300``, ``fine_tuning_tr.py:253-261``; ``<baseline>`` the backbone file's stem, e.g.
+  ``dinov2_vit_base_14``, ``<num_codebook>`` 2048 by default) is ``segment.state_dict()`` of the
+  whole ``Segment_TR`` (``modules/segment.py:27-47``), DistributedDataParallel unwrapped first
+  (l. 208), so without ``module.``: ``head.*`` (the student), ``projection_head.f.*``,
+  ``head_ema.*`` (the EMA head, the same ``Decoder`` as DHR's ``CauseDecoder``, same keys:
+  ``modules/segment_module.py:38-90``), ``projection_head_ema.f.*``, ``linear.f.*``. Inference
+  runs ``head_ema`` (``test_tr.py:26-28``); we build it from the ``head_ema.*`` keys only and
+  check that the others are exactly those.
+* The codebook, ``modular.npy`` in ``CAUSE/<dataset>/modularity/<baseline>/<num_codebook>/``
+  (``utils/utils.py:54-62``): ``np.save`` of the float32 (num_codebook, D) codebook
+  (``train_mediator.py:103-106``), loaded by ``np.load`` + ``torch.from_numpy`` into
+  ``head_ema.codebook``, a plain attribute (``train_front_door_tr.py:217-226``,
+  ``test_tr.py:215-225``).
+* ``cluster_tr.pth`` (``fine_tuning_tr.py:263-264``) is CAUSE's ``Cluster``
+  (``segment_module.py:92-110``): a copy of the codebook and the cluster probe used by CAUSE's own
+  evaluation. The features do not need it and it is not read.
+* Sizes: reduced_dim 90, FFN 2048, one head (``segment_module.py:40``); ``num_queries =
+  train_resolution**2 // patch**2`` with train_resolution 322 for DINOv2, else 320
+  (``train_front_door_tr.py:342-349``): 529 for DINOv2 ViT/14, 1600 for patch 8, 400 for patch 16.
+  CAUSE's ``Decoder`` adds ``query_pos`` unresampled (l. 86-90), so it runs on 23 x 23 grids only;
+  resampled as DHR does, the code is the same there (:func:`resample_queries` is the identity at
+  529) and defined at any size.
+* Backbones: CAUSE releases CAUSE-TR for DINO ViT-S/8, S/16, B/8, DINOv2 ViT-B/14, iBOT ViT-B/16,
+  MSN ViT-S/16 and MAE ViT-B/16 (``README.md:67-117``). Only DINOv2 ViT/14 is supported here
+  (DHR's backbone family, and the one our DINOv2 ViT loads): a release folder named for another
+  baseline or a ``head_ema.query_pos`` of other than 529 rows is refused. CAUSE's DINOv2 model
+  returns the final-LayerNorm tokens, ``[:, 1:]`` taken as in DHR (``models/dinov2vit.py:631-640``,
+  ``train_front_door_tr.py:58``).
 
 What we do differently: our modules run attention in (B, N, D) layout (``batch_first=True``; the
 state-dict keys do not depend on it) and without the attention-weight output DHR discards, so the
