@@ -49,8 +49,9 @@ def stego_input_size(height: int, width: int, res: int, patch: int) -> Tuple[int
 
 
 def load_tensor_file(path: PathLike, what: str) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``; a file that needs unpickling
-    is a PermissionError naming the objects it holds (found by torch's scanner, never run)."""
+    """``torch.load(path, map_location="cpu", weights_only=True)`` (DHR's and CAUSE's files); a
+    file that needs unpickling is a PermissionError naming the objects it holds (found by torch's
+    scanner, never run)."""
     try:
         return load_checkpoint(path, trust_pickle=False, what=what)
     except PermissionError:
@@ -60,8 +61,8 @@ def load_tensor_file(path: PathLike, what: str) -> Any:
             found = ["objects in an old pickle protocol"]
         raise PermissionError(
             f"{os.fspath(path)}: this {what} holds pickled Python objects ({', '.join(found[:6])}), not only "
-            f"tensors; DHR's files are plain state dicts, and they are only read with torch.load(weights_only=True), "
-            f"so this file is refused and nothing in it was run"
+            f"tensors; DHR's and CAUSE's weight files are plain state dicts, and they are only read with "
+            f"torch.load(weights_only=True), so this file is refused and nothing in it was run"
         ) from None
 
 

@@ -2,6 +2,7 @@
 core/uss/layers.py with explicit ops, DHR's heads-file layout and its strict loading, the
 quantisation's tie rule, multi-scale inference, and `mars features --uss cause`."""
 import math
+import re
 import pickle
 
 import numpy as np
@@ -431,3 +432,248 @@ def test_features_written_as_pt_feed_mars_centroids(tmp_path, uss):
                  "--out", str(tmp_path / "V.pt"), "--no-progress"]) == 0
     V = DebiasedCentroids.load(tmp_path / "V.pt")
     assert V.centroids.shape == (3, 90 if uss == "cause" else WIDTH) and bool(V.valid[1:].all())
+
+
+# -- CAUSE's own release: CAUSE/<dataset>/<baseline>/<num_codebook>/segment_tr.pth + modularity/.../modular.npy
+
+#: n_classes of CAUSE's pascalvoc (loader/dataloader.py:26) and its projection_dim default
+#: (train_front_door_tr.py:338): the sizes of the modules of Segment_TR we do not build.
+N_CLASSES, PROJECTION_DIM = 21, 2048
+
+
+def release_segment_sd(dec, seed=5):
+    """segment_tr.pth as CAUSE writes it: segment.state_dict() of its whole Segment_TR
+    (modules/segment.py:27-47, saved unwrapped by train_front_door_tr.py:208,292-300), in its
+    registration order: head (the student), projection_head, head_ema, projection_head_ema, linear."""
+    g = torch.Generator().manual_seed(seed)
+    student = {"head." + k[len("head_ema."):]: torch.randn(v.shape, generator=g) for k, v in dhr_decoder_sd(WIDTH, seed=seed).items()}
+    proj = lambda m: {f"{m}.f.weight": torch.randn(PROJECTION_DIM, 90, 1, 1, generator=g),  # noqa: E731
+                      f"{m}.f.bias": torch.randn(PROJECTION_DIM, generator=g)}
+    return {**student, **proj("projection_head"), **dec, **proj("projection_head_ema"),
+            "linear.f.weight": torch.randn(N_CLASSES, 90, 1, 1, generator=g), "linear.f.bias": torch.randn(N_CLASSES, generator=g)}
+
+
+def release_files(tmp_path, segment=None, codebook=None, where=("upstream",), baseline="dinov2_vit_base_14",
+                  dataset="pascalvoc", num_codebook="2048"):
+    """A tiny CAUSE release in CAUSE's layout (utils/utils.py:54-62, fine_tuning_tr.py:254-264) and
+    DHR's CAUSE_<dataset>.pt holding the same EMA head and codebook. Returns (backbone file,
+    release folder, DHR file, codebook)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    b, h, vit, dec, cb = dhr_files(tmp_path)
+    folder = tmp_path / "CAUSE" / dataset / baseline / num_codebook
+    folder.mkdir(parents=True)
+    sd = release_segment_sd(dec)
+    torch.save(sd if segment is None else segment(sd), folder / "segment_tr.pth")
+    # CAUSE's Cluster (segment_module.py:92-110): the codebook copy and the cluster probe; never read
+    torch.save({"codebook": cb, "cluster_probe": torch.randn(N_CLASSES, 90)}, folder / "cluster_tr.pth")
+    arr = cb.numpy() if codebook is None else codebook(cb.numpy())
+    for w in where:
+        d = tmp_path / "CAUSE" / dataset / "modularity" / baseline / num_codebook if w == "upstream" else folder
+        d.mkdir(parents=True, exist_ok=True)
+        np.save(d / "modular.npy", arr)  # train_mediator.py:105
+    return b, folder, h, cb
+
+
+def same_features(ex, ref):
+    img = torch.randint(0, 256, (2, 3, 30, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(12))
+    return torch.equal(ex(img), ref(img)) and torch.equal(ex.code(normalised(28, 42)), ref.code(normalised(28, 42)))
+
+
+def test_release_key_names_are_causes():
+    """The keys we write for segment_tr.pth are those of CAUSE's Segment_TR: head and head_ema are
+    the same Decoder (modules/segment.py:38,44), whose keys are DHR's CauseDecoder's."""
+    sd = release_segment_sd(dhr_decoder_sd(WIDTH))
+    head = sorted(k for k in sd if k.startswith("head_ema."))
+    assert head == sorted(CAUSESegment(WIDTH).state_dict())
+    assert sorted(k for k in sd if k.startswith("head.")) == sorted("head." + k[len("head_ema."):] for k in head)
+    assert sorted(set(sd) - set(head) - {k for k in sd if k.startswith("head.")}) == sorted(cause_mod._RELEASE_EXTRA_KEYS)
+
+
+@pytest.mark.parametrize("form", ["folder", "segment_file", "beside", "both"])
+def test_release_forms_give_the_dhr_forms_features_exactly(tmp_path, form):
+    where = {"beside": ("beside",), "both": ("upstream", "beside")}.get(form, ("upstream",))
+    b, folder, h, cb = release_files(tmp_path, where=where)
+    heads = folder / "segment_tr.pth" if form == "segment_file" else folder
+    ex = CAUSEExtractor.from_files(b, heads, **DHR_SETTINGS)
+    ref = CAUSEExtractor.from_files(b, h, **DHR_SETTINGS)
+    assert torch.equal(ex.codebook, ref.codebook) and torch.equal(ex.codebook, cb)
+    assert all(torch.equal(v, ref.segment.state_dict()[k]) for k, v in ex.segment.state_dict().items())
+    assert same_features(ex, ref)
+    # ...and not because everything is equal to everything: another codebook changes them
+    other = CAUSEExtractor(ref.backbone, ref.segment, random_codebook(7, WIDTH, seed=9), **DHR_SETTINGS)
+    assert not same_features(other, ref)
+
+
+def test_release_with_a_relative_folder(tmp_path, monkeypatch):
+    b, folder, h, _ = release_files(tmp_path)
+    monkeypatch.chdir(folder)
+    assert same_features(CAUSEExtractor.from_files(b, "."), CAUSEExtractor.from_files(b, h))
+
+
+def test_release_missing_codebook_names_where_it_looked(tmp_path):
+    b, folder, _, _ = release_files(tmp_path, where=())
+    upstream = tmp_path / "CAUSE" / "pascalvoc" / "modularity" / "dinov2_vit_base_14" / "2048" / "modular.npy"
+    with pytest.raises(FileNotFoundError, match=rf"modular\.npy was not found; looked for {re.escape(str(upstream))}"
+                                                 rf".* and {re.escape(str(folder / 'modular.npy'))}"):
+        CAUSEExtractor.from_files(b, folder)
+
+
+def test_release_codebooks_that_differ_are_refused(tmp_path):
+    b, folder, _, _ = release_files(tmp_path, where=("upstream",))
+    np.save(folder / "modular.npy", random_codebook(7, WIDTH, seed=4).numpy())
+    with pytest.raises(ValueError, match=r"are both CAUSE codebooks .* and they differ"):
+        CAUSEExtractor.from_files(b, folder)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda a: np.zeros((7, 768), np.float32), r"must be \(K, 192\), D = the width of the backbone in .*dinov2_vitt14\.pth; got shape \(7, 768\)"),
+    (lambda a: a[0], r"must be \(K, 192\).*got shape \(192,\)"),
+    (lambda a: a[None], r"must be \(K, 192\).*got shape \(1, 7, 192\)"),
+    (lambda a: np.zeros((0, 192), np.float32), r"must be \(K, 192\).*got shape \(0, 192\)"),
+    (lambda a: np.where(np.arange(7)[:, None] == 3, np.nan, a).astype(np.float32), r"holds 192 NaN or infinite value\(s\) of 1344"),
+    (lambda a: np.full_like(a, np.inf), r"holds 1344 NaN or infinite"),
+    (lambda a: a.astype(np.int64), r"must be a float \(K, D\) array, got dtype int64"),
+])
+def test_release_codebook_checks_name_the_file_and_shapes(tmp_path, bad, message):
+    b, folder, _, _ = release_files(tmp_path, codebook=bad)
+    with pytest.raises(ValueError, match=r"modularity.dinov2_vit_base_14.2048.modular\.npy: .*" + message):
+        CAUSEExtractor.from_files(b, folder)
+
+
+def test_release_codebook_in_other_float_types(tmp_path):
+    b, folder, h, cb = release_files(tmp_path, codebook=lambda a: a.astype(">f8"))  # big-endian float64
+    ex = CAUSEExtractor.from_files(b, folder)
+    assert torch.equal(ex.codebook, cb)
+
+
+def test_release_pickles_are_refused_and_never_run(tmp_path):
+    from test_stego import Payload  # touches a file when unpickled
+
+    marker = tmp_path / "ran"
+    # segment_tr.pth holding a pickled object
+    b, folder, _, _ = release_files(tmp_path, segment=lambda sd: dict(sd, meta=Payload(str(marker))))
+    with pytest.raises(PermissionError, match=r"segment_tr\.pth: .*_touch.*nothing in it was run"):
+        CAUSEExtractor.from_files(b, folder)
+    with pytest.raises(PermissionError, match=r"segment_tr\.pth: .*_touch"):
+        CAUSEExtractor.from_files(b, folder / "segment_tr.pth")
+    # modular.npy as an object array (np.save needs allow_pickle for it) and as a plain pickle
+    b, folder, _, _ = release_files(tmp_path / "npy", where=("beside",))
+    np.save(folder / "modular.npy", np.array([Payload(str(marker))], dtype=object), allow_pickle=True)
+    with pytest.raises(PermissionError, match=r"modular\.npy: this codebook file holds pickled Python objects.*"
+                                              r"allow_pickle=False.*nothing in it was run"):
+        CAUSEExtractor.from_files(b, folder)
+    with open(folder / "modular.npy", "wb") as f:
+        pickle.dump(Payload(str(marker)), f)
+    with pytest.raises(PermissionError, match=r"modular\.npy: this codebook file holds pickled"):
+        CAUSEExtractor.from_files(b, folder)
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(Payload(str(marker))))  # the payload does run when unpickled
+    assert marker.exists()
+    (folder / "modular.npy").write_text("not an array")
+    with pytest.raises(ValueError, match=r"modular\.npy: cannot read CAUSE's codebook with np\.load \(not a \.npy file"):
+        CAUSEExtractor.from_files(b, folder)
+
+
+def test_heads_neither_form_is_one_clear_error(tmp_path):
+    b, folder, h, _ = release_files(tmp_path)
+    both = r"Expected \(1\) DHR's CAUSE_<dataset>\.pt.*\(2\) CAUSE's release folder.*segment_tr\.pth.*\(3\) that segment_tr\.pth file"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=rf"empty: not CAUSE heads in either form; found an empty folder\. {both}"):
+        CAUSEExtractor.from_files(b, empty)
+    # one level too high: the folder holds the <num_codebook> folder
+    with pytest.raises(ValueError, match=rf"dinov2_vit_base_14: not CAUSE heads .*found a folder holding \['2048/'\]\. {both}"):
+        CAUSEExtractor.from_files(b, folder.parent)
+    mlp = tmp_path / "mlp"
+    mlp.mkdir()
+    torch.save({}, mlp / "segment_mlp.pth")
+    with pytest.raises(ValueError, match=r"\['segment_mlp\.pth'\] \(a CAUSE-MLP release; CAUSEExtractor reads CAUSE-TR"):
+        CAUSEExtractor.from_files(b, mlp)
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=rf"other\.pt: not CAUSE heads .*found a dict with keys \['state_dict'\]\. {both}"):
+        CAUSEExtractor.from_files(b, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"cluster_tr\.pth: this is CAUSE's cluster_tr\.pth .*pass segment_tr\.pth"):
+        CAUSEExtractor.from_files(b, folder / "cluster_tr.pth")
+    with pytest.raises(FileNotFoundError, match=r"CAUSE heads file or folder .*absent does not exist"):
+        CAUSEExtractor.from_files(b, tmp_path / "absent")
+
+
+def test_release_with_module_prefix_is_refused(tmp_path):
+    """CAUSE saves the unwrapped Segment_TR (train_front_door_tr.py:208), so a 'module.' file is not
+    one of its files, and CAUSE's strict=False loader would skip every key of it."""
+    b, folder, _, _ = release_files(tmp_path, segment=lambda sd: {"module." + k: v for k, v in sd.items()})
+    with pytest.raises(ValueError, match=r"segment_tr\.pth: keys start with 'module\.'.*DistributedDataParallel"):
+        CAUSEExtractor.from_files(b, folder)
+
+
+def test_release_is_strict_and_names_file_and_key(tmp_path):
+    def without(key):
+        return lambda sd: {k: v for k, v in sd.items() if k != key}
+
+    b, folder, _, _ = release_files(tmp_path / "a", segment=without("linear.f.bias"))
+    with pytest.raises(ValueError, match=r"segment_tr\.pth does not match CAUSE's Segment_TR .*missing key\(s\) \['linear\.f\.bias'\]"):
+        CAUSEExtractor.from_files(b, folder)
+    b, folder, _, _ = release_files(tmp_path / "b", segment=lambda sd: dict(sd, **{"cluster_probe": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"segment_tr\.pth does not match .*unexpected key\(s\) \['cluster_probe'\]"):
+        CAUSEExtractor.from_files(b, folder)
+    b, folder, _, _ = release_files(tmp_path / "c", segment=without("head_ema.tr.norm3.bias"))
+    with pytest.raises(ValueError, match=r"segment_tr\.pth does not match the EMA head .*missing key\(s\) \['head_ema\.tr\.norm3\.bias'\]"):
+        CAUSEExtractor.from_files(b, folder)
+    bad = {"head_ema.tr.f2.2.weight": torch.zeros(90, 100, 1, 1)}
+    b, folder, _, _ = release_files(tmp_path / "d", segment=lambda sd: dict(sd, **bad))
+    with pytest.raises(ValueError, match=r"segment_tr\.pth \(backbone width 192\).*head_ema\.tr\.f2\.2\.weight"):
+        CAUSEExtractor.from_files(b, folder)
+    b, folder, _, _ = release_files(tmp_path / "e", segment=lambda sd: dict(sd, **{"head_ema.query_pos": torch.zeros(529, 768)}))
+    with pytest.raises(ValueError, match=r"segment_tr\.pth: 'head_ema\.query_pos' has shape \(529, 768\), expected \(Q, 192\)"):
+        CAUSEExtractor.from_files(b, folder)
+
+
+@pytest.mark.parametrize("baseline, message", [
+    ("dino_vit_base_8", r"CAUSE's release for dino_vit_base_8 \(DINO ViT-B/8\); CAUSEExtractor runs on DINOv2"),
+    ("dino_vit_small_16", r"release for dino_vit_small_16 \(DINO ViT-S/16\)"),
+    ("mae_vit_base_16", r"release for mae_vit_base_16 \(MAE ViT-B/16\)"),
+])
+def test_release_for_another_backbone_is_refused_by_its_folder(tmp_path, baseline, message):
+    b, folder, _, _ = release_files(tmp_path, baseline=baseline)
+    for heads in (folder, folder / "segment_tr.pth"):
+        with pytest.raises(ValueError, match=r"segment_tr\.pth: this is .*" + message):
+            CAUSEExtractor.from_files(b, heads)
+
+
+@pytest.mark.parametrize("queries, message", [
+    (1600, r"has 1600 rows = 320\*\*2 // 8\*\*2: CAUSE trained it for a backbone with 8-pixel patches"),
+    (400, r"has 400 rows = 320\*\*2 // 16\*\*2: CAUSE trained it for a backbone with 16-pixel patches"),
+    (100, r"has 100 rows; CAUSE's DINOv2 release has 529 = 322\*\*2 // 14\*\*2"),
+])
+def test_release_for_another_backbone_is_refused_by_its_queries(tmp_path, queries, message):
+    """A DINO ViT-B/8 release has the DINOv2 ViT-B/14 release's width (768): only the query count
+    (train_front_door_tr.py:349) tells them apart once the folder is renamed."""
+    q = {"head_ema.query_pos": torch.randn(queries, WIDTH)}
+    b, folder, _, _ = release_files(tmp_path, segment=lambda sd: dict(sd, **q), baseline="renamed")
+    with pytest.raises(ValueError, match=r"segment_tr\.pth: 'head_ema\.query_pos' " + message):
+        CAUSEExtractor.from_files(b, folder)
+
+
+def test_cli_features_from_a_cause_release_folder(tmp_path, capsys):
+    from PIL import Image
+
+    from mars_plugin.cli import main
+
+    b, folder, h, _ = release_files(tmp_path)
+    images, out = tmp_path / "images", tmp_path / "features"
+    images.mkdir()
+    rng = np.random.default_rng(7)
+    sizes = {"a": (21, 27), "b": (16, 30)}
+    for stem, (hh, ww) in sizes.items():
+        Image.fromarray(rng.integers(0, 256, (hh, ww, 3)).astype(np.uint8)).save(images / f"{stem}.png")
+    assert main(["features", "--uss", "cause", "--backbone", str(b), "--heads", str(folder), "--images", str(images),
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "CAUSE on DINOv2 ViT-Ti/14" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["a.npy", "b.npy"]
+    ex = CAUSEExtractor.from_files(b, h)  # DHR's file holding the same weights, the CLI's defaults
+    for stem in sizes:
+        rgb = torch.from_numpy(np.array(Image.open(images / f"{stem}.png").convert("RGB"))).permute(2, 0, 1)[None]
+        got = np.load(out / f"{stem}.npy", allow_pickle=False)
+        want = ex(rgb)[0].numpy().astype(got.dtype)
+        assert got.shape == want.shape and got.shape[0] == 90
+        np.testing.assert_array_equal(got, want)
