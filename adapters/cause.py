@@ -80,7 +80,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -311,6 +311,21 @@ def _release_codebook_paths(folder: str) -> Tuple[str, str]:
     f = Path(os.path.abspath(folder))
     return (str(f.parent.parent / "modularity" / f.parent.name / f.name / RELEASE_CODEBOOK),
             str(f / RELEASE_CODEBOOK))
+
+
+def heads_files(heads: PathLike) -> List[str]:
+    """Every file that reading ``heads`` may open, without opening any: the file itself, or for
+    CAUSE's release (a folder, or its ``segment_tr.pth``) that file and the ``modular.npy``
+    candidates of :func:`_release_codebook_paths` that exist. What a resumable run records as
+    the identity of its model (``mars reproduce``)."""
+    name = os.fspath(heads)
+    if os.path.isdir(name):
+        folder, files = name, [os.path.join(name, RELEASE_SEGMENT)]
+    else:
+        folder, files = os.path.dirname(os.path.abspath(name)), [name]
+        if os.path.basename(name) != RELEASE_SEGMENT:
+            return files
+    return files + [p for p in _release_codebook_paths(folder) if os.path.isfile(p)]
 
 
 def load_codebook_npy(path: PathLike) -> torch.Tensor:

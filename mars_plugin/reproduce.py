@@ -135,8 +135,14 @@ def _model_settings(uss: str, checkpoint, backbone, heads, trust_pickle: bool) -
     for flag, f in files.items():
         if f is not None and not Path(f).exists():
             raise ValueError(f"--{flag} {f}: no such file or folder")
-    return {"uss": uss, **{k: _file_id(v) for k, v in files.items() if v is not None},
-            "trust_pickle": bool(trust_pickle)}
+    out = {"uss": uss, **{k: _file_id(v) for k, v in files.items() if v is not None},
+           "trust_pickle": bool(trust_pickle)}
+    if uss == "cause" and heads is not None:
+        from .adapters.cause import heads_files
+
+        # CAUSE's release keeps its codebook in a sibling folder: record every file read.
+        out["heads_files"] = [_file_id(f) for f in heads_files(heads) if Path(f).is_file()]
+    return out
 
 
 def reproduce(

@@ -258,6 +258,22 @@ def test_stego_lightning_checkpoint_and_cause_files_run_the_features_stage(wss_t
     out = tmp_path / "cause"
     assert _run_cli(tree, pseudo, out, "--uss", "cause", "--backbone", b, "--heads", h) == 0
     assert torch.load(out / "features" / f"{small[0]}.pt", weights_only=True).shape[0] == 90
+    # CAUSE's own release (a folder whose codebook lives in a sibling folder) gives the same features,
+    # and its codebook is part of the run's identity.
+    from test_cause import release_files
+
+    b2, folder, _, _ = release_files(tmp_path / "rel")
+    out2 = tmp_path / "cause_release"
+    assert _run_cli(tree, pseudo, out2, "--uss", "cause", "--backbone", b2, "--heads", folder) == 0
+    for s in small:
+        assert torch.equal(torch.load(out2 / "features" / f"{s}.pt", weights_only=True),
+                           torch.load(out / "features" / f"{s}.pt", weights_only=True))
+    recorded = json.loads((out2 / "reproduce.json").read_text())["settings"]["heads_files"]
+    assert any(r["path"].endswith("modularity/dinov2_vit_base_14/2048/modular.npy") for r in recorded)
+    codebook = next(Path(r["path"]) for r in recorded if r["path"].endswith("modular.npy"))
+    np.save(codebook, np.load(codebook) + 1)
+    assert _run_cli(tree, pseudo, out2, "--uss", "cause", "--backbone", b2, "--heads", folder) == 2
+    assert "other settings (heads_files" in capsys.readouterr().err
     # The same files through mars features give the same tensors: one extractor set-up.
     assert cli.main(["features", "--uss", "cause", "--backbone", str(b), "--heads", str(h), "--dhr", "--format",
                      "pt", "--images", str(tree / DATA / "train_aug" / "image"), "--out", str(tmp_path / "f"),
