@@ -4,6 +4,10 @@ Each job reads the disk layout of :mod:`mars_plugin.files`, streams one image at
 progress bar, writes every output atomically, and treats a bad input file according to
 ``on_error``: ``"stop"`` raises a :class:`JobError` naming the file, ``"skip"`` reports it and
 goes on (the summary lists every skipped file).
+
+Under torch.distributed (``torchrun``) each job works on its strided shard of the images;
+:func:`barrier`, :func:`all_ok`, :func:`share_error` and :func:`sync_group` let the ranks meet
+and learn that one of them failed (no-ops in one process).
 """
 from __future__ import annotations
 
