@@ -253,7 +253,7 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def sync_group(timeout: timedelta = SYNC_TIMEOUT):
+def sync_group(timeout: timedelta = SYNC_TIMEOUT) -> Optional[Any]:
     """A gloo process group of every rank whose collectives wait up to ``timeout``, for
     :func:`barrier`, :func:`all_ok` and :func:`share_error` at the end of a long job (None
     without torch.distributed: the helpers then use no group). A collective itself: every rank
@@ -267,7 +267,7 @@ def sync_group(timeout: timedelta = SYNC_TIMEOUT):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def barrier(group=None) -> None:
+def barrier(group: Optional[Any] = None) -> None:
     """Wait until every rank (of ``group``, default: all) gets here; a no-op without
     torch.distributed."""
     if _dist_ready():
@@ -276,7 +276,7 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def _gather_errors(error: Optional[str], group) -> List[Tuple[int, str]]:
+def _gather_errors(error: Optional[str], group: Optional[Any]) -> List[Tuple[int, str]]:
     """(rank, message) of every rank that passed a message; every rank gets the same list."""
     import torch.distributed as dist
 
@@ -285,7 +285,7 @@ def _gather_errors(error: Optional[str], group) -> List[Tuple[int, str]]:
     return [(r, e) for r, e in enumerate(got) if e is not None]
 
 
-def all_ok(ok: bool, group=None) -> bool:
+def all_ok(ok: bool, group: Optional[Any] = None) -> bool:
     """True when ``ok`` is true on every rank (without torch.distributed: ``ok``).
 
     A barrier that carries one bit: every rank calls it at the same point, a rank that failed
@@ -295,7 +295,7 @@ def all_ok(ok: bool, group=None) -> bool:
     return not _gather_errors(None if ok else "failed", group)
 
 
-def share_error(error: Optional[BaseException], group=None) -> None:
+def share_error(error: Optional[BaseException], group: Optional[Any] = None) -> None:
     """Make a failure on one rank a failure on every rank.
 
     Every rank calls it at the same point with the exception it caught (None: it succeeded);
