@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.jobs import JobError, JobSummary
+from mars_plugin.jobs import JobError, JobSummary, _dist_ready, _rank_world, resolve_device, share_error, sync_group
 
 from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
 from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
@@ -219,7 +219,8 @@ def features_job(
             in eval mode).
         batch_size: images per forward pass; only images of the same size share a batch (a few
             sizes are buffered at once, at most ``4 * batch_size`` images).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``... or ``"auto"``: GPU ``LOCAL_RANK`` (mod
+            the GPU count) when CUDA is available, else the CPU (the rule of every ``mars`` job).
         fp16: run under ``torch.autocast`` in float16 (for GPUs; the files are float16 anyway).
         output_size: None (the extractor's grid, e.g. (H'/8, W'/8) for STEGO ViT-S/8: the
             smallest files; the core resizes to the label), ``"image"`` (each image's own H x W)
@@ -228,7 +229,7 @@ def features_job(
         on_error: a file that cannot be read (or clashes with another of the same stem):
             ``"stop"`` raises :class:`~mars_plugin.jobs.JobError` naming it; ``"skip"`` records
             it in the summary and goes on.
-        progress: show a progress bar.
+        progress: show a progress bar (under torch.distributed, rank 0's only: see below).
         file_format: ``"npy"`` (a numpy array) or ``"pt"`` (an fp16 torch tensor, the file
             DHR's produce_uss_features.py:34 writes); both are read by every ``mars`` command.
         stems: only these images (e.g. those that have a pseudo label, when the image folder
@@ -239,6 +240,16 @@ def features_job(
     file of the *other* format is already there is a per-file failure (``on_error``): the
     folder would hold two feature files for it, which the readers refuse. Returns a
     :class:`~mars_plugin.jobs.JobSummary`.
+
+    Under an initialised torch.distributed (``torchrun``), every rank lists the same work (every
+    stem asked for, sorted) and takes stems ``rank, rank + W, ...`` of it: the ranks write
+    disjoint files, and resume stays per file, so a run killed under one world size resumes
+    under another. Each rank returns the summary of its own share. All ranks meet at the end;
+    a failure on one rank (``on_error="stop"``) is raised on every rank once they meet
+    (:func:`~mars_plugin.jobs.share_error`): the failed rank raises its own error, the others
+    a :class:`~mars_plugin.jobs.JobError` naming that rank and its message. Only rank 0 shows
+    a progress bar, over its share: bars of several processes on one terminal overwrite each
+    other's lines, and the strided shares progress at about the same pace.
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -257,33 +268,102 @@ def features_job(
         check_output_size(output_size)
     if not callable(extractor):
         raise TypeError(f"extractor must be callable (a FeatureExtractor), got {type(extractor).__name__}")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    # "auto": GPU LOCAL_RANK (mod the GPU count) under torchrun, the one rule of every mars job.
+    device = resolve_device(device)
     images_dir, out_dir = Path(images_dir), Path(out_dir)
+    wanted = None if stems is None else set(check_stem(s) for s in stems)
+    rank, world = _rank_world()
+    # Created before anything that can fail on one rank only: every rank must reach it.
+    group = sync_group()
+    try:
+        # Phase 1: the work list, then this rank's share of it. A failure on any rank (an
+        # unreadable folder on one node) is raised on every rank by share_error.
+        error: Optional[Exception] = None
+        try:
+            items, clashes, missing = _work_list(images_dir, wanted)
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        share_error(error, group)
+        everything = sorted({s for s, _ in items} | set(clashes) | set(missing))
+        _check_same_work(everything, images_dir, group)
+        # Rank r takes stems r, r + W, ... of the sorted list: no two ranks write the same file
+        # (files are per stem), and a resumed run, whose done files are mostly a prefix of that
+        # list, leaves every rank about the same share of the work left.
+        mine = set(everything[rank::world])
+        items = [(s, p) for s, p in items if s in mine]
+        clashes = {s: n for s, n in clashes.items() if s in mine}
+        missing = [s for s in missing if s in mine]
+        summary = JobSummary()
+        error = None
+        try:
+            _features_shard(extractor, images_dir, out_dir, items, clashes, missing, summary, ext=ext,
+                            other_ext=other_ext, batch_size=batch_size, device=device, fp16=fp16,
+                            output_size=output_size, stride=stride, on_error=on_error,
+                            progress=progress and rank == 0,
+                            desc="features" if world == 1 else f"features rank 0/{world}")
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        # Phase 2: every rank meets here, also one that failed (on_error="stop"), so that none
+        # waits for it forever; a failure anywhere is raised everywhere.
+        share_error(error, group)
+        return summary
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+
+
+def _work_list(
+    images_dir: Path, wanted: Optional[set],
+) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]], List[str]]:
+    """(stem, path) of every image to process, the stems that clash, the asked-for stems with no image."""
     items, clashes = _image_paths(images_dir)
     if not items and not clashes:
         raise ValueError(f"{images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)})")
     missing: List[str] = []
-    if stems is not None:
-        wanted = set(check_stem(s) for s in stems)
+    if wanted is not None:
         have = {s for s, _ in items} | set(clashes)
         missing = sorted(wanted - have)
         items = [(s, p) for s, p in items if s in wanted]
         clashes = {s: n for s, n in clashes.items() if s in wanted}
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return items, clashes, missing
+
+
+def _check_same_work(stems: List[str], images_dir: Path, group: Any) -> None:
+    """Every rank must shard the same list. Per-node copies of the images that differ, or a folder
+    being written to, would make ranks skip or duplicate images silently: refuse, on every rank."""
+    if not _dist_ready():
+        return
+    import hashlib
+
+    import torch.distributed as dist
+
+    mine = (len(stems), hashlib.sha256("\0".join(stems).encode()).hexdigest())
+    got: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, mine, group=group)
+    if len(set(got)) > 1:
+        counts = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(got))
+        raise JobError(f"{images_dir}: the ranks see different lists of images to work on ({counts}); every rank "
+                       "must read the same folder (on a shared file system, with no images being added)")
+
+
+def _features_shard(
+    extractor: Callable[..., torch.Tensor], images_dir: Path, out_dir: Path, items: List[Tuple[str, Path]],
+    clashes: Dict[str, List[str]], missing: List[str], summary: JobSummary, *, ext: str, other_ext: str,
+    batch_size: int, device: torch.device, fp16: bool, output_size: Any, stride: Optional[int], on_error: str,
+    progress: bool, desc: str,
+) -> None:
+    """:func:`features_job`'s work on one rank's images, counted in ``summary``."""
+    out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(extractor, nn.Module):
         extractor.to(device).eval()
 
-    summary = JobSummary()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(items) + len(clashes) + len(missing), desc="features", unit="img")
+        bar = tqdm(total=len(items) + len(clashes) + len(missing), desc=desc, unit="img")
 
     def tick(n: int = 1) -> None:
         if bar is not None:
@@ -354,7 +434,6 @@ def features_job(
     finally:
         if bar is not None:
             bar.close()
-    return summary
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,7 +599,9 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
                              "and 'cluster2'; weights/CAUSE_<dataset>.pt, 'decoder' and 'codebook'), with --backbone" + _OWN_DEFAULT)
     parser.add_argument("--images", required=True, help="folder of RGB images <stem>.jpg/.jpeg/.png/.bmp")
     parser.add_argument("--out", required=True, help="output folder of <stem>.npy float16 (D, h, w) embeddings")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, cuda:N, or auto: GPU LOCAL_RANK under torchrun (each rank its own GPU), "
+                             "the GPU if any otherwise, else the CPU")
     parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass (same-size images only)")
     parser.add_argument("--fp16", action="store_true", help="run the network under float16 autocast (GPU)")
     parser.add_argument("--res", type=_res_arg, default=None,
@@ -565,13 +646,15 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_features(args: argparse.Namespace) -> JobSummary:
-    """``mars features``: load the extractor, say what it is on stdout, run :func:`features_job`."""
+    """``mars features``: load the extractor, say what it is on stdout, run :func:`features_job`
+    (under torchrun: this rank's share, see :func:`features_job`)."""
     extractor = load_extractor(
         args.uss, args.checkpoint, backbone=args.backbone, heads=args.heads, trust_pickle=args.trust_pickle,
         res=args.res, flip_average=args.flip, head=args.head, normalize=args.normalize,
         interpolation=args.interpolation, prefix=args.prefix, scales=args.scales, dhr=args.dhr,
     )
-    print(f"{extractor.describe()} -> {args.out}", flush=True)
+    if _rank_world()[0] == 0:  # once per launch, not once per rank
+        print(f"{extractor.describe()} -> {args.out}", flush=True)
     return features_job(
         extractor, args.images, args.out, batch_size=args.batch_size, device=args.device, fp16=args.fp16,
         output_size="image" if args.full_size else None, stride=args.stride, on_error=args.on_error,

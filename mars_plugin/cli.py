@@ -376,8 +376,18 @@ def _main(argv: Optional[List[str]]) -> int:
         if args.command == "features":
             from .adapters.extractor import run_features
 
-            s = run_features(args)
-            print(f"features -> {args.out}: {s.line()}")
+            joined = _maybe_init_distributed()
+            s = run_features(args)  # under torchrun: this rank's share; a failure on one rank fails all
+            rank, world = jobs._rank_world()
+            if world == 1:
+                print(f"features -> {args.out}: {s.line()}")
+            else:
+                print(f"features rank {rank}/{world}: {s.line()} -> {args.out}", flush=True)
+                _print_skipped(s)
+                # torchrun stops every rank as soon as one exits non-zero (1: skipped files): no
+                # rank leaves before every rank has printed its lines.
+                jobs.barrier()
+                return 1 if s.failed else 0
         if args.command in ("centroids", "debias"):
             joined = _maybe_init_distributed()
             fmt = jobs.label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)

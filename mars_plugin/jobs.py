@@ -4,6 +4,10 @@ Each job reads the disk layout of :mod:`mars_plugin.files`, streams one image at
 progress bar, writes every output atomically, and treats a bad input file according to
 ``on_error``: ``"stop"`` raises a :class:`JobError` naming the file, ``"skip"`` reports it and
 goes on (the summary lists every skipped file).
+
+Under torch.distributed (``torchrun``) each job works on its strided shard of the images;
+:func:`barrier`, :func:`all_ok`, :func:`share_error` and :func:`sync_group` let the ranks meet
+and learn that one of them failed (no-ops in one process).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -51,6 +56,10 @@ __all__ = [
     "evaluate_job",
     "report_job",
     "load_centroids",
+    "sync_group",
+    "barrier",
+    "all_ok",
+    "share_error",
 ]
 
 ON_ERROR = ("stop", "skip")
@@ -227,6 +236,80 @@ def _rank_world() -> Tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+# Ranks that share a job meet at its end. The helpers below are no-ops (or return their local
+# answer) without an initialised torch.distributed, so a job calls them unconditionally.
+
+#: How long :func:`sync_group`'s collectives wait for the slowest rank. torchrun's default group
+#: waits 30 minutes and then raises; a rank whose shard was mostly done by an earlier run (resume)
+#: may wait longer than that for the others at the end of a feature extraction of hours.
+SYNC_TIMEOUT = timedelta(hours=24)
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def sync_group(timeout: timedelta = SYNC_TIMEOUT) -> Optional[Any]:
+    """A gloo process group of every rank whose collectives wait up to ``timeout``, for
+    :func:`barrier`, :func:`all_ok` and :func:`share_error` at the end of a long job (None
+    without torch.distributed: the helpers then use no group). A collective itself: every rank
+    calls it at the same point, best at the start of the job, where the ranks are together.
+    Free it with ``torch.distributed.destroy_process_group(group)``. Gloo also works beside a
+    NCCL default group (the helpers exchange small CPU objects)."""
+    if not _dist_ready():
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def barrier(group: Optional[Any] = None) -> None:
+    """Wait until every rank (of ``group``, default: all) gets here; a no-op without
+    torch.distributed."""
+    if _dist_ready():
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+
+
+def _gather_errors(error: Optional[str], group: Optional[Any]) -> List[Tuple[int, str]]:
+    """(rank, message) of every rank that passed a message; every rank gets the same list."""
+    import torch.distributed as dist
+
+    got: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, error, group=group)
+    return [(r, e) for r, e in enumerate(got) if e is not None]
+
+
+def all_ok(ok: bool, group: Optional[Any] = None) -> bool:
+    """True when ``ok`` is true on every rank (without torch.distributed: ``ok``).
+
+    A barrier that carries one bit: every rank calls it at the same point, a rank that failed
+    with ``ok=False`` instead of returning early and leaving the others waiting for it."""
+    if not _dist_ready():
+        return bool(ok)
+    return not _gather_errors(None if ok else "failed", group)
+
+
+def share_error(error: Optional[BaseException], group: Optional[Any] = None) -> None:
+    """Make a failure on one rank a failure on every rank.
+
+    Every rank calls it at the same point with the exception it caught (None: it succeeded);
+    it returns on every rank when none failed. Otherwise every rank raises: a rank that failed
+    raises its own ``error``, the others a :class:`JobError` ``"rank R stopped: <its message>"``
+    naming the lowest failed rank. Without torch.distributed it raises ``error`` if any.
+    """
+    failed = _gather_errors(None if error is None else one_line(error), group) if _dist_ready() else []
+    if error is not None:
+        raise error
+    if failed:
+        r, msg = failed[0]
+        more = f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""
+        raise JobError(f"rank {r} stopped: {msg}{more}")
 
 
 def _check_on_error(on_error: str) -> None:
