@@ -450,10 +450,17 @@ def _main(argv: Optional[List[str]]) -> int:
             if args.dry_run:
                 return 1 if res["mismatches"] else 0
             p, d = res["pseudo"], res["debiased"]
+            s = res["summary"]
             if res["rank"] == 0:
                 print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
                       f"({p['num_images']} images); details and the paper's figures in {res['report']}")
-            s = res["summary"]
+            if res["world_size"] > 1:
+                # torchrun stops every rank as soon as one exits non-zero (1: files skipped): each
+                # rank names its skipped files, then they leave together.
+                _print_skipped(s)
+                sys.stdout.flush()
+                jobs.barrier()
+                return 1 if s.failed else 0
         elif args.command == "report":
             report, s = jobs.report_job(
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),

@@ -213,7 +213,7 @@ def reproduce(
     """
     from .adapters.dhr import DHRLayout, load_image_labels
     from .adapters.multiscale import DHR_SCALES, check_scales
-    from .jobs import _rank_world
+    from .jobs import _rank_world, share_error, sync_group
 
     t_all = time.perf_counter()
     out = Path(out_dir)
@@ -262,6 +262,9 @@ def reproduce(
                     settings=settings, references=refs, reference_notes=ref_notes, log=log)
 
     rank, world = _rank_world()
+    # The ranks meet after every stage; a stage of hours (features) must not hit torchrun's
+    # 30-minute default timeout while the others wait, hence a group of its own.
+    group = sync_group()
     out.mkdir(parents=True, exist_ok=True)
     state = _State(out / "reproduce.json", settings, write=rank == 0)
     fmt = LabelFormat(mode="P")
@@ -283,13 +286,14 @@ def reproduce(
     tags_text = json.dumps(tags, indent=0, sort_keys=True)
     if rank == 0:
         atomic_write(image_labels, lambda tmp: Path(tmp).write_text(tags_text))
-    _sync(None)
+    share_error(None, group)
     times: Dict[str, float] = {}
 
     def stage(name: str, fn: Callable[[], Dict[str, Any]], everyone: bool = True) -> None:
         """Run a stage on every rank (``everyone``) or on rank 0, then meet; record it once."""
         if state.done(name):
-            log(f"[{name}] done before, kept")
+            if rank == 0:
+                log(f"[{name}] done before, kept")
             times[name] = 0.0
             return
         if rank == 0:
@@ -301,7 +305,7 @@ def reproduce(
                 info = fn()
             except BaseException as e:  # every rank must learn of it, or the others wait forever
                 error = e
-        _sync(error)
+        share_error(error, group)
         times[name] = time.perf_counter() - t
         state.finish(name, seconds=round(times[name], 3), **info)
 
@@ -415,25 +419,6 @@ def reproduce(
     return {"pseudo": scores["pseudo"], "debiased": scores["debiased"], "references": ref_scores,
             "agreement": scores.get("agreement", {}), "out": out, "report": out / "report.md", "summary": total,
             "rank": rank, "world_size": world}
-
-
-def _sync(error: Optional[BaseException]) -> None:
-    """Meet the other ranks (nothing without torch.distributed) and raise if any rank failed:
-    the failing rank its own error, the others one that names it."""
-    from .jobs import _rank_world
-
-    rank, world = _rank_world()
-    if world > 1:
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([0 if error is None else rank + 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = int(flag.item()) - 1
-        if failed >= 0 and error is None:
-            raise RuntimeError(f"rank {failed} failed (its error is on its own output); this rank stopped with it")
-    if error is not None:
-        raise error
 
 
 def _log_summary(s: JobSummary, what: str, log: Callable[[str], None], total: JobSummary, rank: int = 0,
