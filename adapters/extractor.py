@@ -463,7 +463,8 @@ def load_extractor(
     ``backbone`` (DINO's ``dino_vitbase8_pretrain.pth``) and ``heads`` (``STEGO_<dataset>.pt``),
     read by :meth:`~mars_plugin.adapters.stego.STEGOExtractor.from_files` (weights only, so
     ``trust_pickle`` does not apply to them); CAUSE as DHR stores it, always two files: ``backbone``
-    (DINOv2 weights) and ``heads`` (``CAUSE_<dataset>.pt``), read by
+    (DINOv2 weights) and ``heads`` (DHR's ``CAUSE_<dataset>.pt``, or CAUSE's own release folder
+    ``CAUSE/<dataset>/dinov2_vit_base_14/2048/`` or its ``segment_tr.pth``), read by
     :meth:`~mars_plugin.adapters.cause.CAUSEExtractor.from_files` (defaults: native resolution,
     bilinear, flip on, L2 normalisation on). None means the model's default: res 320 / 448,
     interpolation nearest / bilinear, L2 normalisation on for STEGO and for the Leopart head, off
@@ -489,7 +490,8 @@ def load_extractor(
     if checkpoint is not None and two_files:
         raise ValueError("give either --checkpoint FILE or --backbone FILE --heads FILE, not both")
     if uss == "cause" and not two_files:  # DHR stores CAUSE only as two files
-        raise ValueError("--uss cause reads DHR's two files: --backbone DINOv2 weights --heads CAUSE_<dataset>.pt, "
+        raise ValueError("--uss cause reads two files: --backbone DINOv2 weights --heads CAUSE_<dataset>.pt (DHR's) or "
+                         "CAUSE's release folder CAUSE/<dataset>/dinov2_vit_base_14/2048/, "
                          "not --checkpoint")
     if checkpoint is None and not two_files:
         raise ValueError("no model files: give --checkpoint FILE (STEGO or Leopart .ckpt), or for DHR's STEGO "
@@ -596,7 +598,8 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
                              + _OWN_DEFAULT)
     parser.add_argument("--heads", default=None,
                         help="STEGO or CAUSE as DHR stores them: the heads file (weights/STEGO_<dataset>.pt, 'cluster1' "
-                             "and 'cluster2'; weights/CAUSE_<dataset>.pt, 'decoder' and 'codebook'), with --backbone" + _OWN_DEFAULT)
+                             "and 'cluster2'; weights/CAUSE_<dataset>.pt, 'decoder' and 'codebook'; or CAUSE's own release folder "
+                             "CAUSE/<dataset>/dinov2_vit_base_14/2048/ or its segment_tr.pth), with --backbone" + _OWN_DEFAULT)
     parser.add_argument("--images", required=True, help="folder of RGB images <stem>.jpg/.jpeg/.png/.bmp")
     parser.add_argument("--out", required=True, help="output folder of <stem>.npy float16 (D, h, w) embeddings")
     parser.add_argument("--device", default="cpu",
