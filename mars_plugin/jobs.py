@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from .crf import check_crf_backend, check_crf_params
@@ -833,11 +834,12 @@ def report_job(
       and the definition of the share under the chart;
     * ``most_changed.png``: overlays of the ``num_examples`` images with the largest share of
       removed foreground pixels (none when 0);
-    * ``per_class.png``: for each class in ranking order, its ``per_class`` images with the
-      largest share of that class's pixels removed (ties: more removed pixels first), only
-      images where some were removed (none when 0).
+    * ``per_class.png``: for each class in ranking order (the first :data:`MAX_GRID_CLASSES`),
+      its ``per_class`` images with the largest share of that class's pixels removed (ties: more
+      removed pixels first), only images where some were removed (none when 0).
 
-    Both overlay grids carry a colour legend (class name -> colour, removed, ignore).
+    Both overlay grids carry a colour legend (class name -> colour, removed, ignore); their
+    panels are at most :data:`PANEL_SIDE` pixels on the longer side.
     """
     from . import plots
 
@@ -943,6 +945,34 @@ def _probe_image(path: Path, shape: Tuple[int, int]) -> None:
         raise ValueError(f"image {path} {w}x{h} and pseudo label {shape[1]}x{shape[0]} (width x height) differ in size")
 
 
+#: Longest side of a panel in the report's overlay grids. Photographs (VOC/COCO: 500-640 px) are
+#: shrunk to it and small images are enlarged up to 3x towards it: at three times a 500 px photo,
+#: a VOC per-class grid (20 classes x 2 rows x 4 panels) was 271 megapixels, past PIL's
+#: decompression-bomb limit for anyone opening it.
+PANEL_SIDE = 256
+#: per_class.png shows the classes with the largest share removed first, at most this many (all
+#: of them stay in report.json): 80 COCO classes of two rows each would be a grid no one reads.
+MAX_GRID_CLASSES = 24
+
+
+def _fit_panel(img: np.ndarray, y: torch.Tensor, d: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Shrink an image and its two label maps to at most :data:`PANEL_SIDE` on the longer side
+    (bilinear for the image, nearest for the labels); smaller images are returned as they are."""
+    H, W = y.shape
+    f = PANEL_SIDE / max(H, W)
+    if f >= 1:
+        return img, y, d
+    from PIL import Image
+
+    size = (max(1, round(W * f)), max(1, round(H * f)))
+    small = np.asarray(Image.fromarray(img).resize(size, Image.BILINEAR))
+
+    def nearest(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.interpolate(t[None, None].float(), size=size[::-1], mode="nearest")[0, 0].to(t.dtype)
+
+    return small, nearest(y), nearest(d)
+
+
 def _report_outputs(stage, plots, class_names, num_classes, share, total, ranking, examples, class_examples,
                     images_dir, labels_dir, debiased_dir, on_error, summary) -> None:
     """The chart and the overlays of :func:`report_job`, each written to ``stage(name)``."""
@@ -970,6 +1000,7 @@ def _report_outputs(stage, plots, class_names, num_classes, share, total, rankin
                 return None
             y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
             d = read_label(Path(debiased_dir) / f"{stem}.png")
+            img, y, d = _fit_panel(img, y, d)
             panels[stem] = ([
                 ("image", img), ("pseudo label", plots.blend(img, y)),
                 ("removed pixels", plots.removed_mask_image(img, y, d)), ("debiased label", plots.blend(img, d)),
@@ -980,11 +1011,12 @@ def _report_outputs(stage, plots, class_names, num_classes, share, total, rankin
         rows = [(stem, row) for stem, caption in captioned if (row := overlay(stem, caption)) is not None]
         if rows:  # legend: background, the classes drawn, removed, ignore
             shown = sorted(set().union(*(panels[s][1] for s, _ in rows)))
-            plots.save_overlay_grid(stage(name), [row for _, row in rows],
+            side = max(max(np.asarray(p).shape[:2]) for _, (_, row) in rows for _, p in row)
+            plots.save_overlay_grid(stage(name), [row for _, row in rows], scale=max(1, min(3, PANEL_SIDE // side)),
                                     legend=plots.class_legend(list(class_names), [0] + shown))
 
     save_grid("most_changed.png", [(stem, f"{stem}: {100 * frac:.0f}% of its foreground pixels removed")
                                    for frac, stem in examples])
     save_grid("per_class.png", [(stem, f"{class_names[c]}: {stem}: {100 * f:.0f}% of its {class_names[c]} "
                                        f"pixels removed ({r} of {t})")
-                                for c in ranking for f, r, t, stem in class_examples[c]])
+                                for c in ranking[:MAX_GRID_CLASSES] for f, r, t, stem in class_examples[c]])

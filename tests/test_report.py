@@ -111,3 +111,51 @@ def test_cli_per_class_flag(tmp_path, capsys):
     for line, name in zip(lines, rep["ranking"]):
         c = rep["classes"][name]
         assert f"{100 * c['share_removed']:.1f}% of {c['pixels']:,} pixels" in line
+
+
+def test_photographs_make_grids_of_bounded_size_and_per_class_keeps_the_top_classes(tmp_path, monkeypatch):
+    """Photo-sized images are shrunk to PANEL_SIDE (at 3x a 500 px photo, a VOC per-class grid
+    passed PIL's decompression-bomb limit), small ones keep their 3x, and per_class.png shows the
+    MAX_GRID_CLASSES classes with the largest share removed (report.json keeps them all)."""
+    import mars_plugin.plots as plots
+    from mars_plugin import jobs
+
+    C = jobs.MAX_GRID_CLASSES + 6
+    root = tmp_path / "w"
+    g = torch.Generator().manual_seed(1)
+    for i in range(C):  # image i holds class i+1, a share (i+1)/(C+1) of it removed
+        y = torch.zeros(300, 600, dtype=torch.long)
+        y[100:200, 100:500] = i + 1
+        d = y.clone()
+        d[100:100 + round(100 * (i + 1) / (C + 1)), 100:500] = -1
+        write_label(root / "labels" / f"img_{i:02d}.png", y)
+        write_label(root / "debiased" / f"img_{i:02d}.png", d)
+        write_image(root / "images" / f"img_{i:02d}.png", torch.randint(0, 256, (300, 600, 3), generator=g,
+                                                                     dtype=torch.uint8))
+    seen = {}
+
+    def spy(path, rows, scale=3, *, legend=None):
+        seen[len(seen)] = (rows, scale)
+        return real(path, rows, scale, legend=legend)
+
+    real = plots.save_overlay_grid
+    monkeypatch.setattr(plots, "save_overlay_grid", spy)
+    names = ["background"] + [f"c{c}" for c in range(1, C + 1)]
+    report, _ = report_job(root / "labels", root / "debiased", root / "images", tmp_path / "out", class_names=names,
+                           per_class=1, progress=False)
+    most_changed, per_class = seen[0], seen[1]
+    for rows, scale in (most_changed, per_class):
+        assert scale == 1
+        for _, panels in rows:
+            assert all(np.asarray(p).shape[:2] == (128, 256) for _, p in panels)
+    # the top classes by share: C, C-1, ... (the share grows with the class id)
+    assert [cap.split(":")[0] for cap, _ in per_class[0]] == [f"c{c}" for c in range(C, C - jobs.MAX_GRID_CLASSES, -1)]
+    assert len(report["ranking"]) == C and len(report["per_class_examples"]) == C
+    with PIL_Image.open(tmp_path / "out" / "per_class.png") as im:
+        assert im.width < 1200 and im.height < jobs.MAX_GRID_CLASSES * 200
+    # Small images (the demo's) keep their 3x enlargement.
+    _folders(tmp_path / "small")
+    seen.clear()
+    report_job(tmp_path / "small" / "w" / "labels", tmp_path / "small" / "w" / "debiased",
+               tmp_path / "small" / "w" / "images", tmp_path / "out2", class_names=NAMES, progress=False)
+    assert seen[0][1] == 3
