@@ -236,10 +236,13 @@ def test_stego_lightning_checkpoint_and_cause_files_run_the_features_stage(wss_t
             if p.stem in small:
                 shutil.copy(p, tree / DATA / "train_aug" / sub / p.name)
     shutil.copy(root / DATA / f"{DATA}.json", tree / DATA / f"{DATA}.json")
-    pseudo = tmp_path / "pseudo"
-    pseudo.mkdir()
-    for s in small:
-        shutil.copy(rsepm / f"{s}.png", pseudo / f"{s}.png")
+    # DHR's WSS folders: RSEPM (the pseudo labels) and the authors' MARS masks, for these ids.
+    for method in ("RSEPM", "MARS"):
+        (tree / "WSS" / DATA / method / "train_aug").mkdir(parents=True)
+        for s in small:
+            shutil.copy(root / "WSS" / DATA / method / "train_aug" / f"{s}.png",
+                        tree / "WSS" / DATA / method / "train_aug" / f"{s}.png")
+    pseudo = tree / "WSS" / DATA / "RSEPM" / "train_aug"
     ckpt = tmp_path / "cocostuff27_vit_small.ckpt"
     torch.save(lightning_ckpt(stego_state_dict(width=192, dim=6), {"cfg": FakeDictConfig(dim=6)}), ckpt)
     # A Lightning checkpoint is a pickle: refused without --trust-pickle, before any work.
@@ -254,10 +257,19 @@ def test_stego_lightning_checkpoint_and_cause_files_run_the_features_stage(wss_t
     assert settings["uss"] == "stego" and settings["checkpoint"]["bytes"] == ckpt.stat().st_size
     assert settings["fp16"] is False
     assert "stego from `cocostuff27_vit_small.ckpt`" in (out / "report.md").read_text()
+
+    def yardstick_is_there(out):
+        scores = json.loads((out / "scores.json").read_text())
+        assert list(scores["references"]) == ["MARS"] and 0 < scores["agreement"]["MARS"]["pixel"] <= 1
+        assert scores["MARS"]["num_images"] == len(small)
+        assert "| measured: `MARS` masks" in (out / "report.md").read_text()
+
+    yardstick_is_there(out)
     b, h, *_ = dhr_files(tmp_path)
     out = tmp_path / "cause"
     assert _run_cli(tree, pseudo, out, "--uss", "cause", "--backbone", b, "--heads", h) == 0
     assert torch.load(out / "features" / f"{small[0]}.pt", weights_only=True).shape[0] == 90
+    yardstick_is_there(out)
     # CAUSE's own release (a folder whose codebook lives in a sibling folder) gives the same features,
     # and its codebook is part of the run's identity.
     from test_cause import release_files
@@ -355,6 +367,20 @@ def test_coco2014_with_81_classes_runs_every_stage(tmp_path, capsys):
     assert rows["**mean**"][-1].rstrip(" |") == "49.4"
     assert "COCO 2014 val" in text and "tab:coco_val_detail" in text and "Table 6" not in text
     assert (out / "report" / "biased_share.png").is_file()
+
+
+def test_coco2014_features_stage_from_model_files(tmp_path):
+    from test_reproduce import _tiny_stego_files
+
+    root, pseudo, _, stems = make_coco_tree(tmp_path, n=4)
+    b, h = _tiny_stego_files(tmp_path)
+    out = tmp_path / "out"
+    assert cli.main(["reproduce", "--root", str(root), "--data", "COCO2014", "--pseudo", str(pseudo), "--out",
+                     str(out), "--backbone", str(b), "--heads", str(h), "--no-progress", "--threads", "1"]) == 0
+    assert sorted(p.stem for p in (out / "features").glob("*.pt")) == stems
+    assert set(json.loads((out / "reproduce.json").read_text())["stages"]) == set(
+        ("features", "centroids", "debias", "evaluate", "report"))
+    assert len(json.loads((out / "scores.json").read_text())["DHR"]["iou"]) == 81
 
 
 def test_coco_paper_figures_are_consistent():
