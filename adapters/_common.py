@@ -17,6 +17,7 @@ from mars_plugin.files import BIASED_VALUE, list_stems, read_label, stem_path, w
 
 __all__ = [
     "VOC_CLASSES",
+    "COCO_CLASSES",
     "require_trust",
     "load_pickled_npy",
     "load_pickle",
@@ -33,6 +34,20 @@ __all__ = [
 VOC_CLASSES: Tuple[str, ...] = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
     "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
+)
+
+#: COCO 2014 class names in COCO's category order, background first (81 entries, ids 0..80): RS+EPM's
+#: ``data/COCO.json`` ``class_names`` and the order of the MARS paper's COCO table.
+COCO_CLASSES: Tuple[str, ...] = (
+    "background", "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat",
+    "traffic light", "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse",
+    "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie",
+    "suitcase", "frisbee", "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove",
+    "skateboard", "surfboard", "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon",
+    "bowl", "banana", "apple", "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut",
+    "cake", "chair", "couch", "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse",
+    "remote", "keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book",
+    "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
 )
 
 PathLike = Union[str, os.PathLike]

@@ -213,6 +213,15 @@ class CAUSESegment(nn.Module):
         return self.head_ema(z, grid, codebook)
 
 
+def _key_mismatch(head: str, missing: Sequence[str], unexpected: Sequence[str]) -> ValueError:
+    """One error naming the first 8 missing and unexpected state-dict keys (and how many more)."""
+    msg = [head]
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            msg.append(f"{what} key(s) {list(keys[:8])}" + (f" and {len(keys) - 8} more" if len(keys) > 8 else ""))
+    return ValueError(" ".join(msg))
+
+
 def _decoder_from_state_dict(sd: Any, width: int, what: str) -> CAUSESegment:
     """A :class:`CAUSESegment` sized by ``sd``'s shapes and loaded strictly; errors name the keys.
 
@@ -243,14 +252,8 @@ def _decoder_from_state_dict(sd: Any, width: int, what: str) -> CAUSESegment:
     expected = set(seg.state_dict())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
-        msg = [f"{what} does not match the EMA head of CAUSE's Segment_TR (DHR core/uss/layers.py:36-92) of width "
-               f"{width}:"]
-        if missing:
-            msg.append(f"missing key(s) {missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        if unexpected:
-            msg.append(f"unexpected key(s) {unexpected[:8]}"
-                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
-        raise ValueError(" ".join(msg))
+        raise _key_mismatch(f"{what} does not match the EMA head of CAUSE's Segment_TR (DHR "
+                            f"core/uss/layers.py:36-92) of width {width}:", missing, unexpected)
     try:
         seg.load_state_dict(dict(sd), strict=True)
     except RuntimeError as e:  # shape mismatches, each named by torch with its key
@@ -414,13 +417,8 @@ def _read_release(segment_file: str, sd: Mapping, width: int, backbone: str) -> 
     rest = {k for k in sd if not k.startswith("head_ema.")}
     missing, unexpected = sorted(expected - rest), sorted(rest - expected)
     if missing or unexpected:
-        msg = [f"{segment_file} does not match CAUSE's Segment_TR (modules/segment.py:27-47):"]
-        if missing:
-            msg.append(f"missing key(s) {missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        if unexpected:
-            msg.append(f"unexpected key(s) {unexpected[:8]}"
-                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
-        raise ValueError(" ".join(msg))
+        raise _key_mismatch(f"{segment_file} does not match CAUSE's Segment_TR (modules/segment.py:27-47):",
+                            missing, unexpected)
     q = sd.get("head_ema.query_pos")
     if isinstance(q, torch.Tensor) and q.ndim == 2 and q.shape[0] != CAUSE_QUERIES:
         patch = _QUERIES_OF_PATCH.get(int(q.shape[0]))

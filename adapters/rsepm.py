@@ -82,6 +82,7 @@ from mars_plugin.crf import CRF_PRESETS
 from mars_plugin.files import BIASED_VALUE, list_stems
 
 from ._common import (
+    COCO_CLASSES,
     VOC_CLASSES,
     check_biased_value,
     checked_labels,
@@ -118,18 +119,8 @@ PathLike = Union[str, os.PathLike]
 NAME = "rsepm"
 #: ``data/VOC.json`` ``class_names``: background first, 21 entries.
 CLASS_NAMES: Tuple[str, ...] = VOC_CLASSES
-#: ``data/COCO.json`` ``class_names``: background first, 81 contiguous entries (COCO 2014).
-COCO_CLASSES: Tuple[str, ...] = (
-    "background", "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat",
-    "traffic light", "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse",
-    "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie",
-    "suitcase", "frisbee", "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove",
-    "skateboard", "surfboard", "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon",
-    "bowl", "banana", "apple", "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut",
-    "cake", "chair", "couch", "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse",
-    "remote", "keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book",
-    "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
-)
+# COCO_CLASSES (imported from _common and exported here): ``data/COCO.json`` ``class_names``,
+# background first, 81 contiguous entries (COCO 2014).
 #: Foreground classes C (VOC); labels are 0..C.
 NUM_CLASSES = 20
 #: Foreground classes of COCO 2014.

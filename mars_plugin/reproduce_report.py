@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .adapters._common import COCO_CLASSES
 from .references import describe_reference
 
 __all__ = [
@@ -64,20 +65,10 @@ PICTURES = (
 )
 
 
-#: COCO 2014's 81 class names in the order of the paper's appendix table ``tab:coco_val_detail``
-#: ("Class-specific performance comparisons with WSSS methods in terms of IoUs (%) on the MS
-#: COCO 2014 *val* set"), background first: COCO's category order.
-PAPER_COCO_CLASSES: Tuple[str, ...] = (
-    'background', 'person', 'bicycle', 'car', 'motorcycle', 'airplane', 'bus', 'train', 'truck', 'boat',
-    'traffic light', 'fire hydrant', 'stop sign', 'parking meter', 'bench', 'bird', 'cat', 'dog', 'horse',
-    'sheep', 'cow', 'elephant', 'bear', 'zebra', 'giraffe', 'backpack', 'umbrella', 'handbag', 'tie',
-    'suitcase', 'frisbee', 'skis', 'snowboard', 'sports ball', 'kite', 'baseball bat', 'baseball glove',
-    'skateboard', 'surfboard', 'tennis racket', 'bottle', 'wine glass', 'cup', 'fork', 'knife', 'spoon',
-    'bowl', 'banana', 'apple', 'sandwich', 'orange', 'broccoli', 'carrot', 'hot dog', 'pizza', 'donut',
-    'cake', 'chair', 'couch', 'potted plant', 'bed', 'dining table', 'toilet', 'tv', 'laptop', 'mouse',
-    'remote', 'keyboard', 'cell phone', 'microwave', 'oven', 'toaster', 'sink', 'refrigerator', 'book',
-    'clock', 'vase', 'scissors', 'teddy bear', 'hair drier', 'toothbrush',
-)
+#: COCO 2014's 81 class names, background first, in COCO's category order: the order of the
+#: paper's appendix table ``tab:coco_val_detail`` ("Class-specific performance comparisons with
+#: WSSS methods in terms of IoUs (%) on the MS COCO 2014 *val* set"; a test compares the two).
+PAPER_COCO_CLASSES: Tuple[str, ...] = COCO_CLASSES
 #: Per-class IoU (%) on COCO 2014 *val* after segmentation training, in
 #: :data:`PAPER_COCO_CLASSES` order, then mIoU: the rows "RS+EPM" and "MARS (Ours)" of
 #: ``tab:coco_val_detail`` (RS+EPM's row averages to 46.3; the paper prints 46.4).

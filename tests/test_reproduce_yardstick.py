@@ -452,3 +452,26 @@ def test_dry_run_names_every_mismatch(wss_tree, tmp_path, capsys):
     assert "unreadable" in lines and s[4] in lines
     assert "other settings (alpha" in lines
     assert sorted(p.name for p in out.iterdir()) == ["reproduce.json"]  # nothing written
+
+
+def test_coco_constants_are_the_papers_table():
+    """The class order and both rows, read again from the paper's LaTeX (shared/paper beside the
+    checkout, as CI lays it)."""
+    tex_path = Path(__file__).resolve().parents[2] / "shared" / "paper" / "mars_iccv2023.tex"
+    if not tex_path.is_file():
+        pytest.skip(f"{tex_path} is not here")
+    tex = tex_path.read_text()
+    end = tex.index("\\label{tab:coco_val_detail}")
+    body = tex[tex.index("\\hline \\hline", tex.rindex("\\caption", 0, end)) + len("\\hline \\hline"):end]
+    left, right = [], []
+    for line in body.splitlines():
+        line = line.replace("\\textbf{", "").replace("}", "").replace("\\cline{6-10", "").replace("\\\\", "")
+        if line.count("&") == 9:
+            cells = [c.strip() for c in line.split("&")]
+            left.append(cells[:5])
+            right.append(cells[5:])
+    rows = left + right  # the table runs down the left half, then the right
+    assert rows[-1][0] == "mIoU"
+    assert tuple(r[0] for r in rows[:-1]) == PAPER_COCO_CLASSES
+    assert tuple(float(r[3]) for r in rows) == PAPER_COCO_VAL_IOU["RS+EPM"]
+    assert tuple(float(r[4]) for r in rows) == PAPER_COCO_VAL_IOU["MARS"]
