@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
 from mars_plugin.jobs import JobError, JobSummary, _dist_ready, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.run_record import array_digest, file_id
 
 from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
 from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
@@ -210,6 +211,7 @@ def features_job(
     progress: bool = True,
     file_format: str = "npy",
     stems: Optional[Sequence[str]] = None,
+    settings: Optional[Dict[str, Any]] = None,
 ) -> JobSummary:
     """Write ``<out_dir>/<stem>.npy`` (or ``.pt``), float16 (D, h, w), for every image of ``images_dir``
     (or for the images of ``stems`` only).
@@ -234,8 +236,16 @@ def features_job(
             DHR's produce_uss_features.py:34 writes); both are read by every ``mars`` command.
         stems: only these images (e.g. those that have a pseudo label, when the image folder
             holds a whole split); a stem with no image in ``images_dir`` is a per-file failure.
+        settings: what made the extractor (its model files and options, as ``mars features``
+            records them), part of the folder's record; None: the extractor's ``describe()``
+            (a library extractor's weights are then not recorded: pass them here).
 
-    Outputs that already exist in ``file_format`` are skipped (resume), and every file is
+    Resume (:mod:`mars_plugin.run_record`): ``out_dir/.mars-run.json`` records the settings
+    (the model, ``fp16``, the output size, the format, the image folder; other settings are
+    refused) and each rank's journal the image each file was made from: a file whose image is
+    unchanged (name, size, mtime) is kept, one whose image changed, or that has no record, is
+    computed again (``redone`` in the summary). One run at a time per ``out_dir`` (a lock, rank
+    0's under torchrun). Every file is
     written atomically, so an interrupted run never leaves a half-written file. A stem whose
     file of the *other* format is already there is a per-file failure (``on_error``): the
     folder would hold two feature files for it, which the readers refuse. Returns a
@@ -273,19 +283,36 @@ def features_job(
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     wanted = None if stems is None else set(check_stem(s) for s in stems)
     rank, world = _rank_world()
+    from mars_plugin.run_record import FolderRecord
+
+    if settings is None:
+        describe = getattr(extractor, "describe", None)
+        settings = {"extractor": describe() if callable(describe) else type(extractor).__name__}
+    # The settings that shape the embeddings; not the image folder: each image is recorded by
+    # its identity (a moved or copied tree is the same run), nor the format (npy or pt: the
+    # same values; a folder may mix them).
+    record = FolderRecord(out_dir, "features", {"fp16": bool(fp16), "output_size": output_size, "stride": stride,
+                                                "model": settings})
     # Created before anything that can fail on one rank only: every rank must reach it.
     group = sync_group()
     try:
         # Phase 1: the work list, then this rank's share of it. A failure on any rank (an
-        # unreadable folder on one node) is raised on every rank by share_error.
+        # unreadable folder on one node, another run holding the lock, a folder of other
+        # settings on rank 0) is raised on every rank by share_error.
         error: Optional[Exception] = None
         try:
             items, clashes, missing = _work_list(images_dir, wanted)
+            if rank == 0:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                record.open()
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         share_error(error, group)
         everything = sorted({s for s, _ in items} | set(clashes) | set(missing))
         _check_same_work(everything, images_dir, group)
+        if rank == 0:
+            record.write_settings()
+        record.load()
         # Rank r takes stems r, r + W, ... of the sorted list: no two ranks write the same file
         # (files are per stem), and a resumed run, whose done files are mostly a prefix of that
         # list, leaves every rank about the same share of the work left.
@@ -300,7 +327,7 @@ def features_job(
                             other_ext=other_ext, batch_size=batch_size, device=device, fp16=fp16,
                             output_size=output_size, stride=stride, on_error=on_error,
                             progress=progress and rank == 0,
-                            desc="features" if world == 1 else f"features rank 0/{world}")
+                            desc="features" if world == 1 else f"features rank 0/{world}", record=record)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         # Phase 2: every rank meets here, also one that failed (on_error="stop"), so that none
@@ -308,6 +335,7 @@ def features_job(
         share_error(error, group)
         return summary
     finally:
+        record.close()
         if group is not None:
             import torch.distributed as dist
 
@@ -352,9 +380,11 @@ def _features_shard(
     extractor: Callable[..., torch.Tensor], images_dir: Path, out_dir: Path, items: List[Tuple[str, Path]],
     clashes: Dict[str, List[str]], missing: List[str], summary: JobSummary, *, ext: str, other_ext: str,
     batch_size: int, device: torch.device, fp16: bool, output_size: Any, stride: Optional[int], on_error: str,
-    progress: bool, desc: str,
+    progress: bool, desc: str, record: Any,
 ) -> None:
-    """:func:`features_job`'s work on one rank's images, counted in ``summary``."""
+    """:func:`features_job`'s work on one rank's images, counted in ``summary``; ``record`` (a
+    :class:`~mars_plugin.run_record.FolderRecord`) says which files are current and records
+    each file written."""
     out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(extractor, nn.Module):
         extractor.to(device).eval()
@@ -375,8 +405,8 @@ def _features_shard(
         summary.failed.append((stem, why))
         tick()
 
-    def run(batch: List[Tuple[str, torch.Tensor]]) -> None:
-        images = torch.stack([img for _, img in batch]).to(device)
+    def run(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]]) -> None:
+        images = torch.stack([img for _, _, img in batch]).to(device)
         size = _target_size(output_size, stride, images.shape[-2], images.shape[-1])
         with torch.inference_mode(), torch.autocast(device.type, dtype=torch.float16, enabled=bool(fp16)):
             feats = extractor(images, output_size=size) if size is not None else extractor(images)
@@ -386,14 +416,16 @@ def _features_shard(
         if size is not None and tuple(feats.shape[-2:]) != size:
             raise ValueError(f"the extractor returned {tuple(feats.shape[-2:])} maps, {size} were asked for")
         feats = feats.float().cpu()
-        for (stem, _), f in zip(batch, feats):
+        for (stem, inputs, _), f in zip(batch, feats):
             with np.errstate(over="ignore"):
                 arr = f.numpy().astype(np.float16)
             if not np.isfinite(arr).all():
                 fail(stem, "embeddings are not finite in float16 (NaN, or beyond +-65504)")
                 continue
             write_features(out_dir / f"{stem}{ext}", arr)
+            record.add(stem, out_dir / f"{stem}{ext}", inputs, array_digest(arr))
             summary.done += 1
+            summary.redone += stem in again
             tick()
 
     try:
@@ -401,17 +433,22 @@ def _features_shard(
             fail(stem, f"no image of this id in {images_dir} (looked for {', '.join(IMAGE_EXTENSIONS)})")
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        buckets: "OrderedDict[Tuple[int, int], List[Tuple[str, torch.Tensor]]]" = OrderedDict()
+        buckets: "OrderedDict[Tuple[int, int], List[Tuple[str, Dict[str, Any], torch.Tensor]]]" = OrderedDict()
         buffered = 0
+        again = set()  # stems whose existing file is computed again (its image changed, or no record)
         for stem, path in items:
             if (out_dir / f"{stem}{other_ext}").is_file():
                 fail(stem, f"{out_dir / (stem + other_ext)} already exists: a {stem}{ext} beside it would clash "
                            "(two formats for one stem); remove one or pick that --format")
                 continue
-            if (out_dir / f"{stem}{ext}").is_file():
+            inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
+            kept, exists = record.current(stem, out_dir / f"{stem}{ext}", inputs)
+            if kept:
                 summary.existing += 1
                 tick()
                 continue
+            if exists:
+                again.add(stem)
             try:
                 rgb = read_image(path)
             except ValueError as e:
@@ -419,7 +456,7 @@ def _features_shard(
                 continue
             img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
             key = (int(img.shape[1]), int(img.shape[2]))
-            buckets.setdefault(key, []).append((stem, img))
+            buckets.setdefault(key, []).append((stem, inputs, img))
             buffered += 1
             if len(buckets[key]) >= batch_size:
                 run(buckets.pop(key))
@@ -658,8 +695,15 @@ def run_features(args: argparse.Namespace) -> JobSummary:
     )
     if _rank_world()[0] == 0:  # once per launch, not once per rank
         print(f"{extractor.describe()} -> {args.out}", flush=True)
+    from mars_plugin.run_record import model_files_id
+
+    # The folder's record: the model files (size and hash of their ends) and every option that
+    # shapes the embeddings, as given (None: the model's default).
+    settings = dict(model_files_id(args.uss, args.checkpoint, args.backbone, args.heads),
+                    **{k: getattr(args, k) for k in ("res", "flip", "scales", "dhr", "head", "normalize",
+                                                     "interpolation", "prefix")})
     return features_job(
         extractor, args.images, args.out, batch_size=args.batch_size, device=args.device, fp16=args.fp16,
         output_size="image" if args.full_size else None, stride=args.stride, on_error=args.on_error,
-        progress=not args.no_progress, file_format=args.file_format,
+        progress=not args.no_progress, file_format=args.file_format, settings=settings,
     )

@@ -399,7 +399,11 @@ def _main(argv: Optional[List[str]]) -> int:
                 ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
                 device=args.device, spill_dir=args.spill_dir, spill_mb=args.spill_mb, backend=args.backend,
             )
-            print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
+            if s.existing and not s.done:  # resume: the record in --out says nothing changed
+                print(f"centroids of {V.num_images} images -> {args.out}: kept, made from the same inputs with "
+                      "the same settings")
+            else:
+                print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
             for c in range(1, V.num_classes + 1):
                 if bool(V.valid[c]):
                     print(f"  {_class_label(names, c)}: {int(V.num_selected[c])}/{int(V.num_candidates[c])} "

@@ -77,17 +77,22 @@ class JobSummary:
     """What a folder job did: files written, files already there (resume), files skipped.
 
     ``pixels`` / ``removed`` (debias only): per class id, pseudo-label pixels of the images
-    written by this run, and those of them marked biased."""
+    written by this run, and those of them marked biased. ``redone``: of the ``done``, files
+    that existed and were computed again because their inputs changed or were not recorded
+    (:mod:`mars_plugin.run_record`)."""
 
     done: int = 0
     existing: int = 0
     failed: List[Tuple[str, str]] = field(default_factory=list)
     pixels: Dict[int, int] = field(default_factory=dict)
     removed: Dict[int, int] = field(default_factory=dict)
+    redone: int = 0
 
     def line(self, verb: str = "written") -> str:
         """Counts on one line; the skipped files are listed by :meth:`skipped_lines`."""
         s = f"{self.done} {verb}"
+        if self.redone:
+            s += f" ({self.redone} again: inputs changed or not recorded)"
         if self.existing:
             s += f", {self.existing} already done"
         s += f", {len(self.failed)} skipped"
@@ -497,6 +502,15 @@ def centroids_job(
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
     images and rank 0 writes ``out``; every rank returns the same centroids.
+
+    Resume (:mod:`mars_plugin.run_record`): ``out`` holds the record of what made it (a
+    ``"run"`` entry: the settings, and a digest of the ids, of every feature file and pseudo
+    label (name, size, mtime) and of the tags). When ``out`` exists, was made with the same
+    settings from the same inputs, it is kept (``existing`` in the summary: its image count); a
+    change of any input computes it again; other settings (``alpha``, ``k_fg``, ``k_bg``,
+    ``seed``, the folders, C...) are refused. ``device``, ``backend``, ``batch_size`` and the
+    spill options are not recorded (they change the result by float rounding at most). One run
+    at a time per ``out`` (a lock, ``.<name>.lock`` beside it).
     """
     _check_on_error(on_error)
     _check_out_file(out, "--out")
@@ -504,25 +518,52 @@ def centroids_job(
     stems = _stems(labels_dir, fmt.skip_suffixes)
     labels = fmt.image_labels(image_labels, num_classes)
     rank, world = _rank_world()
-    stems = stems[rank::world]
-    summary = JobSummary()
-    yielded: List[str] = []
-    samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, num_classes, ignore_index,
-                                on_error, summary, progress, yielded)
-    dev = resolve_device(device)
-    try:
-        V = select_centroids(
-            samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
-            ignore_index=ignore_index, device=dev, spill_dir=spill_dir, spill_mb=spill_mb,
-            backend=backend,
-        ).to("cpu")
-    except (ValueError, TypeError) as e:
-        if "samples" not in str(e):
-            raise
-        raise _translate_samples_error(e, yielded, summary) from None
+    from .run_record import CentroidsRecord, broadcast_object
+
+    # The settings that shape the result; the folders are not among them: each file read is
+    # recorded by its identity (a moved or copied tree is the same run).
+    record = CentroidsRecord(out, {"num_classes": num_classes, "alpha": alpha, "k_fg": k_fg, "k_bg": k_bg,
+                                   "seed": seed, "ignore_index": ignore_index, "wsss": fmt.name})
+    error, kept = None, None
     if rank == 0:
-        V.save(out)
-    return V, summary
+        try:
+            kept = record.open(stems, features_dir, labels_dir, labels, on_error)
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+    share_error(error)  # a refusal on rank 0 (another run, other settings) stops every rank
+    kept = broadcast_object(kept)
+    try:
+        if kept is not None:  # made from these inputs with these settings: keep it
+            V = load_centroids(out, "--out")
+            return V, JobSummary(existing=V.num_images, failed=[tuple(f) for f in kept] if rank == 0 else [])
+        stems = stems[rank::world]
+        summary = JobSummary()
+        yielded: List[str] = []
+        samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, num_classes, ignore_index,
+                                    on_error, summary, progress, yielded)
+        dev = resolve_device(device)
+        try:
+            V = select_centroids(
+                samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
+                ignore_index=ignore_index, device=dev, spill_dir=spill_dir, spill_mb=spill_mb,
+                backend=backend,
+            ).to("cpu")
+        except (ValueError, TypeError) as e:
+            if "samples" not in str(e):
+                raise
+            raise _translate_samples_error(e, yielded, summary) from None
+        failed = [list(f) for f in summary.failed]
+        if _dist_ready():  # the record lists every rank's skipped files
+            import torch.distributed as dist
+
+            got: List[Any] = [None] * world
+            dist.all_gather_object(got, failed)
+            failed = [f for g in got for f in g]
+        if rank == 0:
+            record.save(V, failed)
+        return V, summary
+    finally:
+        record.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -585,22 +626,21 @@ def _debias_read(stem: str) -> Dict[str, Any]:
     return item
 
 
-def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]]]]:
-    """Debias a batch of images (one CRF call on the job's device); returns (stem,
-    "done"|"existing"|"failed", error message, {class: (pixels, removed)}) for each."""
+def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]]:
+    """Debias a batch of images (one CRF call on the job's device), every one of ``stems``
+    (the caller left out those whose output is current); returns (stem, "done"|"failed", error
+    message, {class: (pixels, removed)}, digest of the label written) for each."""
+    from .run_record import array_digest
+
     _debias_check_init()
     cfg = _WORKER
-    results: List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]]]] = []
+    results: List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]] = []
     items = []
     for stem in stems:
-        out_path = stem_path(cfg["out_dir"], stem, ".png")
-        if out_path.is_file():
-            results.append((stem, "existing", None, {}))
-            continue
         try:
             items.append(_debias_read(stem))
         except FILE_ERRORS as e:
-            results.append((stem, "failed", one_line(e), {}))
+            results.append((stem, "failed", one_line(e), {}, ""))
     if not items:
         return results
     sims = [it["similarity"] for it in items]
@@ -611,7 +651,8 @@ def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], D
     for it, mask in zip(items, masks):
         y = mark_biased(it["label"], mask.cpu(), cfg["centroids"], ignore_index=cfg["ignore_index"])
         write_label(stem_path(cfg["out_dir"], it["stem"], ".png"), y, mode=cfg["mode"])
-        results.append((it["stem"], "done", None, _removed_per_class(it["label"], y, cfg["ignore_index"])))
+        results.append((it["stem"], "done", None, _removed_per_class(it["label"], y, cfg["ignore_index"]),
+                        array_digest(y)))
     return results
 
 
@@ -655,9 +696,14 @@ def debias_job(
     Images are debiased ``batch_size`` at a time on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
     ``auto``): Eq. 4 per image, then one dense-CRF call for the batch
     (:func:`mars_plugin.debias.refine_mask`; images of any sizes), then Eq. 5. ``crf_params`` is
-    a preset name or a dict (:data:`mars_plugin.crf.CRF_PRESETS`). Resumable: images whose
-    output already exists are skipped (outputs are written atomically, so an existing file is
-    always complete). ``workers`` > 1 runs batches in that many processes (one thread each);
+    a preset name or a dict (:data:`mars_plugin.crf.CRF_PRESETS`). Resumable
+    (:mod:`mars_plugin.run_record`): ``out_dir/.mars-run.json`` records the settings (the
+    folders, the ``centroids`` path, ``refine`` and its parameters, the PNG mode; other settings
+    are refused) and each rank's journal what each label was made from (its features, pseudo
+    label, image, tags, and the centroids' content): a label whose inputs are unchanged is
+    skipped, any other is computed again (all of them when the centroids changed). Outputs are
+    written atomically, so an existing file is always complete; one run at a time per
+    ``out_dir`` (a lock). ``workers`` > 1 runs batches in that many processes (one thread each);
     outputs do not depend on ``workers`` or ``batch_size``. Under torch.distributed each rank
     debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
     :func:`label_format`).
@@ -686,19 +732,76 @@ def debias_job(
         threshold=threshold, ignore_index=ignore_index, crf_params=params, crf_backend=crf_backend,
         image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
     )
+    from .run_record import FolderRecord
+
+    crf = refine == "crf"
+    # The settings that shape a label; the folders and the centroid file are not among them:
+    # each file read is recorded by its identity (a moved or copied tree is the same run).
+    record = FolderRecord(out_dir, "debias", {
+        "refine": refine, "threshold": None if crf else threshold, "crf_params": params if crf else None,
+        "crf_backend": crf_backend if crf else None, "ignore_index": ignore_index, "wsss": fmt.name,
+        "mode": fmt.mode})
+    error = None
+    if rank == 0:
+        try:
+            record.open()
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+    share_error(error)  # a refusal on rank 0 (another run, other settings) stops every rank
+    try:
+        return _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank)
+    finally:
+        record.close()
+
+
+def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_size: int, workers: int,
+                   on_error: str, progress: bool, rank: int) -> JobSummary:
+    """:func:`debias_job` once the folder's record is open: which labels are current, then the
+    others, each recorded as it is written."""
+    from .run_record import OutputIds, centroids_digest, file_id
+
     summary = JobSummary()
-    batches = [stems[i:i + batch_size] for i in range(0, len(stems), batch_size)]
+    if rank == 0:
+        record.write_settings()
+    record.load()
+    features_dir, labels_dir, images_dir = config["features_dir"], config["labels_dir"], config["images_dir"]
+    out_dir, refine = config["out_dir"], config["refine"]
+    # What each label is made from, taken before anything is read (a file changed while the run
+    # reads it is then seen as changed next time).
+    feature_id, tags = OutputIds(features_dir), config["image_labels"]
+    v_id = centroids_digest(config["centroids"].state_dict())
+    todo, inputs, again = [], {}, set()
+
+    def found(find, *args):
+        try:
+            return find(*args)
+        except (ValueError, OSError):  # missing or clashing: the read names it
+            return None
+
+    for stem in stems:
+        inputs[stem] = {"features": feature_id(found(find_features, features_dir, stem)),
+                        "label": file_id(Path(labels_dir) / f"{stem}.png"),
+                        "image": file_id(found(find_image, images_dir, stem)) if refine == "crf" else None,
+                        "tags": None if tags is None else tags.get(stem), "centroids": v_id}
+        kept, exists = record.current(stem, stem_path(out_dir, stem, ".png"), inputs[stem])
+        if kept:
+            summary.existing += 1
+        else:
+            todo.append(stem)
+            if exists:
+                again.add(stem)
+    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
 
     def consume(results) -> None:
-        for stem, status, err, counts in _progress((r for batch in results for r in batch), len(stems), "debias",
-                                                   progress):
+        for stem, status, err, counts, content in _progress((r for batch in results for r in batch), len(todo),
+                                                            "debias", progress):
             if status == "done":
+                record.add(stem, stem_path(out_dir, stem, ".png"), inputs[stem], content)
                 summary.done += 1
+                summary.redone += stem in again
                 for c, (n, r) in counts.items():
                     summary.pixels[c] = summary.pixels.get(c, 0) + n
                     summary.removed[c] = summary.removed.get(c, 0) + r
-            elif status == "existing":
-                summary.existing += 1
             else:
                 if on_error == "stop":
                     raise JobError(f"{stem}: {err}")
@@ -894,6 +997,12 @@ def report_job(
 
     out = Path(out_dir)
     _check_out_dir(out, "--out")
+    from .run_record import LOCK_NAME, RunLock, remove_stale_tmp
+
+    # One run at a time writes here; holding the lock, the .tmp-* files a killed run left are
+    # stale: remove them.
+    lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars report").acquire()
+    remove_stale_tmp(out)
     # Every output is written to a temporary file first and renamed at the end, report.json
     # last: a failure never leaves a chart without its report.json.
     staged: Dict[str, str] = {}
@@ -928,6 +1037,7 @@ def report_job(
         for tmp in staged.values():
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        lock.release()
     return report, summary
 
 

@@ -38,7 +38,6 @@ and rank 0 alone writes the shared files (``reproduce.json``, ``centroids.pt``, 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -47,6 +46,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .files import atomic_write, list_stems
 from .jobs import JobSummary, LabelFormat, centroids_job, debias_job, evaluate_job, report_job
+from .run_record import (LOCK_NAME, OutputIds, RunLock, broadcast_object, file_id, json_digest, model_files_id,
+                         remove_stale_tmp, roles_digest, settings_diff, weight_file_id)
 from .references import find_references, reference_summary, score_references, scores_key
 from .reproduce_report import PAPER_SOURCES, PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, PICTURES, format_report
 
@@ -69,40 +70,71 @@ def default_domain(data: str, root: Optional[PathLike] = None) -> str:
     return "train"
 
 
-def _file_id(path: PathLike) -> Dict[str, Any]:
-    """Name, size and a hash of the first and last MiB: enough to tell two weight files apart
-    without reading gigabytes on every resume. A folder (CAUSE's release folder) is the ids of
-    the files under it, sorted by relative path."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(q for q in p.rglob("*") if q.is_file() and not q.name.startswith("."))
-        return {"path": os.fspath(p.resolve()),
-                "files": {os.fspath(q.relative_to(p)): _file_id(q)["sha256_ends"] + f":{q.stat().st_size}"
-                          for q in files}}
-    st = p.stat()
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        h.update(fh.read(1 << 20))
-        if st.st_size > 2 << 20:
-            fh.seek(-(1 << 20), os.SEEK_END)
-            h.update(fh.read(1 << 20))
-    return {"path": os.fspath(p.resolve()), "bytes": st.st_size, "sha256_ends": h.hexdigest()[:16]}
+#: The identity of a model file (name, size, hash of its first and last MiB).
+_file_id = weight_file_id
 
 
-def _same_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> List[str]:
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+_same_settings = settings_diff
+
+
+#: The input roles each stage reads (digests of :func:`_input_ids`); a stage whose recorded
+#: digests differ runs again, and so does every stage after it. The report always runs.
+STAGE_INPUTS = {
+    "features": ("ids", "images"),
+    "centroids": ("ids", "pseudo", "tags", "features"),
+    "debias": ("ids", "pseudo", "tags", "features", "images"),
+    "evaluate": ("ids", "pseudo", "masks", "references"),
+}
+_ROLE_NAMES = {"ids": "the set of ids", "images": "images", "pseudo": "pseudo labels", "tags": "tags (xml)",
+               "features": "features", "masks": "masks", "references": "reference folders"}
+
+
+def _input_ids(stems: Sequence[str], image_dir: Path, pseudo_dir: Path, mask_dir: Path, tags_text: str,
+               features: Optional[Path], refs: Mapping[str, Path]) -> Dict[str, str]:
+    """One digest per input role of the run: the ids, and per id the identity (name, size,
+    mtime: :func:`~mars_plugin.run_record.file_id`) of its image, pseudo label, mask and given
+    features; the tags JSON; each reference folder and its masks. A stat per file, no read."""
+    from .files import find_features, find_image
+
+    def found(find, folder, s):
+        try:
+            return find(folder, s)
+        except (ValueError, OSError):  # missing: the stage that reads it names it
+            return None
+
+    ids = {
+        "ids": json_digest(list(stems)),
+        "images": roles_digest({s: file_id(found(find_image, image_dir, s) or image_dir / s) for s in stems}),
+        "pseudo": roles_digest({s: file_id(pseudo_dir / f"{s}.png") for s in stems}),
+        "tags": json_digest(tags_text),
+        "masks": roles_digest({s: file_id(mask_dir / f"{s}.png") for s in stems}),
+        "references": json_digest({name: [os.fspath(Path(folder).resolve()),
+                                          roles_digest({p.name: file_id(p) for p in Path(folder).glob("*.png")})]
+                                   for name, folder in refs.items()}),
+    }
+    if features is not None:  # given: files of another tool, or of a mars features run
+        feature_id = OutputIds(features)
+        ids["features"] = roles_digest({s: feature_id(found(find_features, features, s)) for s in stems})
+    return ids
+
+
+def _stage_inputs(stage: str, inputs: Mapping[str, str]) -> Dict[str, str]:
+    return {k: inputs[k] for k in STAGE_INPUTS.get(stage, ()) if k in inputs}
 
 
 class _State:
-    """``reproduce.json``: the settings of the run in this folder and its finished stages.
-    ``write=False`` (ranks other than 0 under torchrun) keeps the record in memory only."""
+    """``reproduce.json``: the settings of the run in this folder, the finished stages and the
+    digests of the inputs each was made from. ``write=False`` (ranks other than 0 under
+    torchrun) keeps the record in memory only; ``data``: rank 0's reading of the file."""
 
-    def __init__(self, path: Path, settings: Dict[str, Any], write: bool = True):
+    def __init__(self, path: Path, settings: Dict[str, Any], write: bool = True,
+                 data: Optional[Dict[str, Any]] = None):
         self.path = path
         self.write = write
         self.data: Dict[str, Any] = {"settings": settings, "stages": {}}
-        if path.is_file():
+        if data is not None:
+            self.data = data
+        elif path.is_file():
             try:
                 old = json.loads(path.read_text())
                 old_settings, stages = old["settings"], old["stages"]
@@ -118,6 +150,18 @@ class _State:
 
     def done(self, stage: str) -> bool:
         return stage in self.data["stages"]
+
+    def stale(self, stage: str, inputs: Mapping[str, str]) -> Optional[str]:
+        """None when ``stage`` finished from these ``inputs``, else why it must run ("": never
+        finished here)."""
+        rec = self.data["stages"].get(stage)
+        if rec is None:
+            return ""
+        if "inputs" not in rec:
+            return "its inputs were not recorded (an earlier mars)"
+        changed = [_ROLE_NAMES.get(k, k) for k in sorted(set(inputs) | set(rec["inputs"]))
+                   if rec["inputs"].get(k) != inputs.get(k)]
+        return f"changed since the last run: {', '.join(changed)}" if changed else None
 
     def finish(self, stage: str, **info: Any) -> None:
         self.data["stages"][stage] = info
@@ -135,13 +179,8 @@ def _model_settings(uss: str, checkpoint, backbone, heads, trust_pickle: bool) -
     for flag, f in files.items():
         if f is not None and not Path(f).exists():
             raise ValueError(f"--{flag} {f}: no such file or folder")
-    out = {"uss": uss, **{k: _file_id(v) for k, v in files.items() if v is not None},
-           "trust_pickle": bool(trust_pickle)}
-    if uss == "cause" and heads is not None:
-        from .adapters.cause import heads_files
-
-        # CAUSE's release keeps its codebook in a sibling folder: record every file read.
-        out["heads_files"] = [_file_id(f) for f in heads_files(heads) if Path(f).is_file()]
+    out = model_files_id(uss, checkpoint, backbone, heads)
+    out["trust_pickle"] = bool(trust_pickle)
     return out
 
 
@@ -244,7 +283,10 @@ def reproduce(
         "pseudo": os.fspath(Path(pseudo_dir).resolve()), "alpha": alpha, "k_fg": k_fg,
         "k_bg": k_bg, "seed": seed, "refine": refine, "crf_params": crf_params,
     }
+    feature_settings: Optional[Dict[str, Any]] = None  # the record of --out/features: the model
     if features_dir is None:
+        feature_settings = dict(_model_settings(uss, checkpoint, backbone, heads, trust_pickle),
+                                scales=[float(s) for s in scales], flip=bool(flip), dhr=True)
         settings.update(_model_settings(uss, checkpoint, backbone, heads, trust_pickle),
                         scales=[float(s) for s in scales], flip=bool(flip), fp16=bool(fp16))
         feats = out / "features"
@@ -266,159 +308,193 @@ def reproduce(
     # 30-minute default timeout while the others wait, hence a group of its own.
     group = sync_group()
     out.mkdir(parents=True, exist_ok=True)
-    state = _State(out / "reproduce.json", settings, write=rank == 0)
-    fmt = LabelFormat(mode="P")
-    total = JobSummary()
-    # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop
-    # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad is
-    # named; with --on-error skip it is left out of the JSON, so the stages skip it by name.
-    tags: Dict[str, List[int]] = {}
-    for stem in stems:
-        try:
-            hot = load_image_labels(xml_dir, class_names=class_names, ids=[stem])[stem]
-        except ValueError as e:
-            if on_error == "stop":
-                raise
-            total.failed.append((f"{stem} (tags)", str(e)))
-            continue
-        tags[stem] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
-    image_labels = out / "image_labels.json"
-    tags_text = json.dumps(tags, indent=0, sort_keys=True)
+    # One run at a time into --out: rank 0 holds the lock for the whole run, and a refusal (the
+    # lock held, other settings recorded) stops every rank. Holding it, rank 0 removes the
+    # temporary files a killed run left and reads the record; the ranks follow its reading.
+    lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars reproduce")
+    error, data = None, None
     if rank == 0:
-        atomic_write(image_labels, lambda tmp: Path(tmp).write_text(tags_text))
-    share_error(None, group)
-    times: Dict[str, float] = {}
-
-    def stage(name: str, fn: Callable[[], Dict[str, Any]], everyone: bool = True) -> None:
-        """Run a stage on every rank (``everyone``) or on rank 0, then meet; record it once."""
-        if state.done(name):
-            if rank == 0:
-                log(f"[{name}] done before, kept")
-            times[name] = 0.0
-            return
-        if rank == 0:
-            log(f"[{name}] ...")
-        t = time.perf_counter()
-        info, error = {}, None
-        if everyone or rank == 0:
+        try:
+            lock.acquire()
+            remove_stale_tmp(out)
+            data = _State(out / "reproduce.json", settings).data
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            lock.release()
+            error = e
+    share_error(error, group)
+    try:
+        state = _State(out / "reproduce.json", settings, write=rank == 0, data=broadcast_object(data, group))
+        fmt = LabelFormat(mode="P")
+        total = JobSummary()
+        # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop
+        # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad is
+        # named; with --on-error skip it is left out of the JSON, so the stages skip it by name.
+        tags: Dict[str, List[int]] = {}
+        for stem in stems:
             try:
-                info = fn()
-            except BaseException as e:  # every rank must learn of it, or the others wait forever
+                hot = load_image_labels(xml_dir, class_names=class_names, ids=[stem])[stem]
+            except ValueError as e:
+                if on_error == "stop":
+                    raise
+                total.failed.append((f"{stem} (tags)", str(e)))
+                continue
+            tags[stem] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
+        image_labels = out / "image_labels.json"
+        tags_text = json.dumps(tags, indent=0, sort_keys=True)
+        error, inputs = None, None
+        if rank == 0:
+            try:
+                atomic_write(image_labels, lambda tmp: Path(tmp).write_text(tags_text))
+                # What each stage reads, as one digest per role (see STAGE_INPUTS), taken before
+                # any stage reads it: a file changed while the run reads it shows on the next run.
+                inputs = _input_ids(stems, image_dir, Path(pseudo_dir), mask_dir, tags_text,
+                                    None if features_dir is None else feats, refs)
+            except Exception as e:  # noqa: BLE001 -- raised on every rank just below
                 error = e
         share_error(error, group)
-        times[name] = time.perf_counter() - t
-        state.finish(name, seconds=round(times[name], 3), **info)
+        inputs = broadcast_object(inputs, group)
+        times: Dict[str, float] = {}
+        ran: List[str] = []  # the stages run by this call: every stage after one of them runs too
 
-    extractor = None
-    if features_dir is None and not state.done("features"):
-        from .adapters.extractor import load_extractor
+        def stage(name: str, fn: Callable[[], Dict[str, Any]], everyone: bool = True) -> None:
+            """Run a stage on every rank (``everyone``) or on rank 0, then meet; record it once."""
+            deps = _stage_inputs(name, inputs)
+            why = state.stale(name, deps) if not ran else f"after [{ran[-1]}]"
+            if why is None:
+                if rank == 0:
+                    log(f"[{name}] done before, kept")
+                times[name] = 0.0
+                return
+            ran.append(name)
+            if rank == 0:
+                log(f"[{name}] ..." + (f" ({why})" if why else ""))
+            t = time.perf_counter()
+            info, error = {}, None
+            if everyone or rank == 0:
+                try:
+                    info = fn()
+                except BaseException as e:  # every rank must learn of it, or the others wait forever
+                    error = e
+            share_error(error, group)
+            times[name] = time.perf_counter() - t
+            state.finish(name, seconds=round(times[name], 3), inputs=deps, **info)
 
-        # mars features' own loader with DHR's inference (native resolution, no L2
-        # normalisation), at this run's scales and flip; loaded before any work, so that a bad
-        # flag or file stops the run at once.
-        extractor = load_extractor(uss, checkpoint, backbone=backbone, heads=heads, trust_pickle=trust_pickle,
-                                   scales=tuple(scales), flip_average=flip, dhr=True)
+        extractor = None
+        if features_dir is None and state.stale("features", _stage_inputs("features", inputs)) is not None:
+            from .adapters.extractor import load_extractor
 
-    def run_features() -> Dict[str, Any]:
-        from .adapters.extractor import features_job
+            # mars features' own loader with DHR's inference (native resolution, no L2
+            # normalisation), at this run's scales and flip; loaded before any work, so that a bad
+            # flag or file stops the run at once.
+            extractor = load_extractor(uss, checkpoint, backbone=backbone, heads=heads, trust_pickle=trust_pickle,
+                                       scales=tuple(scales), flip_average=flip, dhr=True)
 
-        if rank == 0:
-            log(f"  {extractor.describe()}")
-        s = features_job(extractor, image_dir, feats, batch_size=feature_batch_size, device=device, fp16=fp16,
-                         on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=stems)
-        _log_summary(s, "features", log, total, rank, world)
-        return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
+        def run_features() -> Dict[str, Any]:
+            from .adapters.extractor import features_job
 
-    if features_dir is None:
-        stage("features", run_features)
-    else:
-        times["features"] = 0.0
+            if rank == 0:
+                log(f"  {extractor.describe()}")
+            s = features_job(extractor, image_dir, feats, batch_size=feature_batch_size, device=device, fp16=fp16,
+                             on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=stems,
+                             settings=feature_settings)
+            _log_summary(s, "features", log, total, rank, world)
+            return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
 
-    centroids = out / "centroids.pt"
-
-    def run_centroids() -> Dict[str, Any]:
-        V, s = centroids_job(feats, pseudo_dir, C, centroids, image_labels=image_labels, alpha=alpha, k_fg=k_fg,
-                             k_bg=k_bg, seed=seed, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
-                             device=device)
-        _log_summary(s, "centroids", log, total, rank, world)
-        return {"images": V.num_images, "failed": [list(f) for f in s.failed]}
-
-    stage("centroids", run_centroids)
-    debiased = out / "debiased"
-
-    def run_debias() -> Dict[str, Any]:
-        s = debias_job(feats, pseudo_dir, centroids, debiased, images_dir=image_dir, refine=refine,
-                       image_labels=image_labels, workers=workers, batch_size=batch_size, device=device,
-                       crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt)
-        _log_summary(s, "debias", log, total, rank, world)
-        return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
-
-    stage("debias", run_debias)
-    scores_path = out / "scores.json"
-
-    def run_evaluate() -> Dict[str, Any]:
-        done = list_stems(debiased, (".png",))
-        res: Dict[str, Any] = {}
-        failed: List[Tuple[str, str]] = []
-        for key, pred in (("pseudo", Path(pseudo_dir)), ("debiased", debiased)):
-            sc, s = evaluate_job(pred, mask_dir, C, on_error=on_error, progress=progress, stems=done)
-            _log_summary(s, f"evaluate {key}", log, total)
-            failed += [(f"{stem} (evaluate {key})", why) for stem, why in s.failed]
-            res[key] = sc
-        # The references are scored on the images both our scores counted.
-        bad = {stem for stem, _ in failed}
-        common = [s for s in done if not any(b.startswith(s + " (") for b in bad)]
-        ref_scores, agreement, left_out = score_references(refs, debiased, mask_dir, common, C,
-                                                           on_error=on_error, progress=progress)
-        for name, why in left_out:
-            total.failed.append((f"reference {name}", why))
-        for name, sc in ref_scores.items():
-            log(reference_summary(name, sc, agreement.get(name)))
-            res[scores_key(name)] = sc
-        res["agreement"] = agreement
-        res["references"] = {name: os.fspath(refs[name]) for name in ref_scores}
-        text = json.dumps(dict(res, class_names=class_names), indent=2)
-        atomic_write(scores_path, lambda tmp: Path(tmp).write_text(text))
-        return {"images": res["pseudo"]["num_images"], "failed": [list(f) for f in failed],
-                "references": sorted(ref_scores), "references_left_out": [list(x) for x in left_out],
-                "reference_notes": ref_notes}
-
-    stage("evaluate", run_evaluate, everyone=False)
-    scores = json.loads(scores_path.read_text())
-    ref_names = scores.get("references", {})
-    ref_scores = {n: scores[scores_key(n)] for n in ref_names}
-
-    def run_report() -> Dict[str, Any]:
-        removal, s = report_job(pseudo_dir, debiased, image_dir, out / "report", class_names=class_names,
-                                num_examples=num_examples, on_error=on_error, progress=progress)
-        _log_summary(s, "report", log, total)
-        method = (f"K_fg {k_fg}, K_bg {k_bg}, alpha {alpha}, seed {seed}, refine {refine}"
-                  + (f" ({crf_params if isinstance(crf_params, str) else json.dumps(crf_params)})"
-                     if refine == "crf" else ""))
-        if features_dir is not None:
-            feat_text = f"`{feats}` (given)"
+        if features_dir is None:
+            stage("features", run_features)
         else:
-            files = " + ".join(f"`{Path(f).name}`" for f in (checkpoint, backbone, heads) if f is not None)
-            feat_text = (f"{uss} from {files}, scales {', '.join(f'{x:g}' for x in scales)}, flip "
-                         f"{'on' if flip else 'off'}{', fp16' if fp16 else ''} (DHR's inference)")
-        ev = state.data["stages"].get("evaluate", {})
-        text = format_report(class_names, scores["pseudo"], scores["debiased"], removal, {
-            "root": root, "data": data, "domain": domain, "pseudo": pseudo_dir, "features": feat_text,
-            "method": method, "times": times, "stages": state.data["stages"],
-            "pictures": [(alt, f"report/{name}") for alt, name in PICTURES if (out / "report" / name).is_file()],
-            "references_left_out": ev.get("references_left_out", []),
-        }, references=ref_scores, agreement=scores.get("agreement", {}))
-        atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text))
-        return {}
+            times["features"] = 0.0
 
-    # The report is cheap and names this run's stage times: always rewritten.
-    state.data["stages"].pop("report", None)
-    stage("report", run_report, everyone=False)
-    if rank == 0:
-        log(f"report -> {out / 'report.md'} ({time.perf_counter() - t_all:.1f} s)")
-    return {"pseudo": scores["pseudo"], "debiased": scores["debiased"], "references": ref_scores,
-            "agreement": scores.get("agreement", {}), "out": out, "report": out / "report.md", "summary": total,
-            "rank": rank, "world_size": world}
+        centroids = out / "centroids.pt"
+
+        def run_centroids() -> Dict[str, Any]:
+            V, s = centroids_job(feats, pseudo_dir, C, centroids, image_labels=image_labels, alpha=alpha, k_fg=k_fg,
+                                 k_bg=k_bg, seed=seed, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
+                                 device=device)
+            _log_summary(s, "centroids", log, total, rank, world)
+            return {"images": V.num_images, "failed": [list(f) for f in s.failed]}
+
+        stage("centroids", run_centroids)
+        debiased = out / "debiased"
+
+        def run_debias() -> Dict[str, Any]:
+            if rank == 0:  # the debiased label of an id whose pseudo label is gone is no result of this run
+                for gone in sorted(set(list_stems(debiased, (".png",))) - set(stems)) if debiased.is_dir() else ():
+                    (debiased / f"{gone}.png").unlink()
+            s = debias_job(feats, pseudo_dir, centroids, debiased, images_dir=image_dir, refine=refine,
+                           image_labels=image_labels, workers=workers, batch_size=batch_size, device=device,
+                           crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt)
+            _log_summary(s, "debias", log, total, rank, world)
+            return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
+
+        stage("debias", run_debias)
+        scores_path = out / "scores.json"
+
+        def run_evaluate() -> Dict[str, Any]:
+            done = list_stems(debiased, (".png",))
+            res: Dict[str, Any] = {}
+            failed: List[Tuple[str, str]] = []
+            for key, pred in (("pseudo", Path(pseudo_dir)), ("debiased", debiased)):
+                sc, s = evaluate_job(pred, mask_dir, C, on_error=on_error, progress=progress, stems=done)
+                _log_summary(s, f"evaluate {key}", log, total)
+                failed += [(f"{stem} (evaluate {key})", why) for stem, why in s.failed]
+                res[key] = sc
+            # The references are scored on the images both our scores counted.
+            bad = {stem for stem, _ in failed}
+            common = [s for s in done if not any(b.startswith(s + " (") for b in bad)]
+            ref_scores, agreement, left_out = score_references(refs, debiased, mask_dir, common, C,
+                                                               on_error=on_error, progress=progress)
+            for name, why in left_out:
+                total.failed.append((f"reference {name}", why))
+            for name, sc in ref_scores.items():
+                log(reference_summary(name, sc, agreement.get(name)))
+                res[scores_key(name)] = sc
+            res["agreement"] = agreement
+            res["references"] = {name: os.fspath(refs[name]) for name in ref_scores}
+            text = json.dumps(dict(res, class_names=class_names), indent=2)
+            atomic_write(scores_path, lambda tmp: Path(tmp).write_text(text))
+            return {"images": res["pseudo"]["num_images"], "failed": [list(f) for f in failed],
+                    "references": sorted(ref_scores), "references_left_out": [list(x) for x in left_out],
+                    "reference_notes": ref_notes}
+
+        stage("evaluate", run_evaluate, everyone=False)
+        scores = json.loads(scores_path.read_text())
+        ref_names = scores.get("references", {})
+        ref_scores = {n: scores[scores_key(n)] for n in ref_names}
+
+        def run_report() -> Dict[str, Any]:
+            removal, s = report_job(pseudo_dir, debiased, image_dir, out / "report", class_names=class_names,
+                                    num_examples=num_examples, on_error=on_error, progress=progress)
+            _log_summary(s, "report", log, total)
+            method = (f"K_fg {k_fg}, K_bg {k_bg}, alpha {alpha}, seed {seed}, refine {refine}"
+                      + (f" ({crf_params if isinstance(crf_params, str) else json.dumps(crf_params)})"
+                         if refine == "crf" else ""))
+            if features_dir is not None:
+                feat_text = f"`{feats}` (given)"
+            else:
+                files = " + ".join(f"`{Path(f).name}`" for f in (checkpoint, backbone, heads) if f is not None)
+                feat_text = (f"{uss} from {files}, scales {', '.join(f'{x:g}' for x in scales)}, flip "
+                             f"{'on' if flip else 'off'}{', fp16' if fp16 else ''} (DHR's inference)")
+            ev = state.data["stages"].get("evaluate", {})
+            text = format_report(class_names, scores["pseudo"], scores["debiased"], removal, {
+                "root": root, "data": data, "domain": domain, "pseudo": pseudo_dir, "features": feat_text,
+                "method": method, "times": times, "stages": state.data["stages"],
+                "pictures": [(alt, f"report/{name}") for alt, name in PICTURES if (out / "report" / name).is_file()],
+                "references_left_out": ev.get("references_left_out", []),
+            }, references=ref_scores, agreement=scores.get("agreement", {}))
+            atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text))
+            return {}
+
+        # The report is cheap and names this run's stage times: always rewritten.
+        state.data["stages"].pop("report", None)
+        stage("report", run_report, everyone=False)
+        if rank == 0:
+            log(f"report -> {out / 'report.md'} ({time.perf_counter() - t_all:.1f} s)")
+        return {"pseudo": scores["pseudo"], "debiased": scores["debiased"], "references": ref_scores,
+                "agreement": scores.get("agreement", {}), "out": out, "report": out / "report.md", "summary": total,
+                "rank": rank, "world_size": world}
+    finally:
+        lock.release()
 
 
 def _log_summary(s: JobSummary, what: str, log: Callable[[str], None], total: JobSummary, rank: int = 0,

@@ -107,9 +107,14 @@ def _load(path: Path) -> torch.Tensor:
     return torch.load(path, weights_only=True)
 
 
+def _outputs(folder: Path):
+    """The files of an output folder but its record (.mars-run.*, see mars_plugin.run_record)."""
+    return [p for p in folder.iterdir() if not p.name.startswith(".mars-run")]
+
+
 def _assert_same_files(got: Path, want: Path) -> None:
-    names = sorted(p.name for p in want.iterdir())
-    assert sorted(p.name for p in got.iterdir()) == names  # nothing more: no .tmp- leftovers
+    names = sorted(p.name for p in _outputs(want))
+    assert sorted(p.name for p in _outputs(got)) == names  # nothing more: no .tmp- leftovers
     for name in names:
         a, b = _load(got / name), _load(want / name)
         assert a.dtype == b.dtype == torch.float16 and torch.equal(a, b), name
@@ -162,7 +167,7 @@ def test_an_unreadable_image_on_rank_1_stops_both_ranks(world, tmp_path):
         assert m.group(1).startswith("rank 1 stopped: img3: "), m.group(0)
     assert "features rank" not in res.stdout
     # rank 0's share all written, rank 1's up to the bad image, no half-written file
-    assert sorted(p.name for p in out.iterdir()) == ["img0.npy", "img1.npy", "img2.npy", "img4.npy", "img6.npy"]
+    assert sorted(p.name for p in _outputs(out)) == ["img0.npy", "img1.npy", "img2.npy", "img4.npy", "img6.npy"]
 
 
 def test_on_error_skip_each_rank_names_its_skipped_file(world, tmp_path):
@@ -173,7 +178,7 @@ def test_on_error_skip_each_rank_names_its_skipped_file(world, tmp_path):
     assert _rank_lines(res.stdout, out) == {0: (3, 0, 1), 1: (2, 0, 1)}, res.stdout
     for rank, stem in ((0, "img2"), (1, "img3")):
         assert re.search(rf"^\[default{rank}\]:  {stem}: .*{stem}\.png", res.stderr, re.M), res.stderr[-3000:]
-    assert sorted(p.stem for p in out.iterdir()) == ["img0", "img1", "img4", "img5", "img6"]
+    assert sorted(p.stem for p in _outputs(out)) == ["img0", "img1", "img4", "img5", "img6"]
 
 
 # ---------------------------------------------------------------------------- spawned ranks
@@ -231,7 +236,7 @@ def test_spawned_ranks_every_rank_raises_the_stop_of_another(world, tmp_path):
     assert r1["error"].startswith("img5: ") and "img5.png" in r1["error"]
     assert r0["error"] == "rank 1 stopped: " + r1["error"]
     # rank 0's share; rank 1 held img1 and img3 in its batch buffers (batch size 8), never written
-    assert sorted(p.stem for p in (tmp_path / "out").iterdir()) == ["img0", "img2", "img4", "img6"]
+    assert sorted(p.stem for p in _outputs(tmp_path / "out")) == ["img0", "img2", "img4", "img6"]
 
 
 def test_spawned_ranks_refuse_different_work_lists(world, tmp_path):
@@ -273,7 +278,7 @@ def test_each_rank_takes_its_strided_share_of_the_sorted_work(tmp_path, monkeypa
         before = {p.name for p in out.iterdir()} if out.exists() else set()
         monkeypatch.setattr(extractor_module, "_rank_world", lambda rank=rank: (rank, world_size))
         s = features_job(_pool, images, out, stems=asked, on_error="skip", progress=False, device="auto")
-        written[rank] = sorted(p.stem for p in out.iterdir() if p.name not in before)
+        written[rank] = sorted(p.stem for p in _outputs(out) if p.name not in before)
         mine = work[rank::world_size]
         assert sorted(written[rank] + [stem for stem, _ in s.failed]) == sorted(mine), (rank, s.failed)
         assert {stem for stem, _ in s.failed} == {"absent", "img1"} & set(mine)

@@ -60,7 +60,7 @@ def test_stego_folder_to_centroids(tmp_path, images, stego):
     out = tmp_path / "features"
     s = features_job(stego, img_dir, out, batch_size=2, progress=False)
     assert (s.done, s.existing, s.failed) == (5, 0, [])
-    assert sorted(os.listdir(out)) == [f"{k}.npy" for k in sorted(SIZES)]
+    assert sorted(p for p in os.listdir(out) if not p.startswith(".mars-run")) == [f"{k}.npy" for k in sorted(SIZES)]
     for stem, (h, w) in SIZES.items():
         arr = np.load(out / f"{stem}.npy", allow_pickle=False)
         assert arr.dtype == np.float16 and arr.shape == (16, *stego.grid_size(h, w))
@@ -90,11 +90,12 @@ def test_resume_skips_existing_files(tmp_path, images, stego):
     out = tmp_path / "features"
     features_job(stego, img_dir, out, progress=False)
     before = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)}
+    want_d = np.load(out / "d.npy")
     os.remove(out / "c.npy")
-    (out / "d.npy").write_bytes(b"sentinel")  # an existing output is never recomputed
+    (out / "d.npy").write_bytes(b"sentinel")  # an output changed since it was recorded: computed again
     s = features_job(stego, img_dir, out, progress=False)
-    assert (s.done, s.existing) == (1, 4)
-    assert (out / "d.npy").read_bytes() == b"sentinel"
+    assert (s.done, s.existing, s.redone) == (2, 3, 1)
+    np.testing.assert_allclose(np.load(out / "d.npy"), want_d, atol=1e-3)  # batched with others: rounding
     assert os.stat(out / "a.npy").st_mtime_ns == before["a.npy"]
     assert np.load(out / "c.npy").shape == (16, 6, 4)
     assert not [p for p in os.listdir(out) if p.startswith(".tmp")]
@@ -233,7 +234,12 @@ def test_cli_stego_needs_trust_then_writes(tmp_path, images, capsys):
     s = run_features(args)
     assert s.done == 5 and np.load(tmp_path / "f" / "a.npy").shape == (16, 5, 7)
     assert "STEGO on DINO ViT-S/8" in capsys.readouterr().out
-    _, args = parse(base + ["--trust-pickle", "--no-flip", "--no-normalize", "--interpolation", "bilinear"])
+    _, args = parse(base + ["--trust-pickle", "--no-flip", "--no-normalize", "--interpolation", "bilinear",
+                            "--batch-size", "3", "--stride", "8"])
+    # Other flags into the same --out would mix two models' features: refused, naming them.
+    with pytest.raises(JobError, match=r"other settings \(model.flip: None -> False; model.interpolation"):
+        run_features(args)
+    _, args = parse(base + ["--trust-pickle", "--batch-size", "2", "--stride", "8"])  # batch size: same result
     s = run_features(args)
     assert (s.done, s.existing) == (0, 5)
 
