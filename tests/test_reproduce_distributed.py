@@ -126,3 +126,28 @@ def test_a_failure_on_one_rank_stops_both(setup, tmp_path):
     assert world.stems[3] in res.stderr
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "out" / "features").iterdir())
     assert mars_plugin  # imported: the package is on the path the ranks use
+
+
+def test_a_run_holding_out_stops_both_ranks(setup, tmp_path):
+    """One run at a time into --out: rank 0 finds the lock held and refuses, naming the holder;
+    rank 1 stops too (share_error), nothing is computed, no rank hangs."""
+    args, _, _ = setup
+    out = tmp_path / "held"
+    out.mkdir()
+    hold = ("import sys, time\nfrom mars_plugin.run_record import RunLock\n"
+            "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out / ".mars-run.lock")], stdout=subprocess.PIPE,
+                              text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        res = _cli(args(out), 2, timeout=240)  # a hang would raise TimeoutExpired
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode != 0
+    assert re.search(rf"^\[default0\]:mars reproduce: error: --out {re.escape(str(out))} is in use by another run "
+                     rf"\(pid {holder.pid} on host ", res.stderr, re.M), res.stderr[-3000:]
+    # rank 1 learns it where the ranks meet (torchrun may stop it before it prints)
+    for m in re.finditer(r"^\[default1\]:mars reproduce: error: (.*)$", res.stderr, re.M):
+        assert m.group(1).startswith(f"rank 0 stopped: --out {out} is in use"), m.group(0)
+    assert sorted(p.name for p in out.iterdir()) == [".mars-run.lock"]  # the holder's: nothing written

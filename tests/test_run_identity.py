@@ -86,6 +86,7 @@ def _copy(base, dst: Path):
 
 def _run(root, pseudo, feats, out, **kw):
     logs = []
+    kw.setdefault("refine", "threshold")  # the CRF only where the images matter (kind "image"): fast
     reproduce(root, pseudo, out, features_dir=feats, data=DATA, progress=False, log=logs.append, **kw)
     return logs
 
@@ -131,7 +132,9 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
     if kind == "new id":  # the first run has no pseudo label for the last id
         shutil.move(pseudo / f"{world.stems[-1]}.png", held)
     out = tmp_path / "out"
-    _run(root, pseudo, feats, out)
+    # Debiasing reads the images only with the CRF: one iteration of it for kind "image".
+    kw = dict(refine="crf", crf_params={"iterations": 1}) if kind == "image" else {}
+    _run(root, pseudo, feats, out, **kw)
     first_centroids = (out / "centroids.pt").read_bytes()
     if kind == "new id":
         shutil.move(held, pseudo / f"{world.stems[-1]}.png")
@@ -149,7 +152,7 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
         _changed(dom / "mask" / f"{stem}.png", _half_background)
     else:
         _changed(root / "WSS" / DATA / "MARS" / "train_aug" / f"{stem}.png", _half_background)
-    logs = _run(root, pseudo, feats, out)
+    logs = _run(root, pseudo, feats, out, **kw)
     for name in STAGES:
         kept = f"[{name}] done before, kept" in logs
         assert kept == (name not in CHANGES[kind]), (name, logs)
@@ -160,7 +163,7 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
         assert (out / "centroids.pt").read_bytes() == first_centroids
     # The result is a fresh run's on the new inputs.
     fresh = tmp_path / "fresh"
-    _run(root, pseudo, feats, fresh)
+    _run(root, pseudo, feats, fresh, **kw)
     assert json.loads((out / "scores.json").read_text()) == json.loads((fresh / "scores.json").read_text())
     assert _record_free(out / "debiased") == _record_free(fresh / "debiased")
     a, b = (torch.load(p / "centroids.pt", weights_only=True) for p in (out, fresh))
@@ -168,12 +171,12 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
         assert torch.equal(a[k], b[k]), k
     assert a["num_images"] == b["num_images"] == N - (kind == "removed id")
     # and nothing changed: everything kept
-    logs = _run(root, pseudo, feats, out)
+    logs = _run(root, pseudo, feats, out, **kw)
     assert all(f"[{name}] done before, kept" in logs for name in STAGES), logs
 
 
 @pytest.mark.parametrize("setting, value, key", [("alpha", 0.5, "alpha"), ("k_fg", 3, "k_fg"),
-                                                 ("refine", "threshold", "refine")])
+                                                 ("refine", "crf", "refine")])
 def test_reproduce_refuses_other_settings_in_one_out(base, tmp_path, setting, value, key):
     world, root, pseudo, feats = _copy(base, tmp_path)
     out = tmp_path / "out"
@@ -188,7 +191,8 @@ def test_reproduce_refuses_another_fp16(base, tmp_path):
     world, root, pseudo, _ = _copy(base, tmp_path)
     b, h = _tiny_stego_files(tmp_path)
     out = tmp_path / "out"
-    kw = dict(backbone=b, heads=h, data=DATA, progress=False, log=lambda line: None, scales=[1.0], flip=False)
+    kw = dict(backbone=b, heads=h, data=DATA, progress=False, log=lambda line: None, scales=[1.0], flip=False,
+              refine="threshold")
     reproduce(root, pseudo, out, **kw)
     with pytest.raises(ValueError, match=r"other settings \(fp16: False -> True\)"):
         reproduce(root, pseudo, out, fp16=True, **kw)
@@ -219,8 +223,7 @@ def syn(tmp_path_factory):
     paths = write_world(world, root)
     V = root.parent / "V.pt"
     centroids_job(paths["features"], paths["labels"], world.num_classes, V, progress=False)
-    debias_job(paths["features"], paths["labels"], V, root.parent / "deb", images_dir=paths["images"],
-               progress=False)
+    debias_job(paths["features"], paths["labels"], V, root.parent / "deb", refine="threshold", progress=False)
     return world, paths, V
 
 
@@ -269,7 +272,9 @@ def test_features_resume_refuses_other_settings(syn, tmp_path, change):
 def test_debias_resume_recomputes_the_labels_whose_inputs_changed(syn, tmp_path, kind, done):
     world, p, V = _copy_world(syn, tmp_path)
     out = tmp_path / "deb"
-    shutil.copytree(syn[2].parent / "deb", out)  # the module's finished run, moved here
+    # Debiasing reads the images only with the CRF: one iteration of it for kind "image".
+    kw = dict(images_dir=p["images"], crf_params={"iterations": 1}) if kind == "image" else dict(refine="threshold")
+    debias_job(p["features"], p["labels"], V, out, progress=False, **kw)
     stem = world.stems[2]
     if kind == "label":
         _changed(p["labels"] / f"{stem}.png", _half_background)
@@ -281,10 +286,10 @@ def test_debias_resume_recomputes_the_labels_whose_inputs_changed(syn, tmp_path,
         c = DebiasedCentroids.load(V)
         c.centroids = c.centroids.flip(1)
         c.save(V)
-    s = debias_job(p["features"], p["labels"], V, out, images_dir=p["images"], progress=False)
+    s = debias_job(p["features"], p["labels"], V, out, progress=False, **kw)
     assert (s.done, s.existing, s.redone) == (done, 8 - done, done)
     fresh = tmp_path / "fresh"
-    debias_job(p["features"], p["labels"], V, fresh, images_dir=p["images"], progress=False)
+    debias_job(p["features"], p["labels"], V, fresh, progress=False, **kw)
     assert _record_free(out) == _record_free(fresh)
 
 
@@ -432,7 +437,7 @@ def _argv(cmd: str, cmd_inputs, out: Path):
         return ["report", "--labels", p["labels"], "--debiased", V.parent / "deb", "--images", p["images"],
                 "--out", out] + common
     return ["reproduce", "--root", tree / "root", "--data", DATA, "--pseudo", tree / "pseudo", "--features",
-            tree / "features", "--out", out] + common
+            tree / "features", "--out", out, "--refine", "threshold"] + common
 
 
 def _lock_of(cmd: str, out: Path) -> Path:
