@@ -151,3 +151,59 @@ def test_a_run_holding_out_stops_both_ranks(setup, tmp_path):
     for m in re.finditer(r"^\[default1\]:mars reproduce: error: (.*)$", res.stderr, re.M):
         assert m.group(1).startswith(f"rank 0 stopped: --out {out} is in use"), m.group(0)
     assert sorted(p.name for p in out.iterdir()) == [".mars-run.lock"]  # the holder's: nothing written
+
+
+def _refused_worker(rank, world_size, port, argv, result_dir):
+    """reproduce() itself on a spawned gloo rank (no torchrun to stop the other ranks)."""
+    import os
+
+    import torch.distributed as dist
+
+    from mars_plugin.reproduce import reproduce
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        reproduce(*argv["paths"], **argv["kw"], progress=False, log=lambda line: None)
+        result = "finished"
+    except Exception as e:  # noqa: BLE001 -- the test reads it
+        result = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    (Path(result_dir) / f"rank{rank}.txt").write_text(result)
+
+
+def test_a_refusal_on_rank_0_reaches_every_rank_of_a_spawned_group(setup, tmp_path):
+    """Without torchrun to stop them, the other ranks learn rank 0's refusal where the ranks meet
+    (share_error) instead of waiting for it forever."""
+    import time
+
+    import torch.multiprocessing as tmp
+
+    args, _, _ = setup
+    a = args(tmp_path / "held")
+    val = {k: a[a.index(k) + 1] for k in ("--root", "--pseudo", "--backbone", "--heads", "--out")}
+    (tmp_path / "held").mkdir()
+    hold = ("import sys, time\nfrom mars_plugin.run_record import RunLock\n"
+            "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "held" / ".mars-run.lock")],
+                              stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        argv = {"paths": [str(val["--root"]), str(val["--pseudo"]), str(val["--out"])],
+                "kw": {"data": DATA, "backbone": str(val["--backbone"]), "heads": str(val["--heads"])}}
+        ctx = tmp.spawn(_refused_worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=False)
+        deadline = time.monotonic() + 120
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("a rank still waits 120 s after rank 0 refused")
+    finally:
+        holder.kill()
+        holder.wait()
+    r0, r1 = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert r0.startswith(f"JobError: --out {val['--out']} is in use by another run (pid {holder.pid} "), r0
+    assert r1 == "JobError: rank 0 stopped: " + r0[len("JobError: "):], r1
