@@ -75,13 +75,16 @@ def dry_run(
     missing("ground-truth mask", masks, mask_dir)
     no_xml = set(missing("xml", xmls, xml_dir))
     bad_xml = []
+    tags: Dict[str, List[int]] = {}  # as the run writes them into image_labels.json
     for s in stems:
         if s in no_xml:
             continue
         try:
-            load_image_labels(xml_dir, class_names=class_names, ids=[s])
+            hot = load_image_labels(xml_dir, class_names=class_names, ids=[s])[s]
         except ValueError as e:
             bad_xml.append(f"{s} ({e})")
+            continue
+        tags[s] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
     if bad_xml:
         mismatches.append(f"{len(bad_xml)} xml file(s) of pseudo-labelled ids cannot be read as DHR reads them: "
                           + "; ".join(bad_xml[:_SHOW]) + (" ..." if len(bad_xml) > _SHOW else ""))
@@ -149,8 +152,24 @@ def dry_run(
 
     n = len(stems)
 
+    # A recorded stage is kept when its inputs are those it was made from and no stage before it
+    # runs (the rule of the run, mars_plugin.reproduce.STAGE_INPUTS).
+    from .reproduce import _input_ids, _stage_inputs, _State
+
+    inputs = _input_ids(stems, image_dir, pseudo_dir, mask_dir, json.dumps(tags, indent=0, sort_keys=True),
+                        None if compute_features else feats, references)
+    record = _State(state_path, settings, write=False, data={"settings": settings, "stages": recorded})
+    runs: List[str] = []
+
     def state(stage: str) -> str:
-        return " (recorded as finished: kept)" if stage in recorded else ""
+        if stage not in recorded:
+            runs.append(stage)
+            return ""
+        why = record.stale(stage, _stage_inputs(stage, inputs)) if not runs else f"after [{runs[-1]}]"
+        if why is None:
+            return " (recorded as finished from the same inputs: kept)"
+        runs.append(stage)
+        return f" (recorded as finished, runs again: {why})"
 
     stages = {
         "features": (f"computes {n - feats_done} of {n} <id>.pt from {image_dir} into {feats} ({feats_done} already "

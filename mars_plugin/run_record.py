@@ -562,6 +562,8 @@ class CentroidsRecord:
         parent = self.out.parent if str(self.out.parent) else Path(".")
         self.lock = RunLock(parent / f".{self.out.name}.lock", self.what, "mars centroids")
         self.inputs: Dict[str, Any] = {}
+        self._made: List[Path] = []  # folders made for the lock, removed again when nothing is saved
+        self._saved = False
 
     def open(self, stems: Sequence[str], features_dir: PathLike, labels_dir: PathLike,
              tags: Optional[Mapping[str, Any]], on_error: str) -> Optional[List[Any]]:
@@ -569,7 +571,12 @@ class CentroidsRecord:
         settings; returns the skipped files recorded when ``out`` is current (keep it), else None."""
         from .files import find_features
 
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        p = self.out.parent.absolute()
+        while not p.exists():
+            self._made.append(p)
+            p = p.parent
+        for d in reversed(self._made):
+            d.mkdir()
         self.lock.acquire()
         try:
             feature_id = OutputIds(features_dir)
@@ -594,7 +601,7 @@ class CentroidsRecord:
                 return None
             return list(failed)
         except BaseException:
-            self.lock.release()
+            self.close()
             raise
 
     def save(self, V: Any, failed: Sequence[Any]) -> None:
@@ -608,6 +615,13 @@ class CentroidsRecord:
         state["run"] = json.dumps({"settings": self.settings, "inputs": self.inputs, "failed": list(failed),
                                    "mars": __version__}, sort_keys=True)
         atomic_write(self.out, lambda tmp: torch.save(state, tmp))
+        self._saved = True
 
     def close(self) -> None:
         self.lock.release()
+        if not self._saved:  # a run that wrote nothing leaves no folder behind
+            for d in self._made:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break

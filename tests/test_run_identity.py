@@ -175,6 +175,25 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
     assert all(f"[{name}] done before, kept" in logs for name in STAGES), logs
 
 
+def test_dry_run_says_which_recorded_stages_run_again(base, tmp_path):
+    world, root, pseudo, feats = _copy(base, tmp_path)
+    out = tmp_path / "out"
+    _run(root, pseudo, feats, out)
+    _changed(pseudo / f"{world.stems[1]}.png", _half_background)
+    logs = []
+    reproduce(root, pseudo, out, features_dir=feats, data=DATA, refine="threshold", dry_run=True, log=logs.append)
+    said = {line.split("]")[0][1:]: line for line in logs if line.startswith("[")}
+    assert said["centroids"].endswith("(recorded as finished, runs again: changed since the last run: pseudo labels)")
+    assert said["debias"].endswith("(recorded as finished, runs again: after [centroids])")
+    _run(root, pseudo, feats, out)
+    _changed(root / DATA / "train_aug" / "mask" / f"{world.stems[1]}.png", _half_background)
+    logs.clear()
+    reproduce(root, pseudo, out, features_dir=feats, data=DATA, refine="threshold", dry_run=True, log=logs.append)
+    said = {line.split("]")[0][1:]: line for line in logs if line.startswith("[")}
+    assert said["debias"].endswith("(recorded as finished from the same inputs: kept)")
+    assert said["evaluate"].endswith("(recorded as finished, runs again: changed since the last run: masks)")
+
+
 @pytest.mark.parametrize("setting, value, key", [("alpha", 0.5, "alpha"), ("k_fg", 3, "k_fg"),
                                                  ("refine", "crf", "refine")])
 def test_reproduce_refuses_other_settings_in_one_out(base, tmp_path, setting, value, key):
