@@ -292,7 +292,7 @@ def features_job(
     # its identity (a moved or copied tree is the same run), nor the format (npy or pt: the
     # same values; a folder may mix them).
     record = FolderRecord(out_dir, "features", {"fp16": bool(fp16), "output_size": output_size, "stride": stride,
-                                                "model": settings})
+                                                "model": settings}, rank=rank)
     # Created before anything that can fail on one rank only: every rank must reach it.
     group = sync_group()
     try:

@@ -740,7 +740,7 @@ def debias_job(
     record = FolderRecord(out_dir, "debias", {
         "refine": refine, "threshold": None if crf else threshold, "crf_params": params if crf else None,
         "crf_backend": crf_backend if crf else None, "ignore_index": ignore_index, "wsss": fmt.name,
-        "mode": fmt.mode})
+        "mode": fmt.mode}, rank=rank)
     error = None
     if rank == 0:
         try:
@@ -942,7 +942,9 @@ def report_job(
       removed pixels first), only images where some were removed (none when 0).
 
     Both overlay grids carry a colour legend (class name -> colour, removed, ignore); their
-    panels are at most :data:`PANEL_SIDE` pixels on the longer side.
+    panels are at most :data:`PANEL_SIDE` pixels on the longer side. One run at a time writes
+    into ``out_dir`` (a lock, :class:`~mars_plugin.run_record.RunLock`); holding it, the run
+    removes the ``.tmp-*`` files a killed run left there.
     """
     from . import plots
 

@@ -24,17 +24,39 @@ masks. This module runs, on that tree (VOC2012 with ``train_aug``, COCO2014 with
    (:mod:`mars_plugin.reproduce_report`), which puts the paper's published figures and the
    reference folders beside the measured ones.
 
-Every stage resumes: features and debiased labels already written are kept (each file is
-written atomically), and ``reproduce.json`` records the settings and the finished stages. A run
-into a folder whose recorded settings differ is refused rather than mixing two settings.
+Every stage resumes (:mod:`mars_plugin.run_record`): ``reproduce.json`` records the settings,
+the finished stages and, per stage, a digest of the inputs it read (the ids; each image, pseudo
+label, mask and given feature file by name, size and mtime; the tags; the reference folders). A
+run into a folder whose recorded settings differ is refused rather than mixing two settings. A
+stage whose inputs changed since it finished runs again, and so does every stage after it:
+
+=====================================================  =========================================
+changed since the last run                             runs again
+=====================================================  =========================================
+a new or removed pseudo label, a changed pseudo         centroids, debias, evaluate, report
+label, tag (xml) or given feature file
+an image                                               features computed here: features (that
+                                                       image's), then as a changed feature file;
+                                                       ``--features``: debias (CRF: that image's
+                                                       label), evaluate, report
+a ground-truth mask, a reference folder or its masks   evaluate, report
+nothing                                                report (always rewritten)
+=====================================================  =========================================
+
+Within a stage that runs again, ``mars features``, ``centroids`` and ``debias`` keep what their
+own records say is current: the features of unchanged images, the centroids when their inputs
+are unchanged, the debiased labels whose features, pseudo label, image, tags and centroids are
+unchanged (all of them are made again when the centroids changed); a debiased label of an id
+whose pseudo label is gone is removed. One run at a time per ``--out`` (a lock that a killed run
+never leaves stuck); holding it, the run removes the ``.tmp-*`` files a killed run left.
 ``dry_run=True`` (``--dry-run``) reads the tree, computes nothing, and says what each stage
 would read and write and every mismatch it found.
 
 Under ``torchrun`` every stage is shared by the ranks: features and debiased labels in strided
 shards (each rank on GPU ``LOCAL_RANK`` with ``--device auto``), the centroids gathered as
 ``mars centroids`` does, the evaluation and the report on rank 0; the ranks meet between stages
-and rank 0 alone writes the shared files (``reproduce.json``, ``centroids.pt``, ``scores.json``,
-``report.md``).
+and rank 0 alone takes the lock and writes the shared files (``reproduce.json``, ``centroids.pt``,
+``scores.json``, ``report.md``); a refusal on rank 0 stops every rank.
 """
 from __future__ import annotations
 

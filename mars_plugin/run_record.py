@@ -5,9 +5,12 @@ already written is kept. This module makes "kept" mean "made from the same input
 that shapes a result is recorded beside the result, compared on the next run, and a second run
 into the same output while one is running is refused.
 
-**The record.** Settings (the flags that shape a result, the folders read, the model files) are
-refused when they differ: the output would mix two settings. Input *files* that differ are
-recomputed where they matter. Each command keeps its record beside its outputs:
+**The record.** Settings (the flags that shape a result, the model files; for ``mars reproduce``
+also its ``--root`` and ``--pseudo`` folders, as before) are refused when they differ: the output
+would mix two settings. Input *files* that differ are recomputed where they matter; the jobs do
+not record the folders they read, only each file's identity, so a tree moved or copied with its
+times is the same run, and another folder is other inputs. Each command keeps its record beside
+its outputs:
 
 * ``mars features --out F`` and ``mars debias --out D``: ``.mars-run.json`` in the folder (the
   settings) and ``.mars-run.files.<rank>.jsonl`` (one line per file written: the output's
@@ -28,7 +31,8 @@ recomputed where they matter. Each command keeps its record beside its outputs:
 content: a resume must cost a ``stat`` per file (microseconds), not a read of every input (COCO's
 82,783 feature files of DHR's inference are about 300 GB: minutes of hashing on every resume). What
 this misses: an edit that keeps the size within the file system's timestamp granularity
-(nanoseconds on ext4/xfs, 2 s on FAT), or a copy that restores another file's size and mtime
+(milliseconds on ext4/xfs, whose clock ticks coarser than their nanosecond field; 2 s on FAT),
+or a copy that restores another file's size and mtime
 (``cp -p``/``rsync -a`` of other content): touch such a file. Copying a whole tree with
 ``cp -a``/``rsync -a`` keeps every identity. Files ``mars`` writes itself (features, debiased
 labels) carry a digest of their content in their journal: a deleted feature file computed again
@@ -42,9 +46,9 @@ added to or removed from the pseudo-label folder):
 ======================================  ====================================================
 changed between two runs                 what the next run does
 ======================================  ====================================================
-a setting, a folder, a model file,       refused, one line naming the first differing keys
-``--fp16``, ``--scales``, Eq. 1-5's      (``--out X holds ... other settings (alpha: 0.4 ->
-parameters, ``--centroids`` path         0.5)``); use another ``--out``
+a setting: a model file, ``--fp16``,      refused, one line naming the first differing keys
+``--scales``, Eq. 1-5's parameters,      (``--out X holds ... other settings (alpha: 0.4 ->
+the CRF's, reproduce's folders           0.5)``); use another ``--out``
 an image                                 features: that image's features recomputed;
                                          debias (CRF): that image's label recomputed
 a pseudo label, a new or removed id,     centroids recomputed (any change), then every
@@ -66,12 +70,14 @@ releases it when the process ends, however it ends, so a lock left by a killed r
 and there is no stale-lock logic. A second run is refused with one line naming the lock and the
 process holding it (pid, host, start time). The lock file is removed when the run ends. Under
 torchrun, rank 0 takes the lock and writes the shared records; a refusal on rank 0 stops every
-rank (:func:`~mars_plugin.jobs.share_error`). On a network file system ``flock`` is passed to
-the server (NFSv4, Lustre, GPFS honour it across machines); where the file system does not
-support it (the call fails) the run goes on unlocked with a warning on stderr, and on an NFS
-mount with ``nolock`` or ``local_lock=flock`` the lock is local to each machine: two runs on two
-machines into one folder are then not detected. Holding the lock, a run removes the ``.tmp-*``
-files a killed run left in its output folder (the temporary files of atomic writes).
+rank (:func:`~mars_plugin.jobs.share_error`). On a network file system the lock is as good as
+the file system's locking: Linux NFS clients pass ``flock`` to the server as a whole-file lock
+that other machines see; a mount with ``nolock`` or ``local_lock=flock`` (or a cluster file
+system mounted with local locks only) keeps it on each machine, and two runs on two machines
+into one folder are then not detected (a lock held by a machine that died is the server's to
+release); where the call fails (``ENOLCK``, not supported) the run goes on unlocked with a
+warning on stderr. Holding the lock, a run removes the ``.tmp-*`` files a killed run left in its
+output folder (the temporary files of atomic writes, only names ``tempfile.mkstemp`` makes).
 """
 from __future__ import annotations
 
@@ -347,6 +353,10 @@ class RunLock:
                                    "it to end, or stop it") from None
                 os.close(fd)
                 if e.errno in self.UNSUPPORTED:
+                    try:  # a file no one can lock means nothing: leave none behind
+                        os.unlink(self.path)
+                    except OSError:
+                        pass
                     print(f"mars: warning: {self.what}: this file system cannot lock {self.path} "
                           f"({e.strerror}); a second run into it at the same time would not be detected",
                           file=sys.stderr, flush=True)

@@ -87,6 +87,9 @@ def test_two_ranks_write_what_one_process_writes(setup, tmp_path):
     assert _shares(res.stdout, "features") == {0: (4, 0), 1: (3, 0)}, res.stdout
     assert _shares(res.stdout, "debias") == {0: (4, 0), 1: (3, 0)}, res.stdout
     assert res.stdout.count("mIoU of the labels") == 1  # rank 0 alone reports
+    for sub in ("features", "debiased"):  # each rank journals the files it wrote (mars_plugin.run_record)
+        assert sorted(p.name for p in (out / sub).glob(".mars-run.files.*")) == [f".mars-run.files.{r}.jsonl"
+                                                                                 for r in (0, 1)], sub
 
 
 def test_a_killed_run_resumes_on_two_ranks(setup, tmp_path):

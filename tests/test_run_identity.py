@@ -483,6 +483,24 @@ def test_a_second_run_is_refused_and_a_killed_run_never_blocks(cmd_inputs, holde
     assert not lock.exists()  # a run that ends removes its lock file
 
 
+def test_a_file_system_without_flock_runs_unlocked_with_one_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from mars_plugin.run_record import RunLock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = RunLock(tmp_path / ".mars-run.lock", f"--out {tmp_path}").acquire()
+    assert not lock.locked and not (tmp_path / ".mars-run.lock").exists()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"mars: warning: --out {tmp_path}: this file system cannot lock {tmp_path / '.mars-run.lock'} "
+                   "(No locks available); a second run into it at the same time would not be detected"]
+    lock.release()
+
+
 # --------------------------------------------------------------------------------------------
 # .tmp-* files a killed run left
 # --------------------------------------------------------------------------------------------
