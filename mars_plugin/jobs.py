@@ -273,6 +273,14 @@ def sync_group(timeout: timedelta = SYNC_TIMEOUT) -> Optional[Any]:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+def _free(group: Optional[Any]) -> None:
+    """Destroy a group made by :func:`sync_group` (None: nothing to do)."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(group)
+
+
 def barrier(group: Optional[Any] = None) -> None:
     """Wait until every rank (of ``group``, default: all) gets here; a no-op without
     torch.distributed."""
@@ -525,13 +533,17 @@ def centroids_job(
     record = CentroidsRecord(out, {"num_classes": num_classes, "alpha": alpha, "k_fg": k_fg, "k_bg": k_bg,
                                    "seed": seed, "ignore_index": ignore_index, "wsss": fmt.name})
     error, kept = None, None
+    group = sync_group()  # the ranks meet here however late rank 0 comes (24 h, not torchrun's 30 min)
     if rank == 0:
         try:
             kept = record.open(stems, features_dir, labels_dir, labels, on_error)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
-    share_error(error)  # a refusal on rank 0 (another run, other settings) stops every rank
-    kept = broadcast_object(kept)
+    try:
+        share_error(error, group)  # a refusal on rank 0 (another run, other settings) stops every rank
+        kept = broadcast_object(kept, group)
+    finally:
+        _free(group)
     try:
         if kept is not None:  # made from these inputs with these settings: keep it
             V = load_centroids(out, "--out")
@@ -742,12 +754,16 @@ def debias_job(
         "crf_backend": crf_backend if crf else None, "ignore_index": ignore_index, "wsss": fmt.name,
         "mode": fmt.mode}, rank=rank)
     error = None
+    group = sync_group()  # the ranks meet here however late rank 0 comes (24 h, not torchrun's 30 min)
     if rank == 0:
         try:
             record.open()
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
-    share_error(error)  # a refusal on rank 0 (another run, other settings) stops every rank
+    try:
+        share_error(error, group)  # a refusal on rank 0 (another run, other settings) stops every rank
+    finally:
+        _free(group)
     try:
         return _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank)
     finally:
