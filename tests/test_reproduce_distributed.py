@@ -131,15 +131,18 @@ def test_a_failure_on_one_rank_stops_both(setup, tmp_path):
     assert mars_plugin  # imported: the package is on the path the ranks use
 
 
+#: A process holding mars's lock on argv[1] (as a run in progress would) until it is killed.
+HOLD = ("import sys, time\nfrom mars_plugin.run_record import RunLock\n"
+        "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
+
+
 def test_a_run_holding_out_stops_both_ranks(setup, tmp_path):
     """One run at a time into --out: rank 0 finds the lock held and refuses, naming the holder;
     rank 1 stops too (share_error), nothing is computed, no rank hangs."""
     args, _, _ = setup
     out = tmp_path / "held"
     out.mkdir()
-    hold = ("import sys, time\nfrom mars_plugin.run_record import RunLock\n"
-            "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(out / ".mars-run.lock")], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / ".mars-run.lock")], stdout=subprocess.PIPE,
                               text=True, env=_env())
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -189,9 +192,7 @@ def test_a_refusal_on_rank_0_reaches_every_rank_of_a_spawned_group(setup, tmp_pa
     a = args(tmp_path / "held")
     val = {k: a[a.index(k) + 1] for k in ("--root", "--pseudo", "--backbone", "--heads", "--out")}
     (tmp_path / "held").mkdir()
-    hold = ("import sys, time\nfrom mars_plugin.run_record import RunLock\n"
-            "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "held" / ".mars-run.lock")],
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "held" / ".mars-run.lock")],
                               stdout=subprocess.PIPE, text=True, env=_env())
     try:
         assert holder.stdout.readline().strip() == "locked"
