@@ -307,10 +307,9 @@ def reproduce(
     }
     feature_settings: Optional[Dict[str, Any]] = None  # the record of --out/features: the model
     if features_dir is None:
-        feature_settings = dict(_model_settings(uss, checkpoint, backbone, heads, trust_pickle),
-                                scales=[float(s) for s in scales], flip=bool(flip), dhr=True)
-        settings.update(_model_settings(uss, checkpoint, backbone, heads, trust_pickle),
-                        scales=[float(s) for s in scales], flip=bool(flip), fp16=bool(fp16))
+        model = _model_settings(uss, checkpoint, backbone, heads, trust_pickle)
+        feature_settings = dict(model, scales=[float(s) for s in scales], flip=bool(flip), dhr=True)
+        settings.update(model, scales=[float(s) for s in scales], flip=bool(flip), fp16=bool(fp16))
         feats = out / "features"
     else:
         feats = Path(features_dir)
