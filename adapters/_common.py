@@ -119,14 +119,15 @@ def iter_label_dir(
 
     Files whose stem ends with one of ``skip_suffixes`` (AdvCAM/IRNet's ``<name>_palette.png``
     visualisations) are skipped. With ``ids``, exactly those images are read, in that order.
-    Pixel values are returned as stored (255 = ignore).
+    Pixel values are returned as stored (255 = ignore). An id that is not a plain file name
+    (``../x``, ``a/b``, empty, NUL) is a ValueError: it would read outside ``folder``.
     """
     folder = Path(folder)
     stems = list(ids) if ids is not None else [
         s for s in list_stems(folder, (".png",)) if not any(s.endswith(x) for x in skip_suffixes)
     ]
     for stem in stems:
-        path = folder / f"{stem}.png"
+        path = stem_path(folder, stem, ".png")
         if not path.is_file():
             raise ValueError(f"missing label {path}")
         yield stem, read_label(path, biased_value=None)
@@ -154,6 +155,23 @@ def write_label_dir(
             write_label(p, label, biased_value=biased_value, mode=mode)
         paths.append(p)
     return paths
+
+
+def check_map_size(shape: Sequence[int], what: str) -> None:
+    """Maps of (..., H, W) have at least one pixel: a 0-height or 0-width map is a ValueError
+    naming ``what`` (the file, or the in-memory object), not an error deep in a resize later."""
+    if len(shape) >= 2 and (int(shape[-2]) < 1 or int(shape[-1]) < 1):
+        raise ValueError(f"{what}: maps of height {int(shape[-2])} and width {int(shape[-1])}; an image has at "
+                         "least one pixel (H, W >= 1)")
+
+
+def file_error(path: PathLike, stem: str, e: ValueError) -> ValueError:
+    """``e`` (a message about the object read from ``path``, which starts with ``stem: ``) as a
+    ValueError that names the file instead."""
+    msg = str(e)
+    if msg.startswith(f"{stem}: "):
+        msg = msg[len(stem) + 2:]
+    return ValueError(f"{os.fspath(path)}: {msg}")
 
 
 def check_biased_value(biased_value: int, num_classes: int) -> int:

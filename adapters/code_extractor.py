@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mars_plugin._checks import MAX_RES
+
 from .multiscale import check_scales, multiscale, nearest_patch_size, scaled_size
 from .vit import (
     INTERPOLATIONS,
@@ -98,9 +100,9 @@ class CodeExtractor(nn.Module):
         """Check and set the input settings (once, for every subclass)."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or res < patch):
-            raise ValueError(f"res must be None (the image's own resolution) or an integer >= the patch size "
-                             f"{patch}, got {res!r}")
+        if res is not None and (isinstance(res, bool) or not isinstance(res, int) or not patch <= res <= MAX_RES):
+            raise ValueError(f"res must be None (the image's own resolution) or an integer in {patch}..{MAX_RES} "
+                             f"(from the patch size {patch}), got {res!r}")
         self.res = res
         self.flip_average = bool(flip_average)
         self.normalize = bool(normalize)

@@ -97,10 +97,20 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
+from mars_plugin._checks import MAX_NUM_CLASSES, RESERVED_REASON, check_num_classes
 from mars_plugin.crf import CRF_PRESETS
 from mars_plugin.files import BIASED_VALUE, IGNORE_VALUE, check_stem, list_stems, stem_path
 
-from ._common import VOC_CLASSES, check_biased_value, checked_labels, iter_label_dir, multi_hot, write_label_dir
+from ._common import (
+    VOC_CLASSES,
+    check_biased_value,
+    check_map_size,
+    checked_labels,
+    file_error,
+    iter_label_dir,
+    multi_hot,
+    write_label_dir,
+)
 from .vit import load_checkpoint
 
 __all__ = [
@@ -209,6 +219,12 @@ class DHRLayout:
         missing = [k for k in ("names", "ignore") if k not in d]
         if missing:  # tools/data_utils.py:11-12 reads both
             raise ValueError(f"{p}: the dataset json has no {missing} (DHR reads 'names' and 'ignore', tools/data_utils.py:11-12)")
+        # Checked with the json, not only by ignore_value(): whoever reads the names (mars
+        # reproduce, load_image_labels) must refuse the json that write_masks refuses.
+        v = d["ignore"]
+        if isinstance(v, bool) or not isinstance(v, int) or v != IGNORE:
+            raise ValueError(f"{p}: 'ignore' is {v!r}; DHR's train.py also treats 255 as ignore "
+                             "(train.py:122,149; tools/transforms.py:176), so only 255 is consistent")
         return d
 
     def class_names(self, num_classes: Optional[int] = None) -> Tuple[str, ...]:
@@ -218,7 +234,8 @@ class DHRLayout:
         ``num_classes`` (C, foreground classes), when given, must match: a json with another
         count is a ValueError naming it. A json whose first name is not ``background`` is
         refused: MARS labels are 0 = background, 1..C (DHR's sets without background are not
-        supported here).
+        supported here); so is one of more than 254 names (C <= 253: 254 and 255 are the biased
+        and ignore bytes), and one whose ``ignore`` is not 255 (see :meth:`ignore_value`).
         """
         d = self._json()
         if d is None:
@@ -236,6 +253,9 @@ class DHRLayout:
             if raw[0] != "background":
                 raise ValueError(f"{self.dataset_json}: 'names' must start with 'background' (MARS labels are "
                                  f"0 = background, 1..C), got {raw[0]!r}")
+            if len(raw) - 1 > MAX_NUM_CLASSES:
+                raise ValueError(f"{self.dataset_json}: 'names' holds {len(raw)} names = background + {len(raw) - 1} "
+                                 f"classes, but {RESERVED_REASON}")
             names = tuple(raw)
             where = f"{self.dataset_json} 'names'"
         if num_classes is not None and len(names) - 1 != num_classes:
@@ -246,14 +266,8 @@ class DHRLayout:
     def ignore_value(self) -> int:
         """The json's ``ignore`` (255 without a json). Anything but 255 is a ValueError: DHR
         itself hard-codes 255 next to it (``train.py:122,149``, ``tools/transforms.py:176``)."""
-        d = self._json()
-        if d is None:
-            return IGNORE
-        v = d["ignore"]
-        if isinstance(v, bool) or not isinstance(v, int) or v != IGNORE:
-            raise ValueError(f"{self.dataset_json}: 'ignore' is {v!r}; DHR's train.py also treats 255 as ignore "
-                             "(train.py:122,149; tools/transforms.py:176), so only 255 is consistent")
-        return v
+        d = self._json()  # refuses any other 'ignore'
+        return IGNORE if d is None else int(d["ignore"])
 
     # ---- ids
     def ids(self, domain: str = "train_aug", *, tagged_only: bool = True, sort: bool = False) -> List[str]:
@@ -409,9 +423,9 @@ def load_pseudo_labels(path_or_dir: PathLike, *, ids: Optional[Sequence[str]] = 
 
 
 def _check_num_classes(num_classes: Any, what: str = "num_classes") -> int:
-    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or not 1 <= num_classes <= 253:
-        raise ValueError(f"{what} must be an integer C in 1..253 (labels 0..C below 254/255), got {num_classes!r}")
-    return int(num_classes)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)):
+        raise ValueError(f"{what} must be an integer C in 1..{MAX_NUM_CLASSES} ({RESERVED_REASON}), got {num_classes!r}")
+    return check_num_classes(int(num_classes), what)
 
 
 def _target(layout_or_dir: Union[DHRLayout, PathLike], method: str, domain: str,
@@ -525,6 +539,7 @@ def normalize_cams(obj: Mapping[str, Any], *, name: Optional[str] = None) -> Dic
         raise ValueError(f"{what}: 'keys' must be integer class ids, got {keys.dtype}")
     if masks.ndim != 3 or not np.issubdtype(masks.dtype, np.floating):
         raise ValueError(f"{what}: 'masks' must be a float (K, H, W) array, got {masks.dtype} {masks.shape}")
+    check_map_size(masks.shape, what)
     if keys.shape[0] != masks.shape[0]:
         raise ValueError(f"{what}: len(keys) must equal len(masks) (one softmax map per class), got "
                          f"{keys.shape[0]} keys and {masks.shape[0]} maps")
@@ -557,7 +572,10 @@ def load_cams(path: PathLike, *, trust_pickle: bool = False) -> Dict[str, Any]:
     ``"dhr"``; ``size`` (H, W); ``raw_keys`` as stored.
     """
     obj = load_checkpoint(path, trust_pickle=trust_pickle, what="DHR prediction (.pt)")
-    return normalize_cams(obj, name=Path(path).stem)
+    try:
+        return normalize_cams(obj, name=Path(path).stem)
+    except ValueError as e:
+        raise file_error(path, Path(path).stem, e) from None
 
 
 def iter_cams(

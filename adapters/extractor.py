@@ -41,6 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mars_plugin import cli_types as T
+from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
 from mars_plugin.jobs import JobError, JobSummary, _dist_ready, _rank_world, resolve_device, share_error, sync_group
 from mars_plugin.run_record import array_digest, file_id
@@ -266,10 +268,9 @@ def features_job(
     if file_format not in FILE_FORMATS:
         raise ValueError(f"file_format must be one of {FILE_FORMATS}, got {file_format!r}")
     ext, other_ext = (".npy", ".pt") if file_format == "npy" else (".pt", ".npy")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
-        raise ValueError(f"stride must be an integer >= 1, got {stride!r}")
+    batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
+    if stride is not None:
+        stride = check_int_param(stride, "stride", 1, MAX_STRIDE)
     if stride is not None and output_size is not None:
         raise ValueError("give either output_size or stride, not both")
     if isinstance(output_size, str) and output_size != "image":
@@ -590,19 +591,6 @@ def load_extractor(
     return LeopartExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, prefix=prefix, **kw)
 
 
-def _res_arg(text: str) -> Union[int, str]:
-    """--res: an integer side, or 'native' (the image's own resolution)."""
-    if text.strip().lower() == "native":
-        return "native"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'native', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'native', got {value}")
-    return value
-
-
 def scales_argument(text: str) -> Tuple[float, ...]:
     """--scales: comma-separated positive numbers, e.g. 2,1,1.5,0.5 (order kept)."""
     try:
@@ -612,7 +600,7 @@ def scales_argument(text: str) -> Tuple[float, ...]:
     try:
         return check_scales(values)
     except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 # An empty "%(default)" field: ArgumentDefaultsHelpFormatter then leaves out its "(default: None)"
@@ -642,9 +630,9 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda, cuda:N, or auto: GPU LOCAL_RANK under torchrun (each rank its own GPU), "
                              "the GPU if any otherwise, else the CPU")
-    parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass (same-size images only)")
+    parser.add_argument("--batch-size", type=T.batch_size, default=8, help="images per forward pass (same-size images only)")
     parser.add_argument("--fp16", action="store_true", help="run the network under float16 autocast (GPU)")
-    parser.add_argument("--res", type=_res_arg, default=None,
+    parser.add_argument("--res", type=T.res, default=None,
                         help="STEGO: shorter image side fed to the ViT (default: 320, its evaluation); "
                              "Leopart: square input side (default: 448, its evaluation); DINOv2: shorter side "
                              "(default: native); 'native': the image's own "
@@ -670,7 +658,7 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> None:
                         help="L2-normalise each pixel's embedding (default: yes for STEGO and the Leopart head, no "
                              "for Leopart backbone tokens)" + _OWN_DEFAULT)
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--stride", type=int, default=None,
+    size.add_argument("--stride", type=T.stride, default=None,
                       help="write maps of ceil(H/N) x ceil(W/N) for an H x W image (default: the ViT patch grid; "
                            "the MARS core resizes features to each label anyway)" + _OWN_DEFAULT)
     size.add_argument("--full-size", action="store_true",

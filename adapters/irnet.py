@@ -63,10 +63,13 @@ import torch
 
 from mars_plugin.files import BIASED_VALUE, IGNORE_VALUE
 
+from mars_plugin._checks import check_num_classes
+
 from ._common import (
     VOC_CLASSES,
     read_image_list,
     check_biased_value,
+    check_map_size,
     checked_labels,
     decode_voc_id,
     iter_label_dir,
@@ -162,6 +165,7 @@ def _as_float(t: torch.Tensor, name: str, path: str) -> torch.Tensor:
 
 def parse_cam_dict(obj: Any, path: str = "<cams>", *, num_classes: int = NUM_CLASSES) -> Dict[str, Any]:
     """Validate an IRNet-style CAM dict and return it with 1-based keys (see :func:`load_cams`)."""
+    num_classes = check_num_classes(num_classes)
     if not isinstance(obj, Mapping) or "keys" not in obj or "cam" not in obj:
         got = sorted(map(str, obj.keys())) if isinstance(obj, Mapping) else type(obj).__name__
         raise ValueError(f"{path}: expected an IRNet-format CAM dict with 'keys', 'cam' (and 'high_res'), got {got}")
@@ -175,11 +179,13 @@ def parse_cam_dict(obj: Any, path: str = "<cams>", *, num_classes: int = NUM_CLA
     cam = _as_float(_to_tensor(obj["cam"], "cam", path), "cam", path)
     if cam.ndim != 3 or cam.shape[0] != K:
         raise ValueError(f"{path}: 'cam' must be (K, h, w) with K = {K} keys, got {tuple(cam.shape)}")
+    check_map_size(cam.shape, f"{path}: 'cam'")
     high_res = obj.get("high_res")
     if high_res is not None:
         high_res = _as_float(_to_tensor(high_res, "high_res", path), "high_res", path)
         if high_res.ndim != 3 or high_res.shape[0] != K:
             raise ValueError(f"{path}: 'high_res' must be (K, H, W) with K = {K} keys, got {tuple(high_res.shape)}")
+        check_map_size(high_res.shape, f"{path}: 'high_res'")
     return {"keys": keys + 1, "cam": cam, "high_res": high_res}
 
 
@@ -320,6 +326,7 @@ def cams_to_label(
 
 def parse_image_labels(obj: Any, path: str = "<cls_labels>", *, num_classes: int = NUM_CLASSES) -> Dict[str, torch.Tensor]:
     """{decoded id: (C,) bool} from a cls_labels dict (np.int32 or str keys, (C,) 0/1 values)."""
+    num_classes = check_num_classes(num_classes)
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path}: expected a dict {{image id: ({num_classes},) multi-hot}}, got {type(obj).__name__}")
     out: Dict[str, torch.Tensor] = {}

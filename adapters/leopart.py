@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .code_extractor import CodeExtractor
+from mars_plugin._checks import MAX_RES
+
 from .multiscale import nearest_patch_size
 from .vit import (
     DinoViT,
@@ -138,9 +140,10 @@ class LeopartExtractor(CodeExtractor):
         super().__init__()
         if res is not None and (
             isinstance(res, bool) or not isinstance(res, int) or res < model.patch_size or res % model.patch_size
+            or res > MAX_RES
         ):
             raise ValueError(f"res must be None (the image's own resolution) or a positive multiple of the patch size "
-                             f"{model.patch_size}, got {res!r}")
+                             f"{model.patch_size} up to {MAX_RES}, got {res!r}")
         if head and projection_head is None:
             raise ValueError("head=True needs Leopart's projection head, and none was given (the checkpoint has no "
                              "'projection_head.*' weights)")

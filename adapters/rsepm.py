@@ -79,12 +79,14 @@ import numpy as np
 import torch
 
 from mars_plugin.crf import CRF_PRESETS
-from mars_plugin.files import BIASED_VALUE, list_stems
+from mars_plugin.files import BIASED_VALUE, list_stems, stem_path
 
 from ._common import (
     COCO_CLASSES,
     VOC_CLASSES,
     check_biased_value,
+    check_map_size,
+    file_error,
     checked_labels,
     iter_label_dir,
     load_pickle,
@@ -193,6 +195,7 @@ def normalize_cams(obj: Mapping[str, Any], *, name: Optional[str] = None) -> Dic
         raise ValueError(f"{what}: 'keys' must be integer class ids, got {keys.dtype}")
     if seed.ndim != 3 or not np.issubdtype(seed.dtype, np.floating):
         raise ValueError(f"{what}: 'seed' must be a float (K, H, W) array, got {seed.dtype} {seed.shape}")
+    check_map_size(seed.shape, what)
     K = seed.shape[0]
     raw = torch.from_numpy(keys.astype(np.int64))
     if keys.shape[0] == K + 1:
@@ -235,7 +238,10 @@ def load_cams(path: PathLike, *, trust_pickle: bool = False) -> Dict[str, Any]:
     float32; ``includes_background``; ``kind``; ``size`` (H, W); ``raw_keys`` as stored.
     """
     obj = load_pickle(path, trust_pickle=trust_pickle, what="RS+EPM prediction (.pkl)")
-    return normalize_cams(obj, name=Path(path).stem)
+    try:
+        return normalize_cams(obj, name=Path(path).stem)
+    except ValueError as e:
+        raise file_error(path, Path(path).stem, e) from None
 
 
 def iter_cams(
@@ -245,7 +251,7 @@ def iter_cams(
     folder = Path(folder)
     stems = list(ids) if ids is not None else list_stems(folder, (".pkl",))
     for stem in stems:
-        yield stem, load_cams(folder / f"{stem}.pkl", trust_pickle=trust_pickle)
+        yield stem, load_cams(stem_path(folder, stem, ".pkl"), trust_pickle=trust_pickle)
 
 
 def cams_to_label(
@@ -356,7 +362,7 @@ def load_image_labels(
     stems = list(ids) if ids is not None else list_stems(p, (".xml",))
     out = {}
     for s in stems:
-        xp = p / f"{s}.xml"
+        xp = stem_path(p, s, ".xml")
         if not xp.is_file():
             raise ValueError(f"missing annotation {xp}")
         out[s] = multi_hot(_tags_from_xml(xp, names), len(names) - 1)

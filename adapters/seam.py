@@ -74,12 +74,14 @@ import numpy as np
 import torch
 
 from mars_plugin.crf import CRF_PRESETS
-from mars_plugin.files import BIASED_VALUE, list_stems
+from mars_plugin.files import BIASED_VALUE, list_stems, stem_path
 
 from ._common import (
     VOC_CLASSES,
     read_image_list,
     check_biased_value,
+    check_map_size,
+    file_error,
     checked_labels,
     decode_voc_id,
     iter_label_dir,
@@ -171,6 +173,7 @@ def normalize_cams(obj: Mapping[Any, Any], *, kind: str = "auto", name: Optional
         a = np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v)
         if a.ndim != 2 or not np.issubdtype(a.dtype, np.floating):
             raise ValueError(f"{name or 'cams'}: value of key {int(k)} must be a float (H, W) array, got {a.dtype} {a.shape}")
+        check_map_size(a.shape, name or "cams")
         if arrays and a.shape != arrays[0].shape:
             raise ValueError(f"{name or 'cams'}: all maps must share one size, got {arrays[0].shape} and {a.shape}")
         keys.append(int(k))
@@ -221,7 +224,10 @@ def load_cams(path: PathLike, *, trust_pickle: bool = False, kind: str = "auto")
     * ``size``: (H, W), or None for an empty dict (an image without classes).
     """
     obj = load_pickled_npy(path, trust_pickle=trust_pickle, what="SEAM CAM/CRF dict")
-    return normalize_cams(obj, kind=kind, name=Path(path).stem)
+    try:
+        return normalize_cams(obj, kind=kind, name=Path(path).stem)
+    except ValueError as e:
+        raise file_error(path, Path(path).stem, e) from None
 
 
 def iter_cams(
@@ -231,7 +237,7 @@ def iter_cams(
     folder = Path(folder)
     stems = list(ids) if ids is not None else list_stems(folder, (".npy",))
     for stem in stems:
-        yield stem, load_cams(folder / f"{stem}.npy", trust_pickle=trust_pickle, kind=kind)
+        yield stem, load_cams(stem_path(folder, stem, ".npy"), trust_pickle=trust_pickle, kind=kind)
 
 
 def _as_normalized(cams: Mapping[str, Any]) -> Dict[str, Any]:
@@ -320,7 +326,7 @@ def load_image_labels(
     p = Path(path)
     if p.is_dir():
         stems = list(ids) if ids is not None else list_stems(p, (".xml",))
-        return {s: _labels_from_xml(p / f"{s}.xml") for s in stems}
+        return {s: _labels_from_xml(stem_path(p, s, ".xml")) for s in stems}
     obj = load_pickled_npy(p, trust_pickle=trust_pickle, what="SEAM cls_labels dict")
     if not isinstance(obj, Mapping):
         raise ValueError(f"{p}: cls_labels.npy must hold a dict {{name: (20,) array}}, got {type(obj).__name__}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -16,8 +16,23 @@ import torch
 # is this one): kept here so that the core's label checks can point a raw 254 to read_label
 # without importing the I/O layer.
 BIASED_PNG_VALUE = 254
+#: The ignore byte of every label file (``mars_plugin.files.IGNORE_VALUE`` is this one).
+IGNORE_PNG_VALUE = 255
+#: The largest number of foreground classes C: labels are bytes 0..C, and 254 (biased) and 255
+#: (ignore) are not classes.
+MAX_NUM_CLASSES = 253
+#: Why C stops at :data:`MAX_NUM_CLASSES`, said by every error that refuses a larger C.
+RESERVED_REASON = "labels are 0..C with 254 = biased and 255 = ignore, so C <= 253"
 
 __all__ = [
+    "MAX_NUM_CLASSES",
+    "RESERVED_REASON",
+    "check_num_classes",
+    "check_class_names",
+    "check_ignore_byte",
+    "check_seed",
+    "check_real_param",
+    "rgb_layout",
     "as_tensor",
     "check_ndim",
     "check_finite",
@@ -157,12 +172,112 @@ def check_same_spatial(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: st
         )
 
 
-def check_int_param(value: Any, name: str, minimum: int) -> int:
+def check_int_param(value: Any, name: str, minimum: int, maximum: Optional[int] = None, why: str = "") -> int:
+    """An integer in ``minimum..maximum`` (no upper bound when ``maximum`` is None); ``why``
+    is appended to the error in parentheses (the reason for the bound)."""
+    expected = f"an integer >= {minimum}" if maximum is None else f"an integer in {minimum}..{maximum}"
+    reason = f" ({why})" if why else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {describe(value)}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+        raise TypeError(f"{name} must be {expected}, got {describe(value)}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {expected}, got {value}{reason}")
     return int(value)
+
+
+def check_num_classes(value: Any, name: str = "num_classes") -> int:
+    """C, the number of foreground classes: an integer in 1..253 (:data:`RESERVED_REASON`)."""
+    return check_int_param(value, name, 1, MAX_NUM_CLASSES, RESERVED_REASON)
+
+
+def check_class_names(names: Any, name: str = "class_names") -> List[str]:
+    """Class names, background first: a list of 2..254 strings (C = len - 1 <= 253)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) \
+            or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{name} must be a list of class names (background first), got {describe(names)}")
+    if len(names) < 2:
+        raise ValueError(f"{name} must hold background and at least one class, got {len(names)} name(s)")
+    if len(names) - 1 > MAX_NUM_CLASSES:
+        raise ValueError(f"{name} holds {len(names)} names = background + {len(names) - 1} classes, but "
+                         f"{RESERVED_REASON} (at most {MAX_NUM_CLASSES + 1} names)")
+    return list(names)
+
+
+def check_ignore_byte(value: Any, name: str = "ignore_index", num_classes: Optional[int] = None) -> int:
+    """The ignore value of label *files*: a byte 0..255 that is neither the biased byte 254 nor
+    a class id 0..C (when ``num_classes`` C is known)."""
+    v = check_int_param(value, name, 0, IGNORE_PNG_VALUE, "label files hold bytes")
+    if v == BIASED_PNG_VALUE:
+        raise ValueError(f"{name} must not be {BIASED_PNG_VALUE}: that byte marks biased pixels in debiased labels "
+                         f"(255, the default, is the ignore byte of every WSSS repository)")
+    if num_classes is not None and v <= num_classes:
+        raise ValueError(f"{name} is {v}, a class id of 0..{num_classes} (0 = background); expected a value above "
+                         f"the classes, e.g. 255")
+    return v
+
+
+# Bounds of the parameters of the folder jobs and their flags (mars_plugin.jobs,
+# mars_plugin.cli_types): typos caught before hours of work or an allocation that cannot fit.
+#: K-means clusters per class (the paper: 2); beyond an image's pixels K gives one centroid
+#: per pixel, so a larger K is a typo, not a setting.
+MAX_K = 1000
+#: Images per batched K-means, CRF or forward call.
+MAX_BATCH_SIZE = 4096
+#: Worker processes of ``mars debias``.
+MAX_WORKERS = 256
+#: CPU threads (``--threads``).
+MAX_THREADS = 1024
+#: Rows of the report's overlay grids: most-changed images, and images per class (up to 24
+#: classes): more makes a grid image past PIL's decompression-bomb limit.
+MAX_EXAMPLES = 100
+MAX_PER_CLASS = 10
+
+#: ``res`` of the feature extractors (``--res``): the smallest patch of the models ``mars
+#: features`` loads (STEGO and Leopart ViT/8; DINOv2 and CAUSE 14, Leopart ViT/16; each model
+#: then checks its own) up to a side whose ViT attention still fits a GPU.
+MIN_RES, MAX_RES = 8, 2048
+#: ``stride`` of the feature files (``--stride``): output cells of N x N pixels.
+MAX_STRIDE = 1024
+
+#: Seeds are reduced modulo 2**32 where numpy seeds (``np.random.SeedSequence`` of the K-means):
+#: a larger or negative seed would silently give the same run as another one.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+    """A seed in 0..2**32 - 1 (numpy's legacy range; every seed in it gives its own run)."""
+    return check_int_param(value, name, 0, MAX_SEED, "larger seeds would repeat smaller ones")
+
+
+def check_real_param(value: Any, name: str, low: float, high: float, *, low_open: bool = False,
+                     high_open: bool = False) -> float:
+    """A finite real number in the interval ``low..high`` (``*_open``: that end excluded;
+    ``math.inf`` as ``high`` leaves it unbounded, finiteness still required)."""
+    lo_b, hi_b = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+    interval = f"{lo_b}{low:g}, {'inf' if high == math.inf else f'{high:g}'}{hi_b}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite number in {interval}, got {describe(value)}")
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) \
+        and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value}")
+    return float(value)
+
+
+def rgb_layout(shape: Tuple[int, ...], name: str, size: Tuple[int, int]) -> Optional[str]:
+    """Which layout an image of ``shape`` (three dimensions) has, for an expected (H, W) =
+    ``size``: ``"chw"`` for (3, H, W), ``"hwc"`` for (H, W, 3), None for neither (the caller
+    says what it expected).
+
+    A 3x3 image's (3, 3, 3) reads both ways, with different pixels: a ValueError naming both
+    readings, instead of picking one silently."""
+    H, W = size
+    chw, hwc = tuple(shape) == (3, H, W), tuple(shape) == (H, W, 3)
+    if chw and hwc:
+        raise ValueError(
+            f"{name} of shape {tuple(shape)} is ambiguous: for a 3x3 image it reads both as (3, H, W) (channels "
+            f"first) and as (H, W, 3) (channels last), which hold different pixels; 3x3 images are refused "
+            f"(pad or resize it)")
+    return "chw" if chw else "hwc" if hwc else None
 
 
 def check_fraction(value: Any, name: str, *, low_open: bool = True, low: float = 0.0, high: float = 1.0) -> float:

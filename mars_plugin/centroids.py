@@ -13,7 +13,17 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ._checks import check_finite, check_float_tensor, check_int_param, check_label_tensor, describe
+from ._checks import (
+    MAX_NUM_CLASSES,
+    RESERVED_REASON,
+    _biased_hint,
+    check_finite,
+    check_float_tensor,
+    check_int_param,
+    check_label_tensor,
+    check_seed,
+    describe,
+)
 from . import kmeans_compiled
 from .kmeans import _kmeans_padded, _uniforms, batched_kmeans, l2_normalize, seeding_trials
 
@@ -189,6 +199,15 @@ def _check_label_bounds(lo, hi, name, max_label: Optional[int]) -> None:
                              "ids >= 0 or ignore_index")
         raise ValueError(f"{name(i)}: pseudo_label holds class {int(hi[i])} but num_classes={max_label}; "
                          f"expected ids 0..{max_label} or ignore_index")
+
+
+def _check_reserved_ids(y: torch.Tensor, ignore_index: int) -> None:
+    """No class id above :data:`~mars_plugin._checks.MAX_NUM_CLASSES` (ignored pixels aside):
+    254 and 255 are the biased and ignore bytes, never classes, whatever ``ignore_index`` is."""
+    ids = y[y != ignore_index]
+    if ids.numel() and int(ids.max()) > MAX_NUM_CLASSES:
+        raise ValueError(f"pseudo_label holds class {int(ids.max())} (ignore_index={ignore_index}), but "
+                         f"{RESERVED_REASON}{_biased_hint(ids, False)}")
 
 
 def _check_feature_values(features, probe: torch.Tensor, img: torch.Tensor, name) -> None:
@@ -439,7 +458,7 @@ def _cluster_compiled(features, labels, *, k_fg, k_bg, ignore_index, normalize, 
     n_labels = int(hi.max(initial=0)) + 1
     ids = None
     if n_labels > max(256, y_flat.size):
-        # Class ids far beyond the pixel count (e.g. 10**9, accepted without num_classes):
+        # Class ids far beyond the pixel count (not from the public functions, which bound ids by 253):
         # group the ranks of the ids present instead, so that the (B, ids) count table
         # follows the pixels; ignored pixels get the rank past the last.
         keep = y_flat != ignore_index
@@ -500,8 +519,8 @@ def image_centroids(
 
     Shapes:
         features: (D, H, W) or (B, D, H, W) float pixel embeddings of the USS model.
-        pseudo_label: (H', W') or (B, H', W') int WSSS label, values 0..C (0 = background) or
-            ``ignore_index``. When (H', W') differs from (H, W), the label is resized to the
+        pseudo_label: (H', W') or (B, H', W') int WSSS label, values 0..C (0 = background, C <=
+            253: 254 and 255 are the biased and ignore bytes, never classes) or ``ignore_index``. When (H', W') differs from (H, W), the label is resized to the
             feature grid by nearest neighbour (pixel-centre rule, see :func:`resize_label`).
 
     Args:
@@ -528,7 +547,9 @@ def image_centroids(
     """
     k_fg = check_int_param(k_fg, "k_fg", 1)
     k_bg = check_int_param(k_bg, "k_bg", 1)
+    seed = check_seed(seed)
     f, y, single = _as_batch(features, pseudo_label, ignore_index)
+    _check_reserved_ids(y, ignore_index)
     out = _cluster_images(
         [(f[b], y[b]) for b in range(f.shape[0])],
         k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index, normalize=normalize,

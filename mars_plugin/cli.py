@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from . import cli_types as T
+from ._checks import MAX_THREADS, check_class_names, check_int_param
 from .centroids import BACKENDS
 from .crf import CRF_BACKENDS
 from .files import atomic_write
@@ -21,19 +23,9 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
-
-
 def add_threads(p: argparse.ArgumentParser) -> None:
     """``--threads N``, taken by every command (see :func:`apply_threads`)."""
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=T.threads, default=None, metavar="N",
                    help="CPU threads of torch (torch.set_num_threads) and of numba's kernels; default: leave "
                         "them as they are (torch: one per core). On a machine shared with other jobs, 1 or 2 "
                         "avoids threads fighting over cores")
@@ -43,6 +35,7 @@ def apply_threads(n: Optional[int]) -> None:
     """Set torch's and (when installed) numba's CPU thread count to ``n`` (None: leave both)."""
     if n is None:
         return
+    n = check_int_param(n, "threads", 1, MAX_THREADS)
     import torch
 
     torch.set_num_threads(n)
@@ -59,15 +52,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="a bad or missing input file: stop at the first with one line naming it (exit 2), or "
                         "skip it, go on, list every skipped file on stderr at the end and exit 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--ignore-index", type=int, default=255, help="label value of ignored pixels")
+    p.add_argument("--ignore-index", type=T.ignore_index, default=255, help="label value of ignored pixels")
 
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
     """The hyperparameters of Eq. 1-3 (``mars centroids``, ``mars reproduce``)."""
-    p.add_argument("--alpha", type=float, default=0.4, help="share of candidates averaged per class (Eq. 2)")
-    p.add_argument("--k-fg", type=int, default=2, help="K-means clusters per foreground class")
-    p.add_argument("--k-bg", type=int, default=2, help="K-means clusters for the background")
-    p.add_argument("--seed", type=int, default=0, help="K-means seed")
+    p.add_argument("--alpha", type=T.alpha, default=0.4, help="share of candidates averaged per class (Eq. 2)")
+    p.add_argument("--k-fg", type=T.k_clusters, default=2, help="K-means clusters per foreground class")
+    p.add_argument("--k-bg", type=T.k_clusters, default=2, help="K-means clusters for the background")
+    p.add_argument("--seed", type=T.seed, default=0, help="K-means seed")
 
 
 def _add_wsss(p: argparse.ArgumentParser) -> None:
@@ -107,7 +100,7 @@ def _class_names(path: Optional[str]) -> Optional[List[str]]:
     if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
         raise ValueError(f"--class-names {path}: expected a JSON list of class names (background first) or "
                          f"{{'class_names': [...]}}")
-    return data
+    return check_class_names(data, f"--class-names {path}")
 
 
 def _names_for(path: Optional[str], num_classes: int) -> List[str]:
@@ -166,11 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate the built-in biased world, select centroids, debias (CRF), train a small "
                                    "segmentation network with plain CE and with MARS, and compare them on held-out images.")
     d.add_argument("--out", default="mars_demo", help="output folder (tables, pictures, metrics.json, the world on disk)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the world, the clustering and the training")
-    d.add_argument("--num-train", type=int, default=240, help="training images")
-    d.add_argument("--num-val", type=int, default=80, help="held-out images")
-    d.add_argument("--size", type=int, default=64, help="image side in pixels")
-    d.add_argument("--epochs", type=int, default=20, help="training epochs of each segmentation network")
+    d.add_argument("--seed", type=T.seed, default=0, help="seed of the world, the clustering and the training")
+    d.add_argument("--num-train", type=T.demo_images, default=240, help="training images")
+    d.add_argument("--num-val", type=T.demo_images, default=80, help="held-out images")
+    d.add_argument("--size", type=T.demo_size, default=64, help="image side in pixels")
+    d.add_argument("--epochs", type=T.demo_epochs, default=20, help="training epochs of each segmentation network")
     d.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="refinement of the debiased mask")
     d.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
     d.add_argument("--no-world", action="store_true", help="do not write the world's folders under --out/world")
@@ -182,16 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(DHR's fp16 tensors, read with weights_only=True)")
     c.add_argument("--labels", required=True, help="folder of <stem>.png pseudo labels (0 = background, 255 = ignore)")
     c.add_argument("--image-labels", default=None, help="JSON {stem: [1-based class ids]}; default: classes of each label")
-    c.add_argument("--num-classes", type=int, required=True, help="C, the number of foreground classes")
+    c.add_argument("--num-classes", type=T.num_classes, required=True, help="C, the number of foreground classes")
     c.add_argument("--out", required=True, help="output .pt file")
     _add_selection(c)
-    c.add_argument("--batch-size", type=int, default=64,
+    c.add_argument("--batch-size", type=T.batch_size, default=64,
                    help="images clustered per batched K-means call (512 suits a GPU)")
     c.add_argument("--device", default="cpu",
                    help="where the K-means runs: cpu, cuda, cuda:1, or auto (this rank's GPU if any)")
     c.add_argument("--spill-dir", default=None,
                    help="existing folder: candidate centroids beyond --spill-mb go to a temporary folder in it")
-    c.add_argument("--spill-mb", type=float, default=1024, help="MB of candidate centroids held in memory")
+    c.add_argument("--spill-mb", type=T.spill_mb, default=1024, help="MB of candidate centroids held in memory")
     c.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="K-means implementation: compiled (numba, CPU), torch (any device), or auto "
                         "(compiled on the CPU when numba is installed)")
@@ -210,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--images", default=None, help="folder of RGB images <stem>.jpg/.png (needed by --refine crf)")
     b.add_argument("--out", required=True, help="output folder")
     b.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="dense CRF or a plain threshold")
-    b.add_argument("--threshold", type=float, default=0.5, help="similarity threshold of --refine threshold")
+    b.add_argument("--threshold", type=T.threshold, default=0.5, help="similarity threshold of --refine threshold")
     b.add_argument("--image-labels", default=None, help="JSON {stem: [class ids]}; default: classes of each label")
     b.add_argument("--crf-params", type=_crf_params, default="mars",
                    help="dense-CRF parameters: a preset, mars (= deeplab: the MARS authors' RS+EPM/DHR/STEGO setting, "
@@ -220,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch (batched, on --device) or pydensecrf (the reference, CPU, one image at a time; "
                         "needs the crf extra)")
     b.add_argument("--device", default="cpu", help="where Eq. 4 and the CRF run: cpu, cuda, cuda:1, or auto")
-    b.add_argument("--batch-size", type=int, default=8, help="images per CRF call (64 suits a GPU)")
-    b.add_argument("--workers", type=int, default=1,
+    b.add_argument("--batch-size", type=T.batch_size, default=8, help="images per CRF call (64 suits a GPU)")
+    b.add_argument("--workers", type=T.workers, default=1,
                    help="processes, each with one thread (on a CPU with free cores: one per core)")
     b.add_argument("--class-names", default=None,
                    help="JSON list of names (background first) or classes.json, for the printed per-class summary")
@@ -235,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Predicted 254 (biased) counts as background.")
     e.add_argument("--pred", required=True, help="folder of predicted label PNGs")
     e.add_argument("--gt", required=True, help="folder of ground-truth label PNGs")
-    e.add_argument("--num-classes", type=int, required=True, help="C, the number of foreground classes")
+    e.add_argument("--num-classes", type=T.num_classes, required=True, help="C, the number of foreground classes")
     e.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
     e.add_argument("--json", default=None, help="also write the scores to this JSON file")
     _add_common(e)
@@ -260,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--images", required=True, help="folder of RGB images")
     r.add_argument("--out", required=True, help="output folder")
     r.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
-    r.add_argument("--num-examples", type=int, default=8, help="most-changed images shown")
-    r.add_argument("--per-class", type=int, default=2,
+    r.add_argument("--num-examples", type=T.num_examples, default=8, help="most-changed images shown")
+    r.add_argument("--per-class", type=T.per_class, default=2,
                    help="for each class, its N images with the largest share of that class's pixels removed "
                         "(per_class.png; 0: none)")
     _add_common(r)
@@ -310,9 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where features, K-means and CRF run: cpu, cuda, cuda:1, or auto (under torchrun: GPU "
                         "LOCAL_RANK)")
     p.add_argument("--fp16", action="store_true", help="features under float16 autocast (GPUs)")
-    p.add_argument("--batch-size", type=int, default=8, help="images per CRF call (64 suits a GPU)")
-    p.add_argument("--workers", type=int, default=1, help="debias processes on the CPU (one thread each)")
-    p.add_argument("--num-examples", type=int, default=8, help="most-changed images shown in the report")
+    p.add_argument("--batch-size", type=T.batch_size, default=8, help="images per CRF call (64 suits a GPU)")
+    p.add_argument("--workers", type=T.workers, default=1, help="debias processes on the CPU (one thread each)")
+    p.add_argument("--num-examples", type=T.num_examples, default=8, help="most-changed images shown in the report")
     p.add_argument("--no-references", action="store_true",
                    help="do not score the other method folders of <root>/WSS/<data>/")
     p.add_argument("--dry-run", action="store_true",

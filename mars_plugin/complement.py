@@ -13,7 +13,7 @@ import numpy as np
 
 import torch
 
-from ._checks import as_tensor, check_finite, check_image_classes, check_label_tensor, check_ndim, describe
+from ._checks import RESERVED_REASON, MAX_NUM_CLASSES, as_tensor, check_finite, check_image_classes, check_label_tensor, check_ndim, describe
 from .crf import check_crf_backend, check_crf_params, dense_crf
 from .debias import BIASED
 from .local_crf import check_local_crf_params, local_crf
@@ -52,6 +52,8 @@ def _prepare(debiased, teacher_probs, image_classes, ignore_index):
             f"got values in [{float(p.min()):.4g}, {float(p.max()):.4g}]"
         )
     B, C = p.shape[0], p.shape[1] - 1
+    if C > MAX_NUM_CLASSES:
+        raise ValueError(f"teacher_probs has {C + 1} channels = background + C = {C} classes, but {RESERVED_REASON}")
     y = check_label_tensor(
         debiased, "debiased", (2, 3), "(H, W) or (B, H, W)",
         ignore_index=ignore_index, allow_biased=True, num_classes=C,
@@ -147,7 +149,8 @@ def complement_labels(
             PNG written by :func:`mars_plugin.files.write_label` stores -1 as 254: read it with
             :func:`mars_plugin.files.read_label`).
         teacher_probs: (C+1, H, W) or (B, C+1, H, W) softmax of the EMA teacher (no grad
-            needed), at the labels' height and width (upsample the logits first); an (H, W)
+            needed), at the labels' height and width (upsample the logits first), C <= 253 (254
+            and 255 are the biased and ignore bytes); an (H, W)
             label goes with (C+1, H, W) or (1, C+1, H, W).
         image_classes: (C,) / (B, C) multi-hot, or 1-based class-id lists (a flat list or a
             (C,) vector for one image, also with a batch of one).

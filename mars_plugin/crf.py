@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import as_tensor, check_finite, describe
+from ._checks import as_tensor, check_finite, describe, rgb_layout
 from .permutohedral import PermutohedralLattice
 
 __all__ = [
@@ -137,14 +137,15 @@ def check_crf_backend(backend: Any) -> str:
 def _rgb_tensor(image: Any, name: str, size: Tuple[int, int]) -> torch.Tensor:
     """An RGB image as an (H, W, 3) uint8 tensor (on the image's device).
 
-    Accepts (H, W, 3) or (3, H, W) (whichever matches ``size``; (3, H, W) wins a tie), as
-    uint8 or as float in [0, 1] (torchvision's convention, scaled by 255 and rounded).
+    Accepts (H, W, 3) or (3, H, W) (whichever matches ``size``; a 3x3 image, which reads both
+    ways, is refused), as uint8 or as float in [0, 1] (torchvision's convention, scaled by 255
+    and rounded).
     """
     t = as_tensor(image, name)
-    H, W = size
-    if t.ndim == 3 and tuple(t.shape) == (3, H, W):
+    layout = rgb_layout(t.shape, name, size) if t.ndim == 3 else None
+    if layout == "chw":
         t = t.permute(1, 2, 0)
-    elif not (t.ndim == 3 and tuple(t.shape) == (H, W, 3)):
+    elif layout is None:
         raise ValueError(f"{name} must be an RGB image (H, W, 3) or (3, H, W) with (H, W) = {size}, got {describe(t)}")
     if t.dtype == torch.uint8:
         return t.detach()

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import (
+    MAX_NUM_CLASSES,
+    RESERVED_REASON,
     _biased_hint,
     as_tensor,
     check_float_tensor,
@@ -52,6 +54,9 @@ def _centroid_matrix(centroids: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         if V.ndim != 2 or V.shape[0] < 2 or not V.is_floating_point():
             raise ValueError(f"centroids must be a DebiasedCentroids or a (C+1, D) float tensor, got {describe(V)}")
         valid = torch.ones(V.shape[0], dtype=torch.bool, device=V.device)
+    if V.shape[0] - 1 > MAX_NUM_CLASSES:
+        raise ValueError(f"{name} has {V.shape[0]} rows = background + C = {V.shape[0] - 1} classes, but "
+                         f"{RESERVED_REASON}")
     if not bool(torch.isfinite(V).all()):
         rows = torch.nonzero(~torch.isfinite(V).all(1)).flatten().tolist()
         raise ValueError(f"{name}: got NaN or Inf values in the centroid row(s) of class {rows[:8]}"
@@ -262,7 +267,7 @@ def debias_labels(
         features: (D, h, w) or (B, D, h, w) USS embeddings; resized bilinearly to the label grid
             when (h, w) differs from it.
         pseudo_label: (H, W) or (B, H, W) WSSS label, 0..C or ``ignore_index``.
-        centroids: from :func:`select_centroids` (or a (C+1, D) tensor).
+        centroids: from :func:`select_centroids` (or a (C+1, D) tensor, C <= 253).
         image_classes: image-level labels: (C,) / (B, C) multi-hot tensor, or a list of 1-based
             class ids (list of lists for a batch).
         image: RGB image (H, W, 3) or (3, H, W), uint8 or float in [0, 1] (batch: a leading B);

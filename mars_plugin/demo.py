@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._checks import check_int_param, check_seed
 from .complement import complement_labels
 from .crf import check_crf_params
 from .debias import debias_labels
@@ -48,6 +49,11 @@ WORLD_NOISE = dict(erode_rate=0.1, dilate_rate=0.5)
 
 # Images per debias_labels call: 64 of 64x64 pixels are one lattice of the dense CRF.
 DEBIAS_BATCH = 64
+#: Bounds of run_demo's (and ``mars demo``'s) sizes that keep the demo a demo: minutes on a CPU
+#: and a few GB at most (the world's features and the training images stay in memory).
+MAX_DEMO_IMAGES = 2000
+MIN_DEMO_SIZE, MAX_DEMO_SIZE = 16, 256
+MAX_DEMO_EPOCHS = 1000
 
 
 class TinySegNet(nn.Module):
@@ -267,6 +273,14 @@ def run_demo(
     from .synthetic import write_world as _write_world
 
     t_start = time.perf_counter()
+    # Checked before the previous run's files are cleared.
+    seed = check_seed(seed)
+    num_train = check_int_param(num_train, "num_train", 1, MAX_DEMO_IMAGES)
+    num_val = check_int_param(num_val, "num_val", 1, MAX_DEMO_IMAGES)
+    size = check_int_param(size, "size", MIN_DEMO_SIZE, MAX_DEMO_SIZE)
+    if size % 4:
+        raise ValueError(f"size must be a multiple of 4 (the features are 4x4-pixel cells), got {size}")
+    epochs = check_int_param(epochs, "epochs", 1, MAX_DEMO_EPOCHS)
     out_dir = Path(out)
     _clear_previous_run(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

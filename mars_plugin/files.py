@@ -129,6 +129,16 @@ def _image_errors() -> tuple:
     return (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
+def _check_not_empty(path: str, shape: Tuple[int, ...], what: str) -> None:
+    """An image, label or feature map of ``shape`` (..., H, W) has at least one pixel (and a
+    feature map at least one channel): a 0-height or 0-width file is a ValueError naming it,
+    not an error without the file from a resize or a CRF later. (PIL itself refuses to open
+    such PNG/JPEG files; a .npy or .pt holds any shape.)"""
+    if any(int(n) < 1 for n in shape):
+        raise ValueError(f"{path}: {what} of shape {tuple(int(n) for n in shape)} is empty; expected every "
+                         f"dimension >= 1 (an image has at least one pixel)")
+
+
 def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) -> torch.Tensor:
     """A (H, W) long label from a P-mode or L-mode PNG; ``biased_value`` bytes become -1.
 
@@ -148,6 +158,7 @@ def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) ->
         if isinstance(e, ValueError) and str(e).startswith(path):
             raise
         raise ValueError(f"{path}: cannot read label image ({e})") from e
+    _check_not_empty(path, arr.shape, "label")
     t = torch.from_numpy(arr.astype(np.int64))
     if biased_value is not None:
         t[t == biased_value] = -1
@@ -252,6 +263,7 @@ def read_features(path: PathLike) -> torch.Tensor:
     path = os.fspath(path)
     if _feature_suffix(path) == ".pt":
         t = _check_pt_features(path, _load_pt(path))
+        _check_not_empty(path, t.shape, "features (D, h, w)")
         return t.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     try:
         arr = np.load(path, allow_pickle=False)
@@ -259,6 +271,7 @@ def read_features(path: PathLike) -> torch.Tensor:
         raise ValueError(f"{path}: cannot read features as a plain .npy array ({e})") from e
     if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{path}: features must be a float array of shape (D, h, w), got {arr.dtype} {arr.shape}")
+    _check_not_empty(path, arr.shape, "features (D, h, w)")
     return torch.from_numpy(arr.astype(np.float32))
 
 
@@ -333,9 +346,11 @@ def read_image(path: PathLike) -> np.ndarray:
     path = os.fspath(path)
     try:
         with Image.open(path) as im:
-            return np.array(im.convert("RGB"), dtype=np.uint8)
+            arr = np.array(im.convert("RGB"), dtype=np.uint8)
     except _image_errors() as e:
         raise ValueError(f"{path}: cannot read image ({e})") from e
+    _check_not_empty(path, arr.shape[:2], "image (H, W)")
+    return arr
 
 
 def write_image(path: PathLike, rgb) -> None:

@@ -26,6 +26,20 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ._checks import (
+    MAX_BATCH_SIZE,
+    MAX_EXAMPLES,
+    MAX_K,
+    MAX_PER_CLASS,
+    MAX_WORKERS,
+    check_class_names,
+    check_fraction,
+    check_ignore_byte,
+    check_int_param,
+    check_num_classes,
+    check_real_param,
+    check_seed,
+)
 from .crf import check_crf_backend, check_crf_params
 from .debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
 from .files import (
@@ -57,6 +71,7 @@ __all__ = [
     "evaluate_job",
     "report_job",
     "load_centroids",
+    "check_job_params",
     "sync_group",
     "barrier",
     "all_ok",
@@ -326,6 +341,32 @@ def share_error(error: Optional[BaseException], group: Optional[Any] = None) -> 
         raise JobError(f"rank {r} stopped: {msg}{more}")
 
 
+#: The numeric parameters of the jobs (and of ``mars reproduce``), each with its check: the
+#: bounds of their flags (:mod:`mars_plugin.cli_types`), for callers of the Python functions.
+_PARAM_CHECKS = {
+    "alpha": lambda v, n: check_fraction(v, n),
+    "k_fg": lambda v, n: check_int_param(v, n, 1, MAX_K),
+    "k_bg": lambda v, n: check_int_param(v, n, 1, MAX_K),
+    "seed": lambda v, n: check_seed(v, n),
+    "batch_size": lambda v, n: check_int_param(v, n, 1, MAX_BATCH_SIZE),
+    "feature_batch_size": lambda v, n: check_int_param(v, n, 1, MAX_BATCH_SIZE),
+    "workers": lambda v, n: check_int_param(v, n, 1, MAX_WORKERS),
+    "num_examples": lambda v, n: check_int_param(v, n, 0, MAX_EXAMPLES),
+    "per_class": lambda v, n: check_int_param(v, n, 0, MAX_PER_CLASS),
+    "spill_mb": lambda v, n: check_real_param(v, n, 0.0, float("inf")),  # 0: spill every batch
+    "threshold": lambda v, n: check_real_param(v, n, 0.0, 1.0, high_open=True),  # >= 1 keeps no pixel
+    "num_classes": lambda v, n: check_num_classes(v, n),
+}
+
+
+def check_job_params(**params: Any) -> Dict[str, Any]:
+    """Each keyword (``alpha``, ``k_fg``, ``k_bg``, ``seed``, ``batch_size``,
+    ``feature_batch_size``, ``workers``, ``num_examples``, ``per_class``, ``spill_mb``,
+    ``threshold``, ``num_classes``) checked against its bounds, scikit-learn style (the error
+    names the parameter, its value and the range); returns them converted."""
+    return {name: _PARAM_CHECKS[name](value, name) for name, value in params.items()}
+
+
 def _check_on_error(on_error: str) -> None:
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -344,6 +385,7 @@ def read_image_labels(path: Optional[os.PathLike], num_classes: int) -> Optional
 
     Without a file, every job derives an image's classes from its pseudo label.
     """
+    num_classes = check_num_classes(num_classes)
     if path is None:
         return None
     p = Path(path)
@@ -521,6 +563,11 @@ def centroids_job(
     at a time per ``out`` (a lock, ``.<name>.lock`` beside it).
     """
     _check_on_error(on_error)
+    num_classes = check_num_classes(num_classes)
+    ignore_index = check_ignore_byte(ignore_index, num_classes=num_classes)
+    p = check_job_params(alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size, spill_mb=spill_mb)
+    alpha, k_fg, k_bg, seed, batch_size, spill_mb = (p[k] for k in ("alpha", "k_fg", "k_bg", "seed", "batch_size",
+                                                                    "spill_mb"))
     _check_out_file(out, "--out")
     fmt = fmt or LabelFormat()
     stems = _stems(labels_dir, fmt.skip_suffixes)
@@ -725,10 +772,9 @@ def debias_job(
         raise ValueError(f"refine must be 'crf' or 'threshold', got {refine!r}")
     if refine == "crf" and images_dir is None:
         raise ValueError("refine='crf' needs images_dir (the RGB images); or use refine='threshold'")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    p = check_job_params(threshold=threshold, workers=workers, batch_size=batch_size)
+    threshold, workers, batch_size = p["threshold"], p["workers"], p["batch_size"]
+    check_ignore_byte(ignore_index)
     params = check_crf_params(crf_params)
     check_crf_backend(crf_backend)
     dev = resolve_device(device)
@@ -737,6 +783,7 @@ def debias_job(
     rank, world = _rank_world()
     stems = stems[rank::world]
     V = load_centroids(centroids)
+    ignore_index = check_ignore_byte(ignore_index, num_classes=V.num_classes)
     _check_out_dir(out_dir, "--out")
     config = dict(
         centroids=V, centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
@@ -872,6 +919,8 @@ def evaluate_job(
     :func:`mars_plugin.metrics.segmentation_scores` plus ``confusion`` and ``num_images``.
     """
     _check_on_error(on_error)
+    num_classes = check_num_classes(num_classes)
+    ignore_index = check_ignore_byte(ignore_index, num_classes=num_classes)
     if stems is None:
         stems = _stems(gt_dir)
     else:
@@ -965,9 +1014,11 @@ def report_job(
     from . import plots
 
     _check_on_error(on_error)
-    for value, name in ((num_examples, "num_examples"), (per_class, "per_class")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    p = check_job_params(num_examples=num_examples, per_class=per_class)
+    num_examples, per_class = p["num_examples"], p["per_class"]
+    if class_names is not None:
+        class_names = check_class_names(class_names)
+    ignore_index = check_ignore_byte(ignore_index, num_classes=None if class_names is None else len(class_names) - 1)
     stems = _stems(debiased_dir)
     summary = JobSummary()
     total: Dict[int, int] = {}

@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from ._checks import as_tensor, check_finite, describe
+from ._checks import as_tensor, check_finite, describe, rgb_layout
 from .crf import DEFAULT_CRF_PARAMS, check_crf_params
 
 __all__ = ["LOCAL_CRF_DEFAULTS", "local_crf", "check_local_crf_params"]
@@ -46,9 +46,10 @@ def _rgb(image: Any, B: int, H: int, W: int, device: torch.device) -> torch.Tens
     t = as_tensor(image, "image")
     if t.ndim == 3:
         t = t[None]
-    if t.ndim == 4 and tuple(t.shape) == (B, 3, H, W):
+    layout = rgb_layout(t.shape[1:], "image", (H, W)) if t.ndim == 4 and t.shape[0] == B else None
+    if layout == "chw":
         pass
-    elif t.ndim == 4 and tuple(t.shape) == (B, H, W, 3):
+    elif layout == "hwc":
         t = t.permute(0, 3, 1, 2)
     else:
         raise ValueError(f"image must be (B, H, W, 3) or (B, 3, H, W) with (B, H, W) = {(B, H, W)}, got {describe(t)}")

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_finite, check_ndim, describe
+from ._checks import MAX_NUM_CLASSES, RESERVED_REASON, check_finite, check_ndim, describe
 
 __all__ = ["weighted_cross_entropy", "WCELoss"]
 
@@ -24,7 +24,7 @@ def weighted_cross_entropy(
 
     Shapes:
         logits: (B, C+1, H, W) raw student scores (softmax is applied here, like
-            ``F.cross_entropy``).
+            ``F.cross_entropy``); C <= 253 (254 and 255 are the biased and ignore bytes).
         target: (B, H, W) long complemented labels in 0..C or ``ignore_index``; a -1 left over
             is an error (call :func:`complement_labels` first).
         weight: (B, H, W) non-negative certainty W (None: all ones, i.e. plain CE).
@@ -40,6 +40,9 @@ def weighted_cross_entropy(
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating tensor, got {describe(logits)}")
     check_ndim(logits, "logits", (4,), "(B, C+1, H, W)")
+    if logits.shape[1] - 1 > MAX_NUM_CLASSES:
+        raise ValueError(f"logits have {logits.shape[1]} channels = background + C = {logits.shape[1] - 1} classes, "
+                         f"but {RESERVED_REASON}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {describe(target)}")
     check_ndim(target, "target", (3,), "(B, H, W)")

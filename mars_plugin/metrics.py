@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from ._checks import as_tensor, check_int_param, describe
+from ._checks import MAX_NUM_CLASSES, RESERVED_REASON, as_tensor, check_num_classes, describe
 
 __all__ = ["confusion_matrix", "segmentation_scores", "format_scores_table"]
 
@@ -24,14 +24,15 @@ def confusion_matrix(pred, gt, num_classes: int, *, ignore_index: int = 255) -> 
     """(C+1, C+2) int64 counts, rows = ground truth 0..C, columns = prediction 0..C + "no class".
 
     Shapes:
-        pred, gt: (H, W) or (B, H, W) integer maps. ``num_classes`` is C (foreground classes).
+        pred, gt: (H, W) or (B, H, W) integer maps. ``num_classes`` is C (foreground classes), 1..253:
+            254 and 255 are the biased and ignore bytes, never classes.
 
     Pixels whose ground truth is ``ignore_index`` are skipped. A prediction of -1 (a biased
     pixel of a debiased label) counts as background; any other prediction outside 0..C
     (e.g. an ignore value in a pseudo label) counts as "no class": it adds to T of the pixel's
     true class but to no P.
     """
-    C = check_int_param(num_classes, "num_classes", 1)
+    C = check_num_classes(num_classes)
     p = as_tensor(pred, "pred").long().reshape(-1)
     g = as_tensor(gt, "gt").long().reshape(-1)
     if p.shape != g.shape:
@@ -59,6 +60,8 @@ def segmentation_scores(cm: np.ndarray) -> Dict[str, object]:
     cm = np.asarray(cm, dtype=np.float64)
     if cm.ndim != 2 or cm.shape[1] not in (cm.shape[0], cm.shape[0] + 1):
         raise ValueError(f"cm must be a (C+1, C+1) or (C+1, C+2) confusion matrix, got shape {cm.shape}")
+    if cm.shape[0] - 1 > MAX_NUM_CLASSES:
+        raise ValueError(f"cm has {cm.shape[0]} rows = background + C = {cm.shape[0] - 1} classes, but {RESERVED_REASON}")
     n = cm.shape[0]
     tp = np.diag(cm[:, :n])
     T = cm.sum(1)
@@ -87,6 +90,9 @@ def _fmt(x: float, pct: bool) -> str:
 
 def format_scores_table(class_names: Sequence[str], columns: Dict[str, Dict[str, object]], *, markdown: bool = True) -> str:
     """One table, a row per class: IoU (%), FP, FN for each named column of scores, then mIoU."""
+    if len(class_names) - 1 > MAX_NUM_CLASSES:
+        raise ValueError(f"class_names holds {len(class_names)} names = background + {len(class_names) - 1} classes, "
+                         f"but {RESERVED_REASON}")
     names = list(columns)
     header = ["class"] + [f"{n} {m}" for n in names for m in ("IoU", "FP", "FN")]
     rows: List[List[str]] = []

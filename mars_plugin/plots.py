@@ -116,10 +116,15 @@ def _check_label(x: Any, name: str) -> np.ndarray:
 
 
 def _check_image(x: Any, name: str) -> np.ndarray:
-    """An (H, W, 3) uint8 RGB image."""
+    """An (H, W, 3) uint8 RGB image: channels last is required (never guessed: a 3x3 image
+    reads both ways), and H, W >= 1."""
     arr = _to_numpy(x, name)
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
-        raise ValueError(f"{name} must be an (H, W, 3) uint8 RGB image, got {_describe(arr)}")
+        hint = (" (channels first? the plots take channels last: image.permute(1, 2, 0) or "
+                "np.moveaxis(image, 0, -1))" if arr.ndim == 3 and arr.shape[0] == 3 else "")
+        raise ValueError(f"{name} must be an (H, W, 3) uint8 RGB image, got {_describe(arr)}{hint}")
+    if arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one pixel, got {_describe(arr)}")
     return arr
 
 

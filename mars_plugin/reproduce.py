@@ -274,9 +274,12 @@ def reproduce(
     """
     from .adapters.dhr import DHRLayout, load_image_labels
     from .adapters.multiscale import DHR_SCALES, check_scales
-    from .jobs import _rank_world, share_error, sync_group
+    from .jobs import _rank_world, check_job_params, share_error, sync_group
 
     t_all = time.perf_counter()
+    # Before anything is read or computed: a bad value must not stop the run after its features.
+    check_job_params(alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, feature_batch_size=feature_batch_size,
+                     batch_size=batch_size, workers=workers, num_examples=num_examples)
     out = Path(out_dir)
     domain = default_domain(data, root) if domain is None else domain
     given = [f for f, v in (("--checkpoint", checkpoint), ("--backbone", backbone), ("--heads", heads)) if v]

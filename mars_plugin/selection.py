@@ -23,7 +23,18 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._checks import check_float_tensor, check_fraction, check_int_param, check_label_tensor, describe
+from ._checks import (
+    MAX_NUM_CLASSES,
+    RESERVED_REASON,
+    check_float_tensor,
+    check_fraction,
+    check_int_param,
+    check_label_tensor,
+    check_num_classes,
+    check_real_param,
+    check_seed,
+    describe,
+)
 from .centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend, check_embedding_size
 from .files import atomic_write
 from .kmeans import l2_norm, l2_normalize
@@ -119,6 +130,9 @@ class DebiasedCentroids:
         d = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
         if not isinstance(d, dict) or d.get("format") != "mars-plugin/debiased-centroids/1":
             raise ValueError(f"{os.fspath(path)!r} is not a mars-plugin centroid file (missing format tag)")
+        rows = d["centroids"].shape[0] if isinstance(d.get("centroids"), torch.Tensor) and d["centroids"].ndim else 0
+        if rows - 1 > MAX_NUM_CLASSES:
+            raise ValueError(f"{os.fspath(path)!r} holds centroids of C = {rows - 1} classes, but {RESERVED_REASON}")
         return cls(
             d["centroids"], d["valid"], d["num_candidates"], d["num_selected"], d["cut_distance"],
             d["background_mean"], int(d["num_images"]), dict(d["config"]),
@@ -456,7 +470,8 @@ def select_centroids(
         samples: iterable, consumed once and never stored, of either ``(features (D, H, W),
             pseudo_label (H', W'))`` pairs or :class:`ImageCentroids` (e.g. precomputed by
             :func:`image_centroids` on other workers). Only centroids are kept in memory.
-        num_classes: C, the number of foreground classes (labels are 0..C).
+        num_classes: C, the number of foreground classes (labels are 0..C), 1..253: 254 and 255
+            are the biased and ignore bytes of label files, never classes.
         alpha: share of each class's candidates, farthest from the background, that is
             averaged (Eq. 2); in (0, 1], 0.40 in the paper.
         k_fg, k_bg, ignore_index, normalize, seed, max_iter, tol, n_init: see
@@ -487,8 +502,9 @@ def select_centroids(
         ValueError: empty ``samples``, alpha outside (0, 1], no background centroid in any
             image (Eq. 1 is undefined), a label above ``num_classes``, mixed embedding sizes.
     """
-    num_classes = check_int_param(num_classes, "num_classes", 1)
+    num_classes = check_num_classes(num_classes)
     alpha = check_fraction(alpha, "alpha")
+    seed = check_seed(seed)
     batch_size = check_int_param(batch_size, "batch_size", 1)
     if isinstance(samples, (torch.Tensor, ImageCentroids)) or not hasattr(samples, "__iter__"):
         raise TypeError(f"samples must be an iterable of (features, pseudo_label) pairs or ImageCentroids, got {describe(samples)}")
@@ -503,8 +519,7 @@ def select_centroids(
     rank, world = _dist_info(process_group)
     if spill_dir is not None and not os.path.isdir(spill_dir):
         raise ValueError(f"spill_dir must be an existing folder, got {os.fspath(spill_dir)!r}")
-    if isinstance(spill_mb, bool) or not isinstance(spill_mb, (int, float)) or not spill_mb >= 0:
-        raise ValueError(f"spill_mb must be a number >= 0, got {spill_mb!r}")
+    spill_mb = check_real_param(spill_mb, "spill_mb", 0.0, math.inf)  # 0: spill every batch
     error: Optional[BaseException] = None
     acc = _Accumulator(num_classes, ignore_index, rank, world,
                        None if spill_dir is None else os.fspath(spill_dir), int(spill_mb * 2**20))
