@@ -42,7 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.jobs import JobError, JobSummary, _dist_ready, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.jobs import (JobError, JobSummary, _dist_ready, _rank_world, one_line, resolve_device, share_error,
+                              sync_group)
 
 from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
 from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
@@ -375,7 +376,9 @@ def _features_shard(
         summary.failed.append((stem, why))
         tick()
 
-    def run(batch: List[Tuple[str, torch.Tensor]]) -> None:
+    where = dict(items)
+
+    def forward(batch: List[Tuple[str, torch.Tensor]]) -> torch.Tensor:
         images = torch.stack([img for _, img in batch]).to(device)
         size = _target_size(output_size, stride, images.shape[-2], images.shape[-1])
         with torch.inference_mode(), torch.autocast(device.type, dtype=torch.float16, enabled=bool(fp16)):
@@ -385,6 +388,19 @@ def _features_shard(
             raise ValueError(f"the extractor must return (B, D, h, w) with B = {len(batch)}, got {got}")
         if size is not None and tuple(feats.shape[-2:]) != size:
             raise ValueError(f"the extractor returned {tuple(feats.shape[-2:])} maps, {size} were asked for")
+        return feats
+
+    def run(batch: List[Tuple[str, torch.Tensor]]) -> None:
+        try:
+            feats = forward(batch)
+        except Exception as e:  # noqa: BLE001 -- a per-image failure (e.g. too small for a scale)
+            if len(batch) > 1:  # find the image(s) it was: each alone
+                for item in batch:
+                    run([item])
+                return
+            stem, img = batch[0]
+            fail(stem, f"{where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
+            return
         feats = feats.float().cpu()
         for (stem, _), f in zip(batch, feats):
             with np.errstate(over="ignore"):
@@ -414,8 +430,8 @@ def _features_shard(
                 continue
             try:
                 rgb = read_image(path)
-            except ValueError as e:
-                fail(stem, str(e))
+            except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+                fail(stem, one_line(e))
                 continue
             img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
             key = (int(img.shape[1]), int(img.shape[2]))

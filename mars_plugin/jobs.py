@@ -355,6 +355,14 @@ def _stems(labels_dir: os.PathLike, skip_suffixes: Sequence[str] = ()) -> List[s
     return stems
 
 
+def _only(found: List[str], wanted: Optional[Sequence[str]]) -> List[str]:
+    """The stems of ``found`` (a folder's listing) that are in ``wanted`` (None: all), in order."""
+    if wanted is None:
+        return found
+    keep = set(wanted)
+    return [s for s in found if s in keep]
+
+
 WSSS_ADAPTERS = ("irnet", "advcam", "seam", "rsepm", "dhr")
 
 
@@ -488,6 +496,7 @@ def centroids_job(
     spill_dir: Optional[os.PathLike] = None,
     spill_mb: float = 1024,
     backend: str = "auto",
+    stems: Optional[Sequence[str]] = None,
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
     and save the result to ``out`` (a ``.pt`` file, written atomically). ``device`` runs the
@@ -496,12 +505,13 @@ def centroids_job(
 
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
-    images and rank 0 writes ``out``; every rank returns the same centroids.
+    images and rank 0 writes ``out``; every rank returns the same centroids. ``stems``: only
+    these of the folder's labels (e.g. ``mars reproduce``'s ids whose tags could be read).
     """
     _check_on_error(on_error)
     _check_out_file(out, "--out")
     fmt = fmt or LabelFormat()
-    stems = _stems(labels_dir, fmt.skip_suffixes)
+    stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
     labels = fmt.image_labels(image_labels, num_classes)
     rank, world = _rank_world()
     stems = stems[rank::world]
@@ -648,6 +658,7 @@ def debias_job(
     on_error: str = "stop",
     progress: bool = True,
     fmt: Optional[LabelFormat] = None,
+    stems: Optional[Sequence[str]] = None,
 ) -> JobSummary:
     """Write one debiased label PNG per pseudo label (biased pixels as 254, see
     :data:`mars_plugin.files.BIASED_VALUE`).
@@ -660,7 +671,7 @@ def debias_job(
     always complete). ``workers`` > 1 runs batches in that many processes (one thread each);
     outputs do not depend on ``workers`` or ``batch_size``. Under torch.distributed each rank
     debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
-    :func:`label_format`).
+    :func:`label_format`). ``stems``: only these of the folder's labels.
     """
     _check_on_error(on_error)
     if refine not in ("crf", "threshold"):
@@ -675,7 +686,7 @@ def debias_job(
     check_crf_backend(crf_backend)
     dev = resolve_device(device)
     fmt = fmt or LabelFormat()
-    stems = _stems(labels_dir, fmt.skip_suffixes)
+    stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
     rank, world = _rank_world()
     stems = stems[rank::world]
     V = load_centroids(centroids)

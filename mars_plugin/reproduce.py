@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .files import atomic_write, list_stems
-from .jobs import JobSummary, LabelFormat, centroids_job, debias_job, evaluate_job, report_job
+from .jobs import JobError, JobSummary, LabelFormat, centroids_job, debias_job, evaluate_job, one_line, report_job
 from .references import find_references, reference_summary, score_references, scores_key
 from .reproduce_report import PAPER_SOURCES, PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, PICTURES, format_report
 
@@ -270,18 +270,23 @@ def reproduce(
     fmt = LabelFormat(mode="P")
     total = JobSummary()
     # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop
-    # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad is
-    # named; with --on-error skip it is left out of the JSON, so the stages skip it by name.
+    # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad
+    # (missing, unreadable, an unknown class) is named; with --on-error skip it is skipped: named
+    # once, as "<id> (tags)", and left out of every stage (``work``), not failed again by each.
     tags: Dict[str, List[int]] = {}
     for stem in stems:
         try:
             hot = load_image_labels(xml_dir, class_names=class_names, ids=[stem])[stem]
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 -- any failure to read one xml is that file's failure
             if on_error == "stop":
-                raise
-            total.failed.append((f"{stem} (tags)", str(e)))
+                raise JobError(one_line(e)) from None
+            total.failed.append((f"{stem} (tags)", one_line(e)))
             continue
         tags[stem] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
+    work = [s for s in stems if s in tags]
+    if not work:
+        raise JobError(f"no pseudo-labelled id of --pseudo {pseudo_dir} has readable tags in {xml_dir} "
+                       f"({len(stems)} skipped)")
     image_labels = out / "image_labels.json"
     tags_text = json.dumps(tags, indent=0, sort_keys=True)
     if rank == 0:
@@ -325,7 +330,7 @@ def reproduce(
         if rank == 0:
             log(f"  {extractor.describe()}")
         s = features_job(extractor, image_dir, feats, batch_size=feature_batch_size, device=device, fp16=fp16,
-                         on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=stems)
+                         on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=work)
         _log_summary(s, "features", log, total, rank, world)
         return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
 
@@ -339,7 +344,7 @@ def reproduce(
     def run_centroids() -> Dict[str, Any]:
         V, s = centroids_job(feats, pseudo_dir, C, centroids, image_labels=image_labels, alpha=alpha, k_fg=k_fg,
                              k_bg=k_bg, seed=seed, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
-                             device=device)
+                             device=device, stems=work)
         _log_summary(s, "centroids", log, total, rank, world)
         return {"images": V.num_images, "failed": [list(f) for f in s.failed]}
 
@@ -349,7 +354,8 @@ def reproduce(
     def run_debias() -> Dict[str, Any]:
         s = debias_job(feats, pseudo_dir, centroids, debiased, images_dir=image_dir, refine=refine,
                        image_labels=image_labels, workers=workers, batch_size=batch_size, device=device,
-                       crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt)
+                       crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
+                       stems=work)
         _log_summary(s, "debias", log, total, rank, world)
         return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
 
