@@ -42,8 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.jobs import (JobError, JobSummary, _dist_ready, _rank_world, one_line, resolve_device, share_error,
-                              sync_group)
+from mars_plugin.jobs import (JobError, JobSummary, _dist_ready, _label_like, _rank_world, one_line, resolve_device,
+                              share_error, sync_group)
 
 from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
 from .vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
@@ -186,8 +186,10 @@ def _target_size(output_size: Any, stride: Optional[int], height: int, width: in
 
 def _image_paths(images_dir: Path) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
     """(stem, path) for every image, sorted by stem; stems with several files are returned apart."""
+    if not images_dir.exists():
+        raise ValueError(f"--images {images_dir}: no such folder")
     if not images_dir.is_dir():
-        raise ValueError(f"{images_dir}: not a folder")
+        raise ValueError(f"--images {images_dir}: not a folder")
     by_stem: Dict[str, List[Path]] = {}
     for p in images_dir.iterdir():
         if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
@@ -321,13 +323,21 @@ def _work_list(
     """(stem, path) of every image to process, the stems that clash, the asked-for stems with no image."""
     items, clashes = _image_paths(images_dir)
     if not items and not clashes:
-        raise ValueError(f"{images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise ValueError(f"--images {images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
     missing: List[str] = []
     if wanted is not None:
         have = {s for s, _ in items} | set(clashes)
         missing = sorted(wanted - have)
+        if wanted and not wanted & have:
+            raise ValueError(f"--images {images_dir}: none of the {len(wanted)} ids asked for has an image here "
+                             f"(e.g. {min(wanted)}); is it the right folder?")
         items = [(s, p) for s, p in items if s in wanted]
         clashes = {s: n for s, n in clashes.items() if s in wanted}
+    # A folder of label PNGs (pseudo labels, masks) given as the images: refused, not embedded.
+    looked = [why for why in (_label_like(p, None) for _, p in items[:8])]
+    if looked and all(looked):
+        raise ValueError(f"--images {images_dir}: holds label maps, not RGB images ({len(looked)} of {len(looked)} "
+                         f"looked at are class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
     return items, clashes, missing
 
 

@@ -267,6 +267,8 @@ def run_demo(
     from .synthetic import write_world as _write_world
 
     t_start = time.perf_counter()
+    if refine == "crf":
+        check_crf_params(crf_params)  # a bad --crf-params fails before any work, not after the world
     out_dir = Path(out)
     _clear_previous_run(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -228,11 +228,13 @@ def reproduce(
     scales = DHR_SCALES if scales is None else check_scales(scales)
     layout = DHRLayout(root, data)
     image_dir, mask_dir, xml_dir = layout.image_dir(domain), layout.mask_dir(domain), layout.xml_dir(domain)
-    for flag, d in (("--root (images)", image_dir), ("--root (masks)", mask_dir), ("--root (xml)", xml_dir),
-                    ("--pseudo", Path(pseudo_dir))):
+    for d in (image_dir, mask_dir, xml_dir):
         if not Path(d).is_dir():
-            raise ValueError(f"{flag}: {d} is not a folder; expected <root>/{data}/{domain}/{{image,mask,xml}} "
-                             "(DHR's layout) and a folder of pseudo-label PNGs")
+            raise ValueError(f"--root {root}: {d} is not a folder; expected <root>/{data}/{domain}/{{image,mask,xml}} "
+                             "(DHR's layout)")
+    if not Path(pseudo_dir).is_dir():
+        raise ValueError(f"--pseudo {pseudo_dir}: {'not a folder' if Path(pseudo_dir).exists() else 'no such folder'}"
+                         "; expected a folder of pseudo-label PNGs")
     class_names = list(layout.class_names())
     C = len(class_names) - 1
     stems = list_stems(pseudo_dir, (".png",))
@@ -252,6 +254,8 @@ def reproduce(
         feats = Path(features_dir)
         if not feats.is_dir():
             raise ValueError(f"--features {features_dir}: not a folder")
+        if not list_stems(feats, (".npy", ".pt")):
+            raise ValueError(f"--features {features_dir}: no .npy or .pt feature files in this folder")
         settings["features"] = os.fspath(feats.resolve())
     refs, ref_notes = (find_references(layout.root / "WSS" / data, domain, pseudo_dir) if references else ({}, []))
     if dry_run:
@@ -433,3 +437,4 @@ def _log_summary(s: JobSummary, what: str, log: Callable[[str], None], total: Jo
     the end, and in report.md)."""
     log(f"  {what}{f' rank {rank}/{world}' if world > 1 else ''}: {s.line('done')}")
     total.failed += [(f"{stem} ({what})", why) for stem, why in s.failed]
+    total.warnings += [(f"{stem} ({what})", why) for stem, why in s.warnings]
