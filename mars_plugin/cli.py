@@ -228,6 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-world", action="store_true", help="do not write the world's folders under --out/world")
     add_threads(d)
 
+    sm = sub.add_parser("sample", formatter_class=_Formatter,
+                        help="write a small sample tree in a WSSS codebase's layout, with random-weight models, to "
+                             "try every command offline",
+                        description="Write the built-in synthetic world (VOC class ids) as a small tree in the layout of "
+                                    "DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...), IRNet, AdvCAM, "
+                                    "SEAM or RS+EPM, with random-weight model files in weights/ (a tiny STEGO as "
+                                    "DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and print "
+                                    "the commands to try on it (features, centroids, debias, evaluate, report, "
+                                    "reproduce). A few seconds, a few MB.")
+    from .sample_trees import TREES
+
+    sm.add_argument("--tree", choices=TREES, required=True, help="whose layout")
+    sm.add_argument("--out", required=True, help="a new (or empty) folder for the tree")
+    sm.add_argument("--num-images", type=_positive_int, default=8, help="images in the tree")
+    sm.add_argument("--size", type=int, default=64, help="image side in pixels (at least 16)")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the world and of the random weights")
+    add_threads(sm)
+
     c = sub.add_parser("centroids", formatter_class=_Formatter, help="select debiased centroids (Eq. 1-3) from folders",
                        description="Stream (features, pseudo label) pairs and write the debiased centroids to a .pt file.")
     c.add_argument("--features", required=True, help="folder of float (D, h, w) embeddings, <stem>.npy or <stem>.pt "
@@ -460,6 +478,12 @@ def _main(argv: Optional[List[str]]) -> int:
             run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
                      epochs=args.epochs, refine=args.refine, crf_params=args.crf_params,
                      write_world=not args.no_world)
+            return 0
+        if args.command == "sample":
+            from .sample_trees import describe, write_sample_tree
+
+            write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
+            print("\n".join(describe(args.tree, args.out)))
             return 0
         progress = not args.no_progress
         if args.command == "features":
