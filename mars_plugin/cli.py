@@ -173,8 +173,8 @@ def _flag_names(msg: str) -> str:
     names = "|".join(sorted(every, key=len, reverse=True))
 
     def rewrite(part: str) -> str:
-        part = re.sub(_EDGE + r"(" + names + r")=(['\"]?)([^'\"\s,;)]*)\2", lambda m: f"{every[m.group(1)]} {m.group(3)}",
-                      part)
+        part = re.sub(_EDGE + r"(" + names + r")=(['\"]?)([^'\"\s,;)]*)\2",
+                      lambda m: f"{every[m.group(1)]} {m.group(3)}", part)
         part = re.sub(_EDGE + r"(" + names + r")\[(['\"])(\w+)\2\]", lambda m: f'{every[m.group(1)]} "{m.group(3)}"',
                       part)
         part = re.sub(_EDGE + r"(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")" + _END,
@@ -231,11 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("sample", formatter_class=_Formatter,
                         help="write a small sample tree in a WSSS codebase's layout, with random-weight models, to "
                              "try every command offline",
-                        description="Write the built-in synthetic world (VOC class ids) as a small tree in the layout of "
-                                    "DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...), IRNet, AdvCAM, "
-                                    "SEAM or RS+EPM, with random-weight model files in weights/ (a tiny STEGO as "
-                                    "DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and print "
-                                    "the commands to try on it (features, centroids, debias, evaluate, report, "
+                        description="Write the built-in synthetic world (VOC class ids) as a small tree in the "
+                                    "layout of DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...), IRNet, "
+                                    "AdvCAM, SEAM or RS+EPM, with random-weight model files in weights/ (a tiny STEGO "
+                                    "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and "
+                                    "print the commands to try on it (features, centroids, debias, evaluate, report, "
                                     "reproduce). A few seconds, a few MB.")
     from .sample_trees import TREES
 
