@@ -430,6 +430,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 141
 
 
+#: What an interrupted command leaves (the others write their outputs atomically at the end).
+_AFTER_INTERRUPT = {c: "run it again to resume (finished files are kept)" for c in ("features", "debias", "reproduce")}
+_AFTER_INTERRUPT["demo"] = "run it again to start over"
+
+
 def _interrupted(argv: Optional[List[str]]) -> int:
     """The one line of an interrupted command, and its exit status 130."""
     import signal
@@ -446,7 +451,7 @@ def _interrupted(argv: Optional[List[str]]) -> int:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
-        print(f"mars{' ' + name if name else ''}: interrupted; run it again to resume (finished files are kept)",
+        print(f"mars{' ' + name if name else ''}: interrupted; {_AFTER_INTERRUPT.get(name, 'nothing was written')}",
               file=sys.stderr, flush=True)
     finally:
         if main_thread:

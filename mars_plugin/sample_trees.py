@@ -118,17 +118,40 @@ def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: in
 
     Returns the paths of :data:`LAYOUTS` (absolute) plus ``root`` and ``weights``.
     """
+    import shutil
+    import tempfile
+
+    if tree not in TREES:
+        raise ValueError(f"--tree must be one of {', '.join(TREES)}, got {tree!r}")
+    final = Path(out)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise ValueError(f"--out {final}: exists and is not an empty folder; give a new one")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Written in a temporary folder beside --out and renamed at the end: an interrupted run
+    # leaves no half tree (which a second run would refuse as a used folder).
+    root = Path(tempfile.mkdtemp(prefix=".tmp-sample-", dir=final.parent))
+    try:
+        _write(tree, root, num_images, size, seed)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(root, 0o777 & ~umask)  # mkdtemp's folder is private (0700)
+        if final.is_dir():
+            final.rmdir()
+        os.replace(root, final)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return {"root": final, "weights": final / "weights", **{k: final / v for k, v in LAYOUTS[tree].items()}}
+
+
+def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None:
+    """The files of :func:`write_sample_tree` under ``root``."""
     import importlib
 
     from .adapters._common import VOC_CLASSES
     from .demo import WORLD_NOISE
     from .synthetic import make_world
 
-    if tree not in TREES:
-        raise ValueError(f"--tree must be one of {', '.join(TREES)}, got {tree!r}")
-    root = Path(out)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise ValueError(f"--out {root}: exists and is not an empty folder; give a new one")
     world = make_world(num_images, size=size, seed=seed, **WORLD_NOISE)
     ids = [f"2007_{i + 1:06d}" for i in range(num_images)]  # VOC's form: IRNet stores them as 2007000001
     gt = [_voc(y) for y in world.gt]
@@ -160,7 +183,6 @@ def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: in
         atomic_write(paths["tags"], lambda tmp: np.save(tmp, hot, allow_pickle=True))
         atomic_write(paths["tags"].parent / "train_aug.txt", lambda tmp: Path(tmp).write_text("\n".join(ids) + "\n"))
     _write_weights(root / "weights", seed)
-    return {"root": root, "weights": root / "weights", **paths}
 
 
 def sample_commands(tree: str, out: Union[str, os.PathLike]) -> List[str]:

@@ -76,6 +76,7 @@ def _args(world, cmd: str, **over):
         "features": {"--uss": "stego", "--backbone": b, "--heads": h, "--images": d / "images",
                      "--out": root / "tmp" / "f"},
         "demo": {"--out": root / "tmp" / "demo"},
+        "sample": {"--tree": "dhr", "--out": root / "tmp" / "sample"},
     }[cmd]
     base.update(over)
     argv = [cmd]
@@ -83,7 +84,7 @@ def _args(world, cmd: str, **over):
         if v is None:
             continue
         argv += [k] if v is True else [k, str(v)]
-    return argv + (["--no-progress"] if cmd != "demo" else [])
+    return argv + (["--no-progress"] if cmd not in ("demo", "sample") else [])
 
 
 # --------------------------------------------------------------------------- 1. flags, not parameters
@@ -350,8 +351,13 @@ def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
 
+#: what each command says it leaves: the resumable ones keep their finished files, the others
+#: write their outputs atomically at the end, the demo starts over
+AFTER = {**{c: "run it again to resume (finished files are kept)" for c in ("features", "debias", "reproduce")},
+         **{c: "nothing was written" for c in ("centroids", "evaluate", "report", "sample")},
+         "demo": "run it again to start over"}
 #: command -> (module, function) its work runs in
-JOBS = {"centroids": ("mars_plugin.jobs", "centroids_job"), "debias": ("mars_plugin.jobs", "debias_job"),
+JOBS = {"sample": ("mars_plugin.sample_trees", "_write"), "centroids": ("mars_plugin.jobs", "centroids_job"), "debias": ("mars_plugin.jobs", "debias_job"),
         "evaluate": ("mars_plugin.jobs", "evaluate_job"), "report": ("mars_plugin.jobs", "report_job"),
         "features": ("mars_plugin.adapters.extractor", "features_job"), "demo": ("mars_plugin.demo", "run_demo")}
 
@@ -364,8 +370,11 @@ def test_ctrl_c_is_one_line_and_exit_130(world, capsys, monkeypatch, cmd):
     monkeypatch.setattr(importlib.import_module(module), fn, _interrupt)
     code, out, lines = _run(_args(world, cmd), capsys)
     assert code == 130
-    assert lines == [f"mars {cmd}: interrupted; run it again to resume (finished files are kept)"]
+    assert lines == [f"mars {cmd}: interrupted; {AFTER[cmd]}"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # left as it was
+    if cmd == "sample":  # no half tree, no temporary folder
+        tmp = world[0] / "tmp"
+        assert not (tmp / "sample").exists() and not list(tmp.glob(".tmp-*"))
 
 
 def test_ctrl_c_in_reproduce_is_one_line(tmp_path, capsys, monkeypatch):

@@ -108,3 +108,8 @@ def test_mars_sample_prints_the_commands_and_refuses_a_used_folder(tmp_path, cap
     assert cli.main(["sample", "--tree", "irnet", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"mars sample: error: --out {out}: exists and is not an empty folder; give a new one"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["sample", "--tree", "seam", "--out", str(empty), "--num-images", "2", "--size", "32"]) == 0
+    assert (empty / "out_rw" / "2007_000001.png").is_file() and not list(tmp_path.glob(".tmp-*"))
+    assert oct(empty.stat().st_mode & 0o777) != oct(0o700)  # not mkdtemp's private mode
