@@ -293,13 +293,16 @@ def read_tags(xml_path: PathLike) -> List[str]:
     direct ``<object>``'s ``<name>`` text, difficult or not, whatever its box, unstripped.
 
     Shape: a list of K <= #objects names. An unreadable file, or an object without a name, is a
-    ValueError naming the file (upstream: an exception from ElementTree or ``None.text``).
+    ValueError naming the file (upstream: an exception from ElementTree or ``None.text``). Any
+    failure of the parser counts: besides OSError and ParseError, an unknown ``encoding=`` in the
+    declaration raises LookupError and a bad byte for a known one UnicodeDecodeError.
     """
     p = os.fspath(xml_path)
     try:
         root = ET.parse(p).getroot()
-    except (OSError, ET.ParseError) as e:
-        raise ValueError(f"{p}: cannot read the xml annotation ({e})") from e
+    except Exception as e:  # noqa: BLE001 -- whatever the parser raises, the file is unreadable
+        why = str(e) if isinstance(e, (OSError, ET.ParseError)) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{p}: cannot read the xml annotation ({why})") from e
     names = []
     for obj in root.findall("object"):  # direct <object>s only; a <part><name> is not a tag
         node = obj.find("name")
@@ -363,7 +366,7 @@ def load_image_labels(
     for s in stems:
         xp = xml / f"{check_stem(s)}.xml"
         if not xp.is_file():
-            raise ValueError(f"missing annotation {xp}")
+            raise ValueError(f"{xp}: missing annotation ({'a folder' if xp.is_dir() else 'no such file'})")
         found = []
         for n in read_tags(xp):
             if n not in index:

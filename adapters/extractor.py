@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from mars_plugin import cli_types as T
 from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.jobs import JobError, JobSummary, _dist_ready, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.jobs import (JobError, JobSummary, _dist_ready, _label_like, _rank_world, one_line, resolve_device,
+                              share_error, sync_group)
 from mars_plugin.run_record import array_digest, file_id
 
 from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
@@ -188,8 +189,10 @@ def _target_size(output_size: Any, stride: Optional[int], height: int, width: in
 
 def _image_paths(images_dir: Path) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
     """(stem, path) for every image, sorted by stem; stems with several files are returned apart."""
+    if not images_dir.exists():
+        raise ValueError(f"--images {images_dir}: no such folder")
     if not images_dir.is_dir():
-        raise ValueError(f"{images_dir}: not a folder")
+        raise ValueError(f"--images {images_dir}: not a folder")
     by_stem: Dict[str, List[Path]] = {}
     for p in images_dir.iterdir():
         if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
@@ -349,13 +352,21 @@ def _work_list(
     """(stem, path) of every image to process, the stems that clash, the asked-for stems with no image."""
     items, clashes = _image_paths(images_dir)
     if not items and not clashes:
-        raise ValueError(f"{images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise ValueError(f"--images {images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
     missing: List[str] = []
     if wanted is not None:
         have = {s for s, _ in items} | set(clashes)
         missing = sorted(wanted - have)
+        if wanted and not wanted & have:
+            raise ValueError(f"--images {images_dir}: none of the {len(wanted)} ids asked for has an image here "
+                             f"(e.g. {min(wanted)}); is it the right folder?")
         items = [(s, p) for s, p in items if s in wanted]
         clashes = {s: n for s, n in clashes.items() if s in wanted}
+    # A folder of label PNGs (pseudo labels, masks) given as the images: refused, not embedded.
+    looked = [why for why in (_label_like(p, None) for _, p in items[:8])]
+    if looked and all(looked):
+        raise ValueError(f"--images {images_dir}: holds label maps, not RGB images ({len(looked)} of {len(looked)} "
+                         f"looked at are class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
     return items, clashes, missing
 
 
@@ -406,7 +417,9 @@ def _features_shard(
         summary.failed.append((stem, why))
         tick()
 
-    def run(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]]) -> None:
+    where = {stem: path for stem, path in items}
+
+    def forward(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]]) -> torch.Tensor:
         images = torch.stack([img for _, _, img in batch]).to(device)
         size = _target_size(output_size, stride, images.shape[-2], images.shape[-1])
         with torch.inference_mode(), torch.autocast(device.type, dtype=torch.float16, enabled=bool(fp16)):
@@ -416,6 +429,19 @@ def _features_shard(
             raise ValueError(f"the extractor must return (B, D, h, w) with B = {len(batch)}, got {got}")
         if size is not None and tuple(feats.shape[-2:]) != size:
             raise ValueError(f"the extractor returned {tuple(feats.shape[-2:])} maps, {size} were asked for")
+        return feats
+
+    def run(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]]) -> None:
+        try:
+            feats = forward(batch)
+        except Exception as e:  # noqa: BLE001 -- a per-image failure (e.g. too small for a scale)
+            if len(batch) > 1:  # find the image(s) it was: each alone
+                for item in batch:
+                    run([item])
+                return
+            stem, _, img = batch[0]
+            fail(stem, f"{where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
+            return
         feats = feats.float().cpu()
         for (stem, inputs, _), f in zip(batch, feats):
             with np.errstate(over="ignore"):
@@ -452,8 +478,8 @@ def _features_shard(
                 again.add(stem)
             try:
                 rgb = read_image(path)
-            except ValueError as e:
-                fail(stem, str(e))
+            except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+                fail(stem, one_line(e))
                 continue
             img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
             key = (int(img.shape[1]), int(img.shape[2]))

@@ -88,7 +88,8 @@ def _maybe_init_distributed() -> bool:
 
 
 def _class_names(path: Optional[str]) -> Optional[List[str]]:
-    """Class names from a JSON list, or from a classes.json {"class_names": [...]} file."""
+    """Class names from a JSON list, a classes.json {"class_names": [...]} file (``mars demo``'s),
+    or DHR's dataset json {"names": [...], "ignore": 255} (``<root>/<data>/<data>.json``)."""
     if path is None:
         return None
     try:
@@ -96,11 +97,32 @@ def _class_names(path: Optional[str]) -> Optional[List[str]]:
     except (OSError, ValueError) as e:
         raise ValueError(f"--class-names {path}: cannot read a JSON list of names ({e})") from None
     if isinstance(data, dict):
-        data = data.get("class_names")
+        data = data.get("class_names", data.get("names"))
     if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
-        raise ValueError(f"--class-names {path}: expected a JSON list of class names (background first) or "
-                         f"{{'class_names': [...]}}")
+        raise ValueError(f'--class-names {path}: expected a JSON list of class names (background first), '
+                         f'{{"class_names": [...]}} (classes.json) or {{"names": [...]}} (DHR\'s dataset json)')
     return check_class_names(data, f"--class-names {path}")
+
+
+def _wsss_class_names(args: argparse.Namespace) -> Optional[List[str]]:
+    """With ``--wsss NAME`` and no ``--class-names``: that codebase's class names (background
+    first), read where its own code reads them: DHR's dataset json beside ``--image-labels``'s
+    xml folder (``<root>/<data>/<data>.json``, else VOC's), RS+EPM's of ``--dataset``, VOC's for
+    IRNet, AdvCAM and SEAM."""
+    if args.wsss is None:
+        return None
+    from .jobs import _adapter
+
+    adapter = _adapter(args.wsss)
+    if args.wsss == "rsepm":
+        return list(adapter.class_names(args.dataset))
+    if args.wsss == "dhr" and args.image_labels is not None:
+        xml = Path(args.image_labels)
+        xml = xml / "xml" if (xml / "xml").is_dir() else xml
+        layout = adapter._json_beside_xml(xml) if xml.is_dir() else None
+        if layout is not None:
+            return list(layout.class_names())
+    return list(adapter.CLASS_NAMES)
 
 
 def _names_for(path: Optional[str], num_classes: int) -> List[str]:
@@ -118,14 +140,44 @@ def _class_label(names: Optional[List[str]], c: int) -> str:
     return f"class {c} ({names[c]})" if names is not None and c < len(names) else f"class {c}"
 
 
-# Python parameter names that core checks put in their messages, and the flags that set them.
-_FLAGS = ("crf_params", "crf_backend", "batch_size", "num_classes", "k_fg", "k_bg", "spill_mb", "spill_dir",
-          "image_labels", "ignore_index", "num_examples", "images_dir", "class_names", "on_error")
+# Python parameter names that core checks and the jobs put in their messages, and the flags that
+# set them (a parameter whose flag has another name, e.g. images_dir, maps to that flag).
+_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "crf_params", "crf_backend", "batch_size", "num_classes", "k_fg", "k_bg", "spill_mb", "spill_dir",
+    "image_labels", "ignore_index", "num_examples", "class_names", "on_error", "per_class", "num_train",
+    "num_val", "trust_pickle")}
+_FLAGS.update(images_dir="--images", features_dir="--features", labels_dir="--labels", out_dir="--out",
+              pred_dir="--pred", gt_dir="--gt", debiased_dir="--debiased", pseudo_dir="--pseudo",
+              file_format="--format", flip_average="--flip")
+# One-word parameters are also English words ("the heads file"): written as flags only where the
+# sentence is about the parameter ("workers must be >= 1", "refine='crf'").
+_WORD_FLAGS = ("workers", "device", "alpha", "threshold", "refine", "seed", "size", "epochs", "stride", "res",
+               "scales", "uss", "backend", "iterations")
+_EDGE = r"(?<![\w/\\.-])"  # not inside a path or a longer name
+_END = r"(?![\w/\\-]|\.\w)"
 
 
 def _flag_names(msg: str) -> str:
-    """A core error message with its parameter names written as the command line's flags."""
-    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), msg)
+    """A core error message with its parameter names written as the command line's flags:
+    ``name='value'`` and ``name=value`` as ``--name value``, ``crf_params['key']`` as
+    ``--crf-params "key"``, ``batch_size`` as ``--batch-size`` (``images_dir`` as ``--images``), and
+    ``workers must`` as ``--workers must``. Paths and double-quoted JSON text are left as they are."""
+    every = {**_FLAGS, **{w: "--" + w for w in _WORD_FLAGS}}
+    names = "|".join(sorted(every, key=len, reverse=True))
+
+    def rewrite(part: str) -> str:
+        part = re.sub(_EDGE + r"(" + names + r")=(['\"]?)([^'\"\s,;)]*)\2",
+                      lambda m: f"{every[m.group(1)]} {m.group(3)}", part)
+        part = re.sub(_EDGE + r"(" + names + r")\[(['\"])(\w+)\2\]", lambda m: f'{every[m.group(1)]} "{m.group(3)}"',
+                      part)
+        part = re.sub(_EDGE + r"(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")" + _END,
+                      lambda m: _FLAGS[m.group(1)], part)
+        return re.sub(_EDGE + r"(" + "|".join(_WORD_FLAGS) + r")(?= must\b| is not\b| has\b)",
+                      lambda m: "--" + m.group(1), part)
+
+    # the text between double quotes is JSON the user writes (keys such as "class_names"): kept
+    pieces = re.split(r'("[^"]*")', msg)
+    return "".join(p if p.startswith('"') and p.endswith('"') and len(p) > 1 else rewrite(p) for p in pieces)
 
 
 def _crf_params(text: str):
@@ -169,6 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-world", action="store_true", help="do not write the world's folders under --out/world")
     add_threads(d)
 
+    sm = sub.add_parser("sample", formatter_class=_Formatter,
+                        help="write a small sample tree in a WSSS codebase's layout, with random-weight models, to "
+                             "try every command offline",
+                        description="Write the built-in synthetic world (VOC class ids) as a small tree in the "
+                                    "layout of DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...), IRNet, "
+                                    "AdvCAM, SEAM or RS+EPM, with random-weight model files in weights/ (a tiny STEGO "
+                                    "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and "
+                                    "print the commands to try on it (features, centroids, debias, evaluate, report, "
+                                    "reproduce). A few seconds, a few MB.")
+    from .sample_trees import TREES
+
+    sm.add_argument("--tree", choices=TREES, required=True, help="whose layout")
+    sm.add_argument("--out", required=True, help="a new (or empty) folder for the tree")
+    sm.add_argument("--num-images", type=T.demo_images, default=8, help="images in the tree")
+    sm.add_argument("--size", type=T.demo_size, default=64, help="image side in pixels (16..256, a multiple of 4)")
+    sm.add_argument("--seed", type=T.seed, default=0, help="seed of the world and of the random weights")
+    add_threads(sm)
+
     c = sub.add_parser("centroids", formatter_class=_Formatter, help="select debiased centroids (Eq. 1-3) from folders",
                        description="Stream (features, pseudo label) pairs and write the debiased centroids to a .pt file.")
     c.add_argument("--features", required=True, help="folder of float (D, h, w) embeddings, <stem>.npy or <stem>.pt "
@@ -189,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K-means implementation: compiled (numba, CPU), torch (any device), or auto "
                         "(compiled on the CPU when numba is installed)")
     c.add_argument("--class-names", default=None,
-                   help="JSON list of names (background first) or classes.json, for the printed summary")
+                   help="JSON list of names (background first), classes.json or DHR's <data>.json, for the printed "
+                        "summary (default with --wsss: that codebase's class names)")
     _add_wsss(c)
     _add_common(c)
     add_threads(c)
@@ -217,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=T.workers, default=1,
                    help="processes, each with one thread (on a CPU with free cores: one per core)")
     b.add_argument("--class-names", default=None,
-                   help="JSON list of names (background first) or classes.json, for the printed per-class summary")
+                   help="JSON list of names (background first), classes.json or DHR's <data>.json, for the printed "
+                        "per-class summary (default with --wsss: that codebase's class names)")
     _add_wsss(b)
     _add_common(b)
     add_threads(b)
@@ -229,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pred", required=True, help="folder of predicted label PNGs")
     e.add_argument("--gt", required=True, help="folder of ground-truth label PNGs")
     e.add_argument("--num-classes", type=T.num_classes, required=True, help="C, the number of foreground classes")
-    e.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
+    e.add_argument("--class-names", default=None,
+                   help="JSON list of names (background first), classes.json or DHR's <data>.json")
     e.add_argument("--json", default=None, help="also write the scores to this JSON file")
     _add_common(e)
     add_threads(e)
@@ -252,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--debiased", required=True, help="folder of debiased label PNGs (from 'mars debias')")
     r.add_argument("--images", required=True, help="folder of RGB images")
     r.add_argument("--out", required=True, help="output folder")
-    r.add_argument("--class-names", default=None, help="JSON list of names (background first) or classes.json")
+    r.add_argument("--class-names", default=None,
+                   help="JSON list of names (background first), classes.json or DHR's <data>.json")
     r.add_argument("--num-examples", type=T.num_examples, default=8, help="most-changed images shown")
     r.add_argument("--per-class", type=T.per_class, default=2,
                    help="for each class, its N images with the largest share of that class's pixels removed "
@@ -325,7 +399,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     A reader that closes the pipe early (``mars evaluate ... | head -1``) ends the command
     quietly with status 141, what a shell reports for a program killed by SIGPIPE (so that
     ``set -o pipefail`` sees the same as for any other tool). ``--help`` into a closed pipe
-    exits 0: argparse itself ignores the failed write."""
+    exits 0: argparse itself ignores the failed write.
+
+    Ctrl-C (KeyboardInterrupt, SIGINT) ends any command with one line on stderr and status 130
+    (128 + SIGINT, what a shell reports for a program killed by it); every output is written
+    atomically, so a run interrupted at any point resumes when it is run again. Worker processes
+    (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.jobs.debias_job`)."""
     try:
         try:
             code = _main(argv)
@@ -334,6 +413,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         sys.stdout.flush()
         return code
+    except KeyboardInterrupt:
+        return _interrupted(argv)
     except BrokenPipeError:
         # Python would flush stdout again at exit and print an error: point it at devnull.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -342,9 +423,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 141
 
 
+#: What an interrupted command leaves (the others write their outputs atomically at the end).
+_AFTER_INTERRUPT = {c: "run it again to resume (finished files are kept)" for c in ("features", "debias", "reproduce")}
+_AFTER_INTERRUPT["demo"] = "run it again to start over"
+
+
+def _interrupted(argv: Optional[List[str]]) -> int:
+    """The one line of an interrupted command, and its exit status 130."""
+    import signal
+    import threading
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    commands = ("demo", "centroids", "debias", "evaluate", "features", "report", "reproduce", "sample")
+    name = next((w for w in words if w in commands), None)
+    # A second Ctrl-C while this line is written must not print a traceback either.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        print(f"mars{' ' + name if name else ''}: interrupted; {_AFTER_INTERRUPT.get(name, 'nothing was written')}",
+              file=sys.stderr, flush=True)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    return 130
+
+
 def _print_skipped(s) -> None:
-    """Every file a run skipped, on stderr (the summary line on stdout has the count)."""
+    """Every file a run skipped, on stderr (the summary line on stdout has the count), and every
+    file it read that adds nothing (warnings, which leave the exit status as it is)."""
     lines = s.skipped_lines() if s is not None and hasattr(s, "skipped_lines") else []
+    lines += s.warning_lines() if s is not None and hasattr(s, "warning_lines") else []
     if lines:
         print("\n".join(lines), file=sys.stderr)
 
@@ -364,6 +476,12 @@ def _main(argv: Optional[List[str]]) -> int:
             run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
                      epochs=args.epochs, refine=args.refine, crf_params=args.crf_params,
                      write_world=not args.no_world)
+            return 0
+        if args.command == "sample":
+            from .sample_trees import describe, write_sample_tree
+
+            write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
+            print("\n".join(describe(args.tree, args.out)))
             return 0
         progress = not args.no_progress
         if args.command == "features":
@@ -385,7 +503,8 @@ def _main(argv: Optional[List[str]]) -> int:
             joined = _maybe_init_distributed()
             fmt = jobs.label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
         if args.command == "centroids":
-            names = _class_names(args.class_names)  # read before the work: a bad file fails fast
+            # read before the work: a bad file fails fast
+            names = _class_names(args.class_names) or _wsss_class_names(args)
             V, s = jobs.centroids_job(
                 args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
                 alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
@@ -404,7 +523,7 @@ def _main(argv: Optional[List[str]]) -> int:
                 else:
                     print(f"  {_class_label(names, c)}: never seen, no centroid")
         elif args.command == "debias":
-            names = _class_names(args.class_names)
+            names = _class_names(args.class_names) or _wsss_class_names(args)
             s = jobs.debias_job(
                 args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
                 threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,

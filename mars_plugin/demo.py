@@ -281,6 +281,8 @@ def run_demo(
     if size % 4:
         raise ValueError(f"size must be a multiple of 4 (the features are 4x4-pixel cells), got {size}")
     epochs = check_int_param(epochs, "epochs", 1, MAX_DEMO_EPOCHS)
+    if refine == "crf":
+        check_crf_params(crf_params)  # a bad --crf-params fails before any work, not after the world
     out_dir = Path(out)
     _clear_previous_run(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -44,8 +44,8 @@ from .crf import check_crf_backend, check_crf_params
 from .debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
 from .files import (
     BIASED_VALUE,
+    FEATURE_EXTENSIONS,
     IGNORE_VALUE,
-    atomic_write,
     classes_in_label,
     feature_shape,
     find_features,
@@ -102,6 +102,8 @@ class JobSummary:
     pixels: Dict[int, int] = field(default_factory=dict)
     removed: Dict[int, int] = field(default_factory=dict)
     redone: int = 0
+    #: files that were used but add nothing (a label with no valid pixel), with the reason
+    warnings: List[Tuple[str, str]] = field(default_factory=list)
 
     def line(self, verb: str = "written") -> str:
         """Counts on one line; the skipped files are listed by :meth:`skipped_lines`."""
@@ -118,6 +120,42 @@ class JobSummary:
         if not self.failed:
             return []
         return [f"skipped {len(self.failed)} file(s):"] + [f"  {stem}: {why}" for stem, why in self.failed]
+
+    def warning_lines(self) -> List[str]:
+        """Every file that was read but adds nothing, one line each (empty when none)."""
+        if not self.warnings:
+            return []
+        return [f"warning: {len(self.warnings)} file(s) add nothing:"] + [f"  {s}: {why}" for s, why in self.warnings]
+
+
+def no_valid_pixel(label: torch.Tensor, path: os.PathLike, ignore_index: int) -> Optional[str]:
+    """The warning for a label map of which every pixel is ``ignore_index`` (None otherwise).
+
+    One such label is a warning, not a per-file failure: a WSSS method may leave an image it is
+    unsure of entirely ignored, the file is valid and contributes nothing, and stopping a long
+    run on it would be wrong. A whole set of them is an error (see :func:`check_any_valid`)."""
+    if bool((label != ignore_index).any()):
+        return None
+    return f"{os.fspath(path)}: every pixel is --ignore-index {ignore_index} (no valid pixel)"
+
+
+def check_any_valid(folder: os.PathLike, stems: Sequence[str], flag: str, ignore_index: int) -> None:
+    """Read the labels of ``stems`` in ``folder`` until one has a valid pixel (usually the
+    first); when none has, a :class:`JobError` naming the folder, before any work: a set of
+    labels with no valid pixel at all (all ``ignore_index``: the wrong folder or the wrong
+    ``--ignore-index``) has nothing to give. Unreadable files are left to the per-file read."""
+    read = 0
+    for stem in stems:
+        try:
+            label = read_label(Path(folder) / f"{stem}.png", biased_value=None)
+        except Exception:  # noqa: BLE001 -- reported, with its file, by the per-file read
+            continue
+        read += 1
+        if bool((label != ignore_index).any()):
+            return
+    if read:
+        raise JobError(f"{flag} {folder}: no label has a valid pixel (every pixel of all {read} read is "
+                       f"--ignore-index {ignore_index}); is it the right folder and --ignore-index?")
 
 
 def one_line(e: BaseException) -> str:
@@ -392,22 +430,119 @@ def read_image_labels(path: Optional[os.PathLike], num_classes: int) -> Optional
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{p}: cannot read image labels as JSON {{stem: [class ids]}} ({e})") from e
+        raise ValueError(f"--image-labels {p}: cannot read image labels as JSON {{stem: [class ids]}} ({e})") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{p}: image labels must be a JSON object {{stem: [class ids]}}, got {type(data).__name__}")
+        raise ValueError(f"--image-labels {p}: must be a JSON object {{stem: [class ids]}}, got {type(data).__name__}")
     out: Dict[str, List[int]] = {}
     for stem, ids in data.items():
         if not isinstance(ids, list) or not all(isinstance(i, int) and 1 <= i <= num_classes for i in ids):
-            raise ValueError(f"{p}: labels of {stem!r} must be a list of class ids in 1..{num_classes}, got {ids!r}")
+            raise ValueError(f"--image-labels {p}: the classes of {stem!r} must be a list of class ids in "
+                             f"1..{num_classes}, got {ids!r}")
         out[str(stem)] = sorted(set(ids))
     return out
 
 
-def _stems(labels_dir: os.PathLike, skip_suffixes: Sequence[str] = ()) -> List[str]:
+def _stems(labels_dir: os.PathLike, skip_suffixes: Sequence[str] = (), flag: str = "--labels") -> List[str]:
+    _check_folder(labels_dir, flag)
     stems = [s for s in list_stems(labels_dir, (".png",)) if not any(s.endswith(x) for x in skip_suffixes)]
     if not stems:
-        raise ValueError(f"{labels_dir}: no .png label files")
+        raise JobError(f"{flag} {labels_dir}: no .png label files in this folder")
     return stems
+
+
+# --------------------------------------------------------------------------------------------
+# input folders, checked once before any work: a mistyped or wrong folder is one line, not one
+# failure per image (and, with --on-error skip, an empty output folder)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_folder(folder: os.PathLike, flag: str) -> Path:
+    p = Path(folder)
+    if not p.exists():
+        raise JobError(f"{flag} {p}: no such folder")
+    if not p.is_dir():
+        raise JobError(f"{flag} {p}: not a folder")
+    return p
+
+
+def check_input_folder(folder: os.PathLike, flag: str, stems: Sequence[str], extensions: Sequence[str],
+                       what: str, of: str = "labels") -> None:
+    """``folder`` (given as ``flag``) exists and holds a file for at least one of ``stems``
+    (``<stem><ext>`` for one of ``extensions``); else a :class:`JobError` of one line, before any
+    work. A stem without its file is a per-file failure later; no stem with one is the wrong
+    folder (a typo, the images given as the features, ...)."""
+    p = _check_folder(folder, flag)
+    have = set(list_stems(p, extensions))
+    if not have:
+        raise JobError(f"{flag} {p}: no {what} files ({', '.join(extensions)}) in this folder")
+    if stems and not any(s in have for s in stems):
+        raise JobError(f"{flag} {p}: none of the {len(stems)} {of} has its {what} file here (<stem>"
+                       f"{'/'.join(extensions)}, e.g. {stems[0]}{extensions[0]}); is it the right folder?")
+
+
+#: A label map's values are class ids (at most this many foreground classes when C is unknown:
+#: COCO's 80 in the 81-class form, 90 in the 91-id form) and the ignore and biased bytes.
+_MAX_LABEL_CLASS = 90
+
+
+def _label_like(path: Path, num_classes: Optional[int]) -> Optional[str]:
+    """How the file at ``path`` looks like a label map rather than a photograph (None: it does
+    not): a one-channel (P or L) PNG of at most 32 distinct values, all class ids 0..C, 254 or
+    255, and at least one foreground class."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            if im.format != "PNG" or im.mode not in ("P", "L"):
+                return None
+            values = np.unique(np.asarray(im))
+            mode = im.mode
+    except Exception:  # noqa: BLE001 -- an unreadable file is reported by the per-file read
+        return None
+    top = _MAX_LABEL_CLASS if num_classes is None else num_classes
+    fg = values[(values > 0) & (values < BIASED_VALUE)]
+    if len(values) > 32 or not fg.size or int(fg.max()) > top:
+        return None
+    shown = ", ".join(str(int(v)) for v in values[:8]) + (", ..." if len(values) > 8 else "")
+    return f"{path.name}: a {mode}-mode PNG of the values {shown}"
+
+
+def check_images_folder(images_dir: os.PathLike, stems: Sequence[str], *, flag: str = "--images",
+                        labels_dir: Optional[os.PathLike] = None, num_classes: Optional[int] = None,
+                        of: str = "labels") -> None:
+    """:func:`check_input_folder` for RGB images, and not a folder of label maps: the labels'
+    own folder, or one whose first images (up to 8) all look like label PNGs
+    (:func:`_label_like`: the pseudo labels or the ground truth given by mistake, which the CRF
+    would otherwise read as colours and silently change the result)."""
+    from .files import IMAGE_EXTENSIONS
+
+    check_input_folder(images_dir, flag, stems, IMAGE_EXTENSIONS, "image", of)
+    p = Path(images_dir)
+    if labels_dir is not None and Path(labels_dir).is_dir() and p.resolve() == Path(labels_dir).resolve():
+        raise JobError(f"{flag} {p}: is the --labels folder; give the folder of the RGB images")
+    looked: List[str] = []
+    for stem in stems:
+        try:
+            path = find_image(p, stem)
+        except ValueError:
+            continue
+        why = _label_like(path, num_classes)
+        if why is None:
+            return
+        looked.append(why)
+        if len(looked) == 8:
+            break
+    if looked:
+        raise JobError(f"{flag} {p}: holds label maps, not RGB images ({len(looked)} of {len(looked)} looked at are "
+                       f"class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
+
+
+def _only(found: List[str], wanted: Optional[Sequence[str]]) -> List[str]:
+    """The stems of ``found`` (a folder's listing) that are in ``wanted`` (None: all), in order."""
+    if wanted is None:
+        return found
+    keep = set(wanted)
+    return [s for s in found if s in keep]
 
 
 WSSS_ADAPTERS = ("irnet", "advcam", "seam", "rsepm", "dhr")
@@ -478,6 +613,7 @@ def _centroid_samples(
             label_path = labels_dir / f"{stem}.png"
             label = read_label(label_path, biased_value=None)
             check_label_values(label, label_path, num_classes, ignore_index)
+            empty = no_valid_pixel(label, label_path, ignore_index)
             if image_labels is not None:
                 if stem not in image_labels:
                     raise ValueError(f"{stem!r} has no entry in the --image-labels file")
@@ -488,6 +624,8 @@ def _centroid_samples(
             _fail(stem, e, on_error, summary)
             continue
         summary.done += 1
+        if empty is not None:
+            summary.warnings.append((stem, empty))
         yielded.append(stem)
         yield feats, label
 
@@ -543,6 +681,7 @@ def centroids_job(
     spill_dir: Optional[os.PathLike] = None,
     spill_mb: float = 1024,
     backend: str = "auto",
+    stems: Optional[Sequence[str]] = None,
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
     and save the result to ``out`` (a ``.pt`` file, written atomically). ``device`` runs the
@@ -551,7 +690,8 @@ def centroids_job(
 
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
-    images and rank 0 writes ``out``; every rank returns the same centroids.
+    images and rank 0 writes ``out``; every rank returns the same centroids. ``stems``: only
+    these of the folder's labels (e.g. ``mars reproduce``'s ids whose tags could be read).
 
     Resume (:mod:`mars_plugin.run_record`): ``out`` holds the record of what made it (a
     ``"run"`` entry: the settings, and a digest of the ids, of every feature file and pseudo
@@ -570,7 +710,9 @@ def centroids_job(
                                                                     "spill_mb"))
     _check_out_file(out, "--out")
     fmt = fmt or LabelFormat()
-    stems = _stems(labels_dir, fmt.skip_suffixes)
+    stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
+    check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
+    check_any_valid(labels_dir, stems, "--labels", ignore_index)
     labels = fmt.image_labels(image_labels, num_classes)
     rank, world = _rank_world()
     from .run_record import CentroidsRecord, broadcast_object
@@ -639,6 +781,8 @@ def _debias_init(config: Dict[str, Any]) -> None:
     raises would print a traceback per worker (and ``multiprocessing.Pool`` respawns them
     forever)."""
     _WORKER.clear()
+    if config["workers"] > 1:
+        _ignore_sigint()
     try:
         # One thread per worker process: N workers use N cores instead of fighting over them.
         if config["workers"] > 1:
@@ -647,6 +791,31 @@ def _debias_init(config: Dict[str, Any]) -> None:
         _WORKER["centroids"] = config["centroids"].to(config["device"])
     except Exception as e:  # noqa: BLE001 -- reported by _debias_batch, see above
         _WORKER["init_error"] = f"a --workers process failed to start: {one_line(e)}"
+
+
+def _ignore_sigint() -> None:
+    """In a worker process: Ctrl-C (SIGINT, sent by the terminal to every process of the
+    command) is for the parent, which stops the workers; a worker that raised
+    KeyboardInterrupt would print a traceback of its own."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_workers(submit):
+    """``submit()`` (which starts the worker processes) with SIGINT blocked in this thread, so
+    that the workers start with it blocked (the mask is inherited): a Ctrl-C while a worker is
+    still importing, before :func:`_ignore_sigint`, would print its traceback. Here the signal
+    waits and reaches this process as soon as the workers have started."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return submit()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return submit()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _debias_check_init() -> None:
@@ -710,7 +879,9 @@ def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], D
     for it, mask in zip(items, masks):
         y = mark_biased(it["label"], mask.cpu(), cfg["centroids"], ignore_index=cfg["ignore_index"])
         write_label(stem_path(cfg["out_dir"], it["stem"], ".png"), y, mode=cfg["mode"])
-        results.append((it["stem"], "done", None, _removed_per_class(it["label"], y, cfg["ignore_index"]),
+        # "done" with a message: written, with a warning (see no_valid_pixel)
+        empty = no_valid_pixel(it["label"], Path(cfg["labels_dir"]) / f"{it['stem']}.png", cfg["ignore_index"])
+        results.append((it["stem"], "done", empty, _removed_per_class(it["label"], y, cfg["ignore_index"]),
                         array_digest(y)))
     return results
 
@@ -748,6 +919,7 @@ def debias_job(
     on_error: str = "stop",
     progress: bool = True,
     fmt: Optional[LabelFormat] = None,
+    stems: Optional[Sequence[str]] = None,
 ) -> JobSummary:
     """Write one debiased label PNG per pseudo label (biased pixels as 254, see
     :data:`mars_plugin.files.BIASED_VALUE`).
@@ -765,7 +937,7 @@ def debias_job(
     ``out_dir`` (a lock). ``workers`` > 1 runs batches in that many processes (one thread each);
     outputs do not depend on ``workers`` or ``batch_size``. Under torch.distributed each rank
     debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
-    :func:`label_format`).
+    :func:`label_format`). ``stems``: only these of the folder's labels.
     """
     _check_on_error(on_error)
     if refine not in ("crf", "threshold"):
@@ -779,7 +951,11 @@ def debias_job(
     check_crf_backend(crf_backend)
     dev = resolve_device(device)
     fmt = fmt or LabelFormat()
-    stems = _stems(labels_dir, fmt.skip_suffixes)
+    stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
+    check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
+    if refine == "crf":
+        check_images_folder(images_dir, stems, labels_dir=labels_dir)
+    check_any_valid(labels_dir, stems, "--labels", ignore_index)
     rank, world = _rank_world()
     stems = stems[rank::world]
     V = load_centroids(centroids)
@@ -862,6 +1038,8 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
                 record.add(stem, stem_path(out_dir, stem, ".png"), inputs[stem], content)
                 summary.done += 1
                 summary.redone += stem in again
+                if err is not None:
+                    summary.warnings.append((stem, err))
                 for c, (n, r) in counts.items():
                     summary.pixels[c] = summary.pixels.get(c, 0) + n
                     summary.removed[c] = summary.removed.get(c, 0) + r
@@ -884,7 +1062,7 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_debias_init,
                                initargs=(config,))
     try:
-        consume(pool.map(_debias_batch, batches))
+        consume(_start_workers(lambda: pool.map(_debias_batch, batches)))
     except BrokenProcessPool:
         raise JobError(f"a --workers process died (killed, out of memory, or crashed); "
                        f"{summary.done} images were written and a new run resumes after them") from None
@@ -922,11 +1100,13 @@ def evaluate_job(
     num_classes = check_num_classes(num_classes)
     ignore_index = check_ignore_byte(ignore_index, num_classes=num_classes)
     if stems is None:
-        stems = _stems(gt_dir)
+        stems = _stems(gt_dir, flag="--gt")
     else:
         stems = [stem_path(gt_dir, s, ".png").stem for s in stems]  # refuses unsafe ids
         if not stems:
             raise ValueError("stems is empty: nothing to evaluate")
+        check_input_folder(gt_dir, "--gt", stems, (".png",), "ground-truth", of="images")
+    check_input_folder(pred_dir, "--pred", stems, (".png",), "prediction", of="ground-truth masks")
     summary = JobSummary()
     cm = None
     for stem in _progress(stems, len(stems), "evaluate", progress):
@@ -941,6 +1121,7 @@ def evaluate_job(
             gt_path = Path(gt_dir) / f"{stem}.png"
             gt = read_label(gt_path, biased_value=None)
             check_label_values(gt, gt_path, num_classes, ignore_index)
+            empty = no_valid_pixel(gt, gt_path, ignore_index)
             if pred.shape != gt.shape:
                 raise ValueError(f"prediction {pred_path} {tuple(pred.shape)} and ground truth {tuple(gt.shape)} "
                                  "differ in size")
@@ -950,8 +1131,13 @@ def evaluate_job(
             continue
         cm = m if cm is None else cm + m
         summary.done += 1
+        if empty is not None:
+            summary.warnings.append((stem, empty))
     if cm is None:
         raise JobError("no image could be evaluated")
+    if len(summary.warnings) == summary.done:
+        raise JobError(f"--gt {gt_dir}: no ground-truth mask has a valid pixel (every pixel of all {summary.done} "
+                       f"evaluated is --ignore-index {ignore_index}): nothing to score; is it the right folder?")
     scores = segmentation_scores(cm)
     scores["confusion"] = cm.tolist()
     scores["num_images"] = summary.done
@@ -1019,7 +1205,9 @@ def report_job(
     if class_names is not None:
         class_names = check_class_names(class_names)
     ignore_index = check_ignore_byte(ignore_index, num_classes=None if class_names is None else len(class_names) - 1)
-    stems = _stems(debiased_dir)
+    stems = _stems(debiased_dir, flag="--debiased")
+    check_input_folder(labels_dir, "--labels", stems, (".png",), "pseudo-label", of="debiased labels")
+    check_images_folder(images_dir, stems, labels_dir=labels_dir, of="debiased labels")
     summary = JobSummary()
     total: Dict[int, int] = {}
     removed: Dict[int, int] = {}
@@ -1050,7 +1238,8 @@ def report_job(
             per_image.append((sum(r for _, r in counts.values()) / fg_pixels, stem))
         summary.done += 1
     if not total:
-        raise JobError("no foreground pixel in any pseudo label: nothing to report")
+        raise JobError(f"--labels {labels_dir}: no foreground pixel in any pseudo label read ({summary.done}): "
+                       "nothing to report")
     num_classes = max(total)
     if class_names is None:
         class_names = ["background"] + [f"class {c}" for c in range(1, num_classes + 1)]

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .files import atomic_write, list_stems
-from .jobs import JobSummary, LabelFormat, centroids_job, debias_job, evaluate_job, report_job
+from .jobs import JobError, JobSummary, LabelFormat, centroids_job, debias_job, evaluate_job, one_line, report_job
 from .run_record import (LOCK_NAME, OutputIds, RunLock, broadcast_object, file_id, json_digest, model_files_id,
                          remove_stale_tmp, roles_digest, settings_diff, weight_file_id)
 from .references import find_references, reference_summary, score_references, scores_key
@@ -292,11 +292,13 @@ def reproduce(
     scales = DHR_SCALES if scales is None else check_scales(scales)
     layout = DHRLayout(root, data)
     image_dir, mask_dir, xml_dir = layout.image_dir(domain), layout.mask_dir(domain), layout.xml_dir(domain)
-    for flag, d in (("--root (images)", image_dir), ("--root (masks)", mask_dir), ("--root (xml)", xml_dir),
-                    ("--pseudo", Path(pseudo_dir))):
+    for d in (image_dir, mask_dir, xml_dir):
         if not Path(d).is_dir():
-            raise ValueError(f"{flag}: {d} is not a folder; expected <root>/{data}/{domain}/{{image,mask,xml}} "
-                             "(DHR's layout) and a folder of pseudo-label PNGs")
+            raise ValueError(f"--root {root}: {d} is not a folder; expected <root>/{data}/{domain}/{{image,mask,xml}} "
+                             "(DHR's layout)")
+    if not Path(pseudo_dir).is_dir():
+        raise ValueError(f"--pseudo {pseudo_dir}: {'not a folder' if Path(pseudo_dir).exists() else 'no such folder'}"
+                         "; expected a folder of pseudo-label PNGs")
     class_names = list(layout.class_names())
     C = len(class_names) - 1
     stems = list_stems(pseudo_dir, (".png",))
@@ -318,6 +320,8 @@ def reproduce(
         feats = Path(features_dir)
         if not feats.is_dir():
             raise ValueError(f"--features {features_dir}: not a folder")
+        if not list_stems(feats, (".npy", ".pt")):
+            raise ValueError(f"--features {features_dir}: no .npy or .pt feature files in this folder")
         settings["features"] = os.fspath(feats.resolve())
     refs, ref_notes = (find_references(layout.root / "WSS" / data, domain, pseudo_dir) if references else ({}, []))
     if dry_run:
@@ -351,18 +355,23 @@ def reproduce(
         fmt = LabelFormat(mode="P")
         total = JobSummary()
         # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop
-        # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad is
-        # named; with --on-error skip it is left out of the JSON, so the stages skip it by name.
+        # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad
+        # (missing, unreadable, an unknown class) is named; with --on-error skip it is skipped: named
+        # once, as "<id> (tags)", and left out of every stage (``work``), not failed again by each.
         tags: Dict[str, List[int]] = {}
         for stem in stems:
             try:
                 hot = load_image_labels(xml_dir, class_names=class_names, ids=[stem])[stem]
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 -- any failure to read one xml is that file's failure
                 if on_error == "stop":
-                    raise
-                total.failed.append((f"{stem} (tags)", str(e)))
+                    raise JobError(one_line(e)) from None
+                total.failed.append((f"{stem} (tags)", one_line(e)))
                 continue
             tags[stem] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
+        work = [s for s in stems if s in tags]
+        if not work:
+            raise JobError(f"no pseudo-labelled id of --pseudo {pseudo_dir} has readable tags in {xml_dir} "
+                           f"({len(stems)} skipped)")
         image_labels = out / "image_labels.json"
         tags_text = json.dumps(tags, indent=0, sort_keys=True)
         error, inputs = None, None
@@ -419,7 +428,7 @@ def reproduce(
             if rank == 0:
                 log(f"  {extractor.describe()}")
             s = features_job(extractor, image_dir, feats, batch_size=feature_batch_size, device=device, fp16=fp16,
-                             on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=stems,
+                             on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=work,
                              settings=feature_settings)
             _log_summary(s, "features", log, total, rank, world)
             return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
@@ -434,7 +443,7 @@ def reproduce(
         def run_centroids() -> Dict[str, Any]:
             V, s = centroids_job(feats, pseudo_dir, C, centroids, image_labels=image_labels, alpha=alpha, k_fg=k_fg,
                                  k_bg=k_bg, seed=seed, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
-                                 device=device)
+                                 device=device, stems=work)
             _log_summary(s, "centroids", log, total, rank, world)
             return {"images": V.num_images, "failed": [list(f) for f in s.failed]}
 
@@ -443,11 +452,12 @@ def reproduce(
 
         def run_debias() -> Dict[str, Any]:
             if rank == 0:  # the debiased label of an id whose pseudo label is gone is no result of this run
-                for gone in sorted(set(list_stems(debiased, (".png",))) - set(stems)) if debiased.is_dir() else ():
+                for gone in sorted(set(list_stems(debiased, (".png",))) - set(work)) if debiased.is_dir() else ():
                     (debiased / f"{gone}.png").unlink()
             s = debias_job(feats, pseudo_dir, centroids, debiased, images_dir=image_dir, refine=refine,
                            image_labels=image_labels, workers=workers, batch_size=batch_size, device=device,
-                           crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt)
+                           crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
+                           stems=work)
             _log_summary(s, "debias", log, total, rank, world)
             return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
 
@@ -527,3 +537,4 @@ def _log_summary(s: JobSummary, what: str, log: Callable[[str], None], total: Jo
     the end, and in report.md)."""
     log(f"  {what}{f' rank {rank}/{world}' if world > 1 else ''}: {s.line('done')}")
     total.failed += [(f"{stem} ({what})", why) for stem, why in s.failed]
+    total.warnings += [(f"{stem} ({what})", why) for stem, why in s.warnings]

@@ -273,7 +273,7 @@ def test_empty_folder_and_bad_arguments(tmp_path, stego):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no images"):
         features_job(stego, tmp_path / "empty", tmp_path / "o", progress=False)
-    with pytest.raises(ValueError, match="not a folder"):
+    with pytest.raises(ValueError, match="absent: no such folder"):
         features_job(stego, tmp_path / "absent", tmp_path / "o", progress=False)
     with pytest.raises(ValueError, match="on_error"):
         features_job(stego, tmp_path / "empty", tmp_path / "o", on_error="ignore")
@@ -316,7 +316,9 @@ def test_stems_limit_the_images_and_a_missing_one_is_named(tmp_path, images, ste
         assert torch.equal(read_features(part / f"{stem}.npy"), read_features(full / f"{stem}.npy"))
     s = features_job(stego, img_dir, tmp_path / "other", progress=False, stems=["b", "zz"], on_error="skip")
     assert s.done == 1 and [f for f, _ in s.failed] == ["zz"] and "no image of this id" in s.failed[0][1]
-    with pytest.raises(JobError, match="zz: no image of this id"):
+    # none of the ids asked for has an image: the wrong folder, one error before any work
+    with pytest.raises(ValueError, match="none of the 1 ids asked for has an image here"):
         features_job(stego, img_dir, tmp_path / "third", progress=False, stems=["zz"])
+    assert not (tmp_path / "third").exists()
     with pytest.raises(ValueError, match="not a plain file name"):
         features_job(stego, img_dir, tmp_path / "fourth", progress=False, stems=["../a"])

@@ -2,8 +2,9 @@
 
 The README's blocks run in their order in one scratch folder, as a reader would type them:
 ``mars demo`` writes ``mars_demo/``, then the commands and the "Three calls" program run on
-its world. A block that cannot run here (the set-up itself, the test command, released
-checkpoints) carries ``<!-- readme-test: skip (why) -->`` on the line before its fence; it is
+its world; blocks on ``sample_<tree>/`` run on the trees of ``mars sample`` (random-weight model
+files in a codebase's layout). A block that cannot run here (the set-up itself, the test
+command, released checkpoints) carries ``<!-- readme-test: skip (why) -->`` on the line before its fence; it is
 still checked for syntax. Where a block's result can be checked cheaply, it is (see CHECKS).
 """
 from __future__ import annotations
@@ -102,11 +103,19 @@ def _check_crf(cwd: Path, scope: dict) -> None:
     assert U.shape == (21, 120, 160)
 
 
+def _check_sample_reproduce(cwd: Path, scope: dict) -> None:
+    """The offline try of `mars reproduce` on `mars sample --tree dhr` ran every stage."""
+    scores = json.loads((cwd / "scratch" / "sample_reproduce" / "scores.json").read_text())
+    assert scores["pseudo"]["num_images"] == 8 and "debiased" in scores
+    assert (cwd / "scratch" / "sample_reproduce" / "report.md").is_file()
+
+
 CHECKS: Dict[str, Callable[[Path, dict], None]] = {
     "Start here: install, demo, tests": _check_demo,
     "Every command on the demo world": _check_commands,
     "Three calls in your WSSS codebase": _check_three_calls,
     "The dense CRF": _check_crf,
+    "A reproduction anyone can run: `mars reproduce`": _check_sample_reproduce,
 }
 
 
@@ -138,6 +147,23 @@ def _run_python(code: str, cwd: Path, origin: str, monkeypatch) -> dict:
 
 def _needs_demo(block: Block) -> bool:
     return "mars_demo/" in block.code
+
+
+SAMPLE = re.compile(r"\bsample_(dhr|irnet|advcam|seam|rsepm)\b")
+
+
+def _ensure_samples(block: Block, cwd: Path) -> None:
+    """Blocks on a `mars sample` tree (``sample_<tree>/``): a block that writes the tree itself
+    gets a fresh folder (``mars sample`` refuses a used one); any other gets the tree written
+    first when no earlier block wrote it (a block run alone, ``-k``)."""
+    import shutil
+
+    for tree in sorted(set(SAMPLE.findall(block.code))):
+        folder = cwd / f"sample_{tree}"
+        if re.search(rf"^mars sample --tree {tree} --out sample_{tree}\b", block.code, flags=re.M):
+            shutil.rmtree(folder, ignore_errors=True)
+        elif not folder.is_dir():
+            _run_bash(f"mars sample --tree {tree} --out sample_{tree}", cwd)
 
 
 def _ensure_demo(cwd: Path) -> None:
@@ -172,6 +198,7 @@ def test_block_runs_as_written(block: Block, scratch: Path, monkeypatch):
         return
     if _needs_demo(block):
         _ensure_demo(scratch)
+    _ensure_samples(block, scratch)
     scope: dict = {}
     if block.lang == "bash":
         _run_bash(block.code, scratch)
