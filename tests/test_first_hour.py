@@ -445,8 +445,14 @@ def test_sigint_to_debias_with_workers_is_one_line_and_resumes(slow_debias, tmp_
     assert len(done) < 12 and not list(out.glob(".tmp-*"))
     for f in done:
         read_label(f)  # complete files
-    r = subprocess.run(argv[:-2], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and f"{12 - len(done)} written" in r.stdout, r
+    # The same settings: another --crf-params into this --out would be another run (refused).
+    r = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r
+    # Every file is there; those the interrupted run wrote but had not yet recorded (a worker's
+    # result on its way to the parent) are computed again, never trusted unrecorded.
+    m = re.search(r"(\d+) written(?:[^,]*)(?:, (\d+) already done)?", r.stdout)
+    assert m and int(m.group(1)) + int(m.group(2) or 0) == 12 and int(m.group(1)) >= 12 - len(done), r.stdout
+    assert len(list(out.glob("*.png"))) == 12
 
 
 # --------------------------------------------------------------------------- 6. DHR's class names

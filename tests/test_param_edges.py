@@ -30,6 +30,9 @@ BAD_FLAGS = [
     ("demo", "--size", "8"), ("demo", "--size", "18"), ("demo", "--size", "4096"),
     ("demo", "--epochs", "0"), ("demo", "--epochs", "1001"),
     ("demo", "--threads", "0"), ("demo", "--threads", "1025"),
+    ("sample", "--num-images", "0"), ("sample", "--num-images", "2001"),
+    ("sample", "--size", "8"), ("sample", "--size", "18"), ("sample", "--seed", "-1"),
+    ("sample", "--threads", "0"),
     ("centroids", "--num-classes", "0"), ("centroids", "--num-classes", "254"),
     ("centroids", "--alpha", "0"), ("centroids", "--alpha", "1.5"), ("centroids", "--alpha", "nan"),
     ("centroids", "--k-fg", "0"), ("centroids", "--k-fg", "1001"), ("centroids", "--k-bg", "0"),
@@ -65,6 +68,7 @@ def _argv(cmd, tmp):
     t = str(tmp)
     return {
         "demo": ["demo", "--out", f"{t}/out"],
+        "sample": ["sample", "--tree", "dhr", "--out", f"{t}/out"],
         "features": ["features", "--uss", "stego", "--checkpoint", f"{t}/none.ckpt", "--images", f"{t}/images",
                      "--out", f"{t}/out"],
         "centroids": ["centroids", "--features", f"{t}/f", "--labels", f"{t}/l", "--num-classes", "6",
