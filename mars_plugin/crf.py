@@ -48,6 +48,7 @@ __all__ = [
     "unary_from_labels",
     "check_crf_params",
     "check_crf_std_bounds",
+    "check_crf_image",
     "crf_memory_bytes",
     "DEFAULT_MAX_BYTES",
     "MAX_ITERATIONS",
@@ -169,12 +170,13 @@ def _round_up(x: float) -> float:
     return y if y >= x else float(f"{x * (1 + 5e-3):.3g}")
 
 
-def check_crf_std_bounds(params: Mapping[str, float], height: int, width: int) -> None:
+def check_crf_std_bounds(params: Mapping[str, float], height: int, width: int, name: str = "crf_params") -> None:
     """Refuse standard deviations so small that, on a ``height`` x ``width`` image, x / sxy,
     y / sxy or rgb / srgb lift to lattice coordinates beyond
     :data:`mars_plugin.permutohedral.MAX_COORDINATE` (the lattice works in float32, as
-    pydensecrf): the message names the key, its value and the smallest value that works for
-    this image size (the other standard deviations as they are)."""
+    pydensecrf): the message names the key (as ``name[key]``: ``--crf-params`` on the command
+    line), its value and the smallest value that works for this image size (the other standard
+    deviations as they are)."""
     limit = MAX_COORDINATE / (1 + 1e-5)  # below the lattice's own check, whatever float32 rounding does
     pos = [float(width - 1), float(height - 1)]
 
@@ -190,7 +192,7 @@ def check_crf_std_bounds(params: Mapping[str, float], height: int, width: int) -
         value = params[key]
         hint = (f"the smallest that works for this image size{other} is {_round_up(need)}" if math.isfinite(need)
                 else f"no value works for this image size{other}")
-        raise ValueError(f"crf_params[{key!r}] = {value!r} is too small for a {height}x{width} image: {what} would "
+        raise ValueError(f"{name}[{key!r}] = {value!r} is too small for a {height}x{width} image: {what} would "
                          f"overflow the lattice's float32 coordinates (at most {MAX_COORDINATE:.4g}); {hint}")
 
     g = float(np.float32(params["gaussian_sxy"]))
@@ -492,6 +494,21 @@ def crf_memory_bytes(height: int, width: int, labels: int, params: Union[None, s
     N = int(height) * int(width)
     return _memory_model(N, int(labels), _gaussian_points(N, prm["gaussian_sxy"]),
                          int(N * bilateral_points_per_pixel) + 64)
+
+
+def check_crf_image(params: Union[None, str, Mapping[str, Any]], height: int, width: int, labels: int, *,
+                    max_bytes: Optional[int] = DEFAULT_MAX_BYTES, name: str = "crf_params") -> Dict[str, float]:
+    """What :func:`dense_crf` checks of one ``height`` x ``width`` image with ``labels`` labels
+    before any work, for callers that want it per file first: the parameters
+    (:func:`check_crf_params`), standard deviations that fit the image's size
+    (:func:`check_crf_std_bounds`) and, unless ``max_bytes`` is None, its memory
+    (:func:`crf_memory_bytes`). Messages call the parameters ``name`` (``--crf-params`` on the
+    command line). Returns the checked parameters."""
+    prm = check_crf_params(params)
+    check_crf_std_bounds(prm, height, width, name)
+    if max_bytes is not None:
+        _check_budget([(int(height), int(width))], int(labels), prm, max_bytes)
+    return prm
 
 
 def _gb(n: float) -> str:
