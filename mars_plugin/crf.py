@@ -431,7 +431,11 @@ def _mean_field_torch(sources: List[torch.Tensor], kind: str, masks: List[Option
         chunk_pixels = max(1, min(chunk_pixels, _pixels_within(max_bytes, L, p)))
     out: List[torch.Tensor] = []
     for a, b in _chunks([H * W for H, W in shapes], chunk_pixels):
-        out.extend(_mean_field_chunk(sources[a:b], kind, masks[a:b], rgbs[a:b], p, max_bytes))
+        try:
+            out.extend(_mean_field_chunk(sources[a:b], kind, masks[a:b], rgbs[a:b], p, max_bytes))
+        except LatticeTooLarge:  # images whose colours make a denser lattice than assumed: one at a time
+            for i in range(a, b):
+                out.extend(_mean_field_chunk(sources[i:i + 1], kind, masks[i:i + 1], rgbs[i:i + 1], p, max_bytes))
     return out
 
 
@@ -451,11 +455,13 @@ def _lattice(features: torch.Tensor, segment: Optional[torch.Tensor], max_points
 # ---------------------------------------------------------------------------------- memory
 # Bytes of the torch backend's work on one lattice of N pixels, L labels, a position lattice of
 # Mg points and a bilateral one of Mb, from what the code allocates (int32 indices, float32
-# values): a lattice of dimension d keeps (16 (d+1) + 4) N + (8 (d+1) + 4) M bytes; building the
-# bilateral one takes about 190 N + 12 Mb (lifting, one vertex class's sort), then 145 N + 70 Mb
-# (its blur tables); the mean field holds -U and Q (8 L N), one label block's energy and input
-# (8 Lb N) and the filter's three (M, Lb) arrays. _MEMORY_SLACK covers the allocator's rounding
-# and the pages it keeps (measured peak RSS growth / this model: 0.8 to 0.95, docs/crf.md).
+# values): a lattice of dimension d keeps (16 (d+1) + 4) N + (8 (d+1) + 4) M bytes (the
+# bilateral one's 52 Mb counted as 56: its neighbour search's leftovers); building the bilateral
+# one takes about 190 N + 12 Mb (lifting, one vertex class's sort), then 145 N + 76 Mb (its blur
+# tables); the mean field holds -U and Q (8 L N), one label block's energy and input
+# (8 Lb N) and the filter's three (M, Lb) arrays; 40 N and _MEMORY_SLACK cover what the
+# allocator keeps of the build's freed pages (peak RSS growth measured on 1 to 12 Mpx images /
+# this model: 0.75 to 0.97, docs/crf.md; small images fragment more, but are far from any budget).
 _MEMORY_SLACK = 1.15
 
 
@@ -474,10 +480,10 @@ _BILATERAL_POINTS_PER_PIXEL = 1.0
 def _memory_model(N: int, L: int, Mg: int, Mb: int) -> int:
     lb = _label_blocks(L)[0][1]
     gaussian = 52 * N + 28 * Mg
-    bilateral = 100 * N + 52 * Mb
-    build = gaussian + max(190 * N + 12 * Mb, 145 * N + 70 * Mb)
+    bilateral = 100 * N + 56 * Mb
+    build = gaussian + max(190 * N + 12 * Mb, 145 * N + 76 * Mb)
     field = gaussian + bilateral + 8 * L * N + 8 * lb * N + 12 * lb * max(Mg, Mb)
-    return int(_MEMORY_SLACK * (3 * N + max(build, field)))
+    return int(_MEMORY_SLACK * (43 * N + max(build, field)))
 
 
 def crf_memory_bytes(height: int, width: int, labels: int, params: Union[None, str, Mapping[str, Any]] = None,
@@ -637,14 +643,16 @@ def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Option
         bilateral = _lattice(_features(shapes, p["bilateral_sxy"], rgbs, p["bilateral_srgb"], device),
                              _segments(sizes, device), max_points)
     except LatticeTooLarge as e:
+        if len(shapes) > 1:
+            raise  # the caller runs these images one at a time
         per_pixel = e.points / e.num_points
         fit = _pixels_within(max_bytes, L, p, bilateral_per_pixel=per_pixel)
         raise ValueError(
             f"the dense CRF of {_describe_sizes(shapes)} with {L} labels needs more than max_bytes = "
-            f"{_gb(max_bytes)}: its colours make a bilateral lattice of more than {e.points / e.num_points:.1f} points "
-            f"per pixel ({e.limit:,} fit); at that density at most {fit:,} pixels fit (e.g. "
+            f"{_gb(max_bytes)}: its colours make a bilateral lattice of {e.points:,} points ({per_pixel:.2f} per "
+            f"pixel; {e.limit:,} fit); at that density at most {fit:,} pixels fit (e.g. "
             f"{_example_size(shapes[0], fit)}); pass a larger max_bytes, downscale the image, or use a larger "
-            "bilateral_srgb / bilateral_sxy") from None
+            "bilateral_srgb or bilateral_sxy") from None
     # The Potts message of one kernel is compat * n * K(n * Q), compat applied by the product.
     terms = [(gaussian, float(np.float32(p["gaussian_compat"]))), (bilateral, float(np.float32(p["bilateral_compat"])))]
     # (N, L): one row per pixel, the layout the sparse products want.
