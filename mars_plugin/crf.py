@@ -101,8 +101,10 @@ CUDA_CHUNK_PIXELS = 1 << 24
 #: pixel, 15 MB for a 500x375 image; :func:`clear_lattice_cache` frees them).
 GAUSSIAN_CACHE_ENTRIES = 8
 GAUSSIAN_CACHE_PIXELS = 1 << 19
-#: Labels filtered at a time: the filter's three (M, labels) arrays stay small for many labels
-#: (VOC's 21: three passes of 7) at the speed of one pass.
+#: Labels filtered at a time when a lattice has more than a third as many points as there are
+#: pixels (the filter's three (M, labels) arrays would outgrow one (N, L) array): VOC's 21 in
+#: three passes of 7, as fast as one pass there. Sparser lattices (the "psa" preset) filter all
+#: labels in one pass, which is faster for them.
 FILTER_LABELS = 8
 _SOFTMAX_ROWS = 1 << 16
 _SOFTMAX_ROWS_CUDA = 1 << 22
@@ -397,8 +399,11 @@ def _softmax_rows_(x: torch.Tensor) -> torch.Tensor:
     return x.div_(x.sum(1, keepdim=True))
 
 
-def _label_blocks(L: int) -> List[Tuple[int, int]]:
-    """Label ranges of at most FILTER_LABELS labels, of equal widths (21 -> 7, 7, 7)."""
+def _label_blocks(L: int, N: int, M: int) -> List[Tuple[int, int]]:
+    """Label ranges filtered at a time for N pixels and a largest lattice of M points: all L
+    when 3 (M + 1) <= N, else at most FILTER_LABELS, of equal widths (21 -> 7, 7, 7)."""
+    if 3 * (M + 1) <= N:
+        return [(0, L)]
     n = -(-L // FILTER_LABELS)
     width = -(-L // n)
     return [(a, min(a + width, L)) for a in range(0, L, width)]
@@ -478,11 +483,13 @@ _BILATERAL_POINTS_PER_PIXEL = 1.0
 
 
 def _memory_model(N: int, L: int, Mg: int, Mb: int) -> int:
-    lb = _label_blocks(L)[0][1]
+    blocks = _label_blocks(L, N, max(Mg, Mb))
+    lb = blocks[0][1]
     gaussian = 52 * N + 28 * Mg
     bilateral = 100 * N + 56 * Mb
     build = gaussian + max(190 * N + 12 * Mb, 145 * N + 76 * Mb)
-    field = gaussian + bilateral + 8 * L * N + 8 * lb * N + 12 * lb * max(Mg, Mb)
+    # -U and Q, one block's energy (and its copy of Q when Q is cut into blocks), the filter
+    field = gaussian + bilateral + 8 * L * N + (4 if len(blocks) == 1 else 8) * lb * N + 12 * lb * max(Mg, Mb)
     return int(_MEMORY_SLACK * (43 * N + max(build, field)))
 
 
@@ -661,21 +668,30 @@ def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Option
     for s, m, n in zip(sources, masks, sizes):
         _neg_energy(neg_u[start:start + n], s, kind, m)
         start += n
-    # Q = softmax(-U), then each iteration, a block of labels at a time (the Potts message of a
-    # label depends on that label's Q alone): the energy -U + messages is made aside and
-    # written over that block of Q once both kernels have read it; then Q = softmax in place.
+    # Q = softmax(-U), then each iteration the energy -U + messages and Q = softmax in place.
+    # All labels at once into a second (N, L) array, the roles of the two swapped every
+    # iteration; or, where the filter's (M, L) arrays would be large, a block of labels at a
+    # time (the Potts message of a label depends on that label's Q alone): the block's energy
+    # is made aside and written over that block of Q once both kernels have read it.
     q = _softmax_rows_(neg_u.clone())
-    blocks = _label_blocks(L)
+    blocks = _label_blocks(L, N, max(gaussian.num_lattice_points, bilateral.num_lattice_points))
+    spare = torch.empty_like(neg_u) if len(blocks) == 1 else None
     for _ in range(int(p["iterations"])):
-        for a, b in blocks:
-            energy = neg_u[:, a:b].clone(memory_format=torch.contiguous_format)
-            block = q[:, a:b]
+        if spare is not None:
+            spare.copy_(neg_u)
             for lattice, compat in terms:
-                lattice.filter(block, add_to=energy, scale=compat)
-            block.copy_(energy)
-            del energy, block
+                lattice.filter(q, add_to=spare, scale=compat)
+            q, spare = spare, q
+        else:
+            for a, b in blocks:
+                energy = neg_u[:, a:b].clone(memory_format=torch.contiguous_format)
+                block = q[:, a:b]
+                for lattice, compat in terms:
+                    lattice.filter(block, add_to=energy, scale=compat)
+                block.copy_(energy)
+                del energy, block
         _softmax_rows_(q)
-    del neg_u, terms, gaussian, bilateral
+    del neg_u, spare, terms, gaussian, bilateral
     out, start = [], 0
     for (H, W), n in zip(shapes, sizes):
         out.append(q[start:start + n].t().reshape(L, H, W).contiguous())
