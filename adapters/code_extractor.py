@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import MAX_RES
 
-from .multiscale import check_scales, multiscale, nearest_patch_size, scaled_size
+from .multiscale import check_scaled_tokens, check_scales, multiscale, nearest_patch_size, scaled_size
 from .vit import (
     INTERPOLATIONS,
+    MAX_TOKENS,
     as_float_images,
     check_output_size,
     load_checkpoint,
@@ -80,8 +81,14 @@ class CodeExtractor(nn.Module):
     patch -> (B, D, H'/patch, W'/patch)) and ``patch_size``, and sets ``res`` (None: the image's
     own resolution), ``scales`` (None: one scale), ``flip_average``, ``normalize`` and
     ``interpolation``.
+
+    ``max_tokens`` (default :data:`~mars_plugin.adapters.vit.MAX_TOKENS`, 65,536; set it on the
+    instance to change it) bounds the patch tokens of every network input:
+    :meth:`check_input_size` refuses a larger one before any work, naming the image size, the
+    input it would build and the bound (``mars features`` reports it per file).
     """
 
+    max_tokens: int = MAX_TOKENS
     res: Optional[int]
     scales: Optional[Tuple[float, ...]]
     flip_average: bool
@@ -132,6 +139,29 @@ class CodeExtractor(nn.Module):
             return height, width
         return nearest_patch_size(height, width, self.patch_size)
 
+    def check_input_size(self, height: int, width: int) -> None:
+        """Refuse (ValueError) an image whose network input, at any scale, would hold more than
+        ``max_tokens`` patch tokens: the ``res`` rule on an image of extreme aspect ratio (the
+        shorter side goes to ``res``, the longer one follows), or a large image at its own
+        resolution or at DHR's scale 2.0. Also refuses what :meth:`input_size` and
+        :func:`~mars_plugin.adapters.multiscale.scaled_size` refuse (a side below a pixel)."""
+        p = self.patch_size
+        h, w = self.input_size(height, width)
+        if self.scales is not None:
+            try:
+                check_scaled_tokens(h, w, self.scales, p, self.max_tokens)
+            except ValueError as e:
+                base = "" if (h, w) == (height, width) else f" (the {h}x{w} base input of a {height}x{width} image)"
+                raise ValueError(f"{e}{base}") from None
+            return
+        tokens = (h // p) * (w // p)
+        if tokens > self.max_tokens:
+            why = (f"res={self.res} brings the shorter side to about {self.res} and the longer one follows"
+                   if self.res is not None else "the image's own resolution")
+            raise ValueError(f"an image of {height}x{width} would reach the network as a {h}x{w} input, {tokens:,} patch "
+                             f"tokens of {p} pixels ({why}), more than max_tokens = {self.max_tokens:,}; crop or "
+                             "downscale the image" + (", or use a smaller res" if self.res is not None else ""))
+
     def grid_size(self, height: int, width: int) -> Tuple[int, int]:
         """(h, w) of the output for an image of ``height`` x ``width`` with ``output_size=None``
         (with ``scales``: the grid of the first scale)."""
@@ -144,7 +174,9 @@ class CodeExtractor(nn.Module):
     def forward(self, images: torch.Tensor, output_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         """(B, 3, H, W) uint8 or float [0, 1] RGB -> (B, D, h, w) float32.
 
-        The images are resized to :meth:`input_size` (``interpolation``) and ImageNet-normalised;
+        The image size is checked first (:meth:`check_input_size`: at most ``max_tokens`` patch
+        tokens per input). The images are resized to :meth:`input_size` (``interpolation``) and
+        ImageNet-normalised;
         then one scale (with ``flip_average``, the mean of the code of the image and of its
         flip, flipped back: STEGO's evaluation, ``src/eval_segmentation.py:124-128``) or, with
         ``scales``, :func:`~mars_plugin.adapters.multiscale.multiscale` of :meth:`code` per
@@ -154,9 +186,11 @@ class CodeExtractor(nn.Module):
         """
         output_size = check_output_size(output_size)
         x = as_float_images(images)
+        self.check_input_size(*x.shape[-2:])
         x = normalize_imagenet(resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation))
         if self.scales is not None:
-            f = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
+            f = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size, self.max_tokens)
+                             for xi in x])
         elif self.flip_average:
             c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
             f = (c + c_flip.flip(3)) / 2

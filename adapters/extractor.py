@@ -483,6 +483,11 @@ def _features_shard(
                 continue
             img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
             key = (int(img.shape[1]), int(img.shape[2]))
+            try:  # sizes the extractor refuses (too many tokens, a side below a pixel): this file's failure
+                getattr(extractor, "check_input_size", lambda h, w: None)(*key)
+            except ValueError as e:
+                fail(stem, f"{path}: {e}")
+                continue
             buckets.setdefault(key, []).append((stem, inputs, img))
             buffered += 1
             if len(buckets[key]) >= batch_size:

@@ -30,14 +30,17 @@ from __future__ import annotations
 import math
 import numbers
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_int_param, describe
 
-__all__ = ["DHR_SCALES", "DHR_SETTINGS", "multiscale", "check_scales", "scaled_size", "nearest_patch_size"]
+from .vit import MAX_TOKENS
+
+__all__ = ["DHR_SCALES", "DHR_SETTINGS", "multiscale", "check_scales", "scaled_size", "nearest_patch_size",
+           "check_scaled_tokens"]
 
 #: DHR's scales, in DHR's order (``core/uss/__init__.py:11``): the first, 2.0, sets the output grid.
 DHR_SCALES: Tuple[float, ...] = (2.0, 1.0, 1.5, 0.5)
@@ -94,6 +97,21 @@ def scaled_size(height: int, width: int, scale: float, patch: int) -> Tuple[int,
     return sizes[0], sizes[1]
 
 
+def check_scaled_tokens(height: int, width: int, scales: Sequence[float], patch: int,
+                        max_tokens: Optional[int] = None) -> List[Tuple[int, int]]:
+    """The input size of each scale (:func:`scaled_size`) for a ``height`` x ``width`` image,
+    each of at most ``max_tokens`` patches (None: :data:`~mars_plugin.adapters.vit.MAX_TOKENS`),
+    else a ValueError naming the image size, the input it would build and the bound."""
+    limit = MAX_TOKENS if max_tokens is None else int(max_tokens)
+    sizes = [scaled_size(height, width, s, patch) for s in scales]
+    for s, (sh, sw) in zip(scales, sizes):
+        tokens = (sh // patch) * (sw // patch)
+        if tokens > limit:
+            raise ValueError(f"scale {s:g} turns the {height}x{width} image into a {sh}x{sw} input, {tokens:,} patch "
+                             f"tokens of {patch} pixels, more than max_tokens = {limit:,}; downscale or crop the image")
+    return sizes
+
+
 def nearest_patch_size(height: int, width: int, patch: int) -> Tuple[int, int]:
     """Each side rounded to the nearest multiple of ``patch`` (at least one patch): the input size
     of the single-scale extractors at the image's own resolution (``res=None``)."""
@@ -115,6 +133,7 @@ def multiscale(
     scales: Sequence[float] = DHR_SCALES,
     flip: bool = True,
     patch: int = 8,
+    max_tokens: Optional[int] = None,
 ) -> torch.Tensor:
     """DHR's multi-scale, flip-averaged features of one image (``core/uss/__init__.py:54-74``).
 
@@ -128,6 +147,9 @@ def multiscale(
     and average the two; resize the result to the first scale's grid (bilinear, skipped when
     equal) and add it to the sum. Returns the sum divided by ``len(scales)``. The operations run
     in DHR's order, so with the same ``fn`` the result matches DHR's to float32 rounding.
+    Every scale's input is checked first: more than ``max_tokens`` patches (default
+    :data:`~mars_plugin.adapters.vit.MAX_TOKENS`) is a ValueError naming the sizes, before any
+    work.
     ``fn``'s output is cast to float32 before it is averaged and summed (a no-op in float32; under
     float16 autocast it keeps the sum in float32).
     """
@@ -145,9 +167,9 @@ def multiscale(
     patch = check_int_param(patch, "patch", 1)
 
     ih, iw = int(image.shape[1]), int(image.shape[2])
+    sizes = check_scaled_tokens(ih, iw, scales, patch, max_tokens)
     total = None
-    for scale in scales:
-        sh, sw = scaled_size(ih, iw, scale, patch)
+    for scale, (sh, sw) in zip(scales, sizes):
         x = _resize(image[None], (sh, sw))
         if flip:
             x = torch.cat([x, x.flip(-1)], dim=0)

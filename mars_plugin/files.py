@@ -213,6 +213,13 @@ def _torch_load_error(path: str, e: BaseException) -> ValueError:
             why = "not a tensor written by torch.save: the safe unpickler refused it"
     elif "zip archive" in msg or "central directory" in msg:
         why = "truncated or corrupt torch zip archive"
+    elif re.search(r"record size \((\d+) bytes\) does not match expected size \((\d+) bytes", msg):
+        got, want = re.search(r"record size \((\d+) bytes\) does not match expected size \((\d+) bytes", msg).groups()
+        why = (f"its storage record holds {int(got):,} bytes where the file declares {int(want):,}: a truncated or "
+               "altered file")
+    elif "not resizable" in msg or "out of bounds for storage" in msg:
+        why = ("the tensor it declares (shape, strides, offset) needs more bytes than its storage holds: a truncated "
+               "or altered file")
     elif isinstance(e, OSError):
         why = e.strerror or _one_line(e)
     else:
@@ -239,8 +246,54 @@ def _load_pt(path: str, *, mmap: bool = False):
         raise _torch_load_error(path, e) from e
 
 
+def _overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a strided view share a storage location (a stride-0 or expanded
+    view, or strides that overlap): dimensions by increasing stride must each step past
+    everything the smaller ones span."""
+    if any(s == 0 for s in size):
+        return False
+    extent = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz > 1):
+        if st < extent:
+            return True
+        extent += st * (sz - 1)
+    return False
+
+
+def _check_pt_storage(path: str, obj: torch.Tensor) -> torch.Tensor:
+    """``obj`` if its values are really in the file, each once, else a ValueError naming the file
+    and what it declares: a tensor on another device than the CPU (a meta tensor has a shape
+    and no data), a storage larger than the file (mapped files: what it declares), a view whose
+    values overlap (e.g. ``torch.zeros(1).expand(64, 10**5, 10**5)``, 1.6 KB on disk, 2.6 TB
+    as float32 once copied), or a storage smaller than the shape, strides and offset need. Checked before any copy: what the reader then allocates is at
+    most the storage times 4 / its item size."""
+    shape, dtype = tuple(obj.shape), obj.dtype
+    if obj.device.type != "cpu":
+        what = " (a meta tensor: a shape without data)" if obj.device.type == "meta" else ""
+        raise ValueError(f"{path}: features must be a CPU tensor whose values are in the file; it holds a "
+                         f"{obj.device.type}-device {dtype} tensor of shape {shape}{what}")
+    storage = obj.untyped_storage().nbytes()
+    size = os.path.getsize(path)
+    if storage > size:  # a mapped (mmap=True) storage is only what the file declares
+        raise ValueError(f"{path}: declares a storage of {storage:,} bytes, but the file has {size:,}: a truncated "
+                         "or altered file")
+    item = obj.element_size()
+    declared = obj.numel() * item
+    if _overlapping(shape, obj.stride()):
+        raise ValueError(f"{path}: declares a {dtype} tensor of shape {shape} ({declared:,} bytes) over a storage of "
+                         f"{storage:,} bytes, with strides {tuple(obj.stride())} whose values overlap (a stride-0 or "
+                         "expanded view); a feature file holds each value once, as torch.save of a tensor writes it")
+    if obj.numel():
+        need = (obj.storage_offset() + 1 + sum((sz - 1) * st for sz, st in zip(shape, obj.stride()))) * item
+        if need > storage:
+            raise ValueError(f"{path}: declares a {dtype} tensor of shape {shape} that needs {need:,} bytes of storage, "
+                             f"but its storage holds {storage:,}")
+    return obj
+
+
 def _check_pt_features(path: str, obj) -> torch.Tensor:
-    """``obj`` (what a .pt held) if it is a dense floating (D, h, w) tensor, else a ValueError."""
+    """``obj`` (what a .pt held) if it is a floating (D, h, w) tensor whose values are in the file
+    (:func:`_check_pt_storage`), else a ValueError."""
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"{path}: a .pt feature file must hold one float tensor of shape (D, h, w), got a "
                          f"{type(obj).__name__}")
@@ -248,7 +301,7 @@ def _check_pt_features(path: str, obj) -> torch.Tensor:
         layout = "" if obj.layout == torch.strided else f" {obj.layout}"
         raise ValueError(f"{path}: features must be a float tensor of shape (D, h, w), got{layout} "
                          f"{obj.dtype} {tuple(obj.shape)}")
-    return obj
+    return _check_pt_storage(path, obj)
 
 
 def read_features(path: PathLike) -> torch.Tensor:
@@ -258,7 +311,10 @@ def read_features(path: PathLike) -> torch.Tensor:
     map_location="cpu", weights_only=True)`` of one float tensor, as DHR writes them
     (produce_uss_features.py:34); weights_only never unpickles Python objects, so a file that
     holds any (or needs them) is refused, never executed. Any other content, a 0-byte or
-    truncated file, or another suffix is a ValueError naming the file and what it held.
+    truncated file, or another suffix is a ValueError naming the file and what it held; so is a
+    tensor whose values are not in the file, each once (a meta tensor, a stride-0 or overlapping
+    view declaring more values than it stores, a storage smaller than its shape needs): checked
+    before the float32 copy, which is then at most 4 / (item size) times the file's storage.
     """
     path = os.fspath(path)
     if _feature_suffix(path) == ".pt":
@@ -290,6 +346,8 @@ def feature_shape(path: PathLike) -> Tuple[int, ...]:
         obj = _load_pt(path)
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"{path}: holds a {type(obj).__name__}, not a tensor")
+    if obj.layout == torch.strided:  # the shape is only what the file declares: it must be backed
+        _check_pt_storage(path, obj)
     return tuple(obj.shape)
 
 

@@ -40,7 +40,7 @@ from ._checks import (
     check_real_param,
     check_seed,
 )
-from .crf import check_crf_backend, check_crf_params
+from .crf import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_image, check_crf_params
 from .debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
 from .files import (
     BIASED_VALUE,
@@ -850,6 +850,9 @@ def _debias_read(stem: str) -> Dict[str, Any]:
         if image.shape[:2] != tuple(label.shape):
             raise ValueError(f"image {image.shape[1]}x{image.shape[0]} and pseudo label "
                              f"{label.shape[1]}x{label.shape[0]} (width x height) differ in size")
+        # this image's CRF edges (standard deviations for its size, its memory) fail it alone
+        check_crf_image(cfg["crf_params"], *label.shape, 2, name="--crf-params",
+                        max_bytes=DEFAULT_MAX_BYTES if cfg["crf_backend"] == "torch" else None)
         item["image"] = torch.from_numpy(image).to(cfg["device"])
     return item
 

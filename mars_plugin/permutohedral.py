@@ -27,12 +27,12 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["PermutohedralLattice"]
+__all__ = ["PermutohedralLattice", "LatticeTooLarge", "MAX_COORDINATE", "lifted_bounds", "max_lifted_coordinate"]
 
 # Neighbour look-up by a dense table when the codes span at most this many entries per lattice
 # point (plus a fixed allowance); otherwise a binary search in the sorted codes. Both give the
@@ -49,6 +49,14 @@ _Q_MARGIN = 2
 # (very fine kernels on large images) the keys are compared as rows instead, with the same
 # result.
 _MAX_CODE_BITS = 62
+# Points lifted at a time (the float temporaries of the lifting: about 250 bytes a point).
+_LIFT_BLOCK = 1 << 16
+_LIFT_BLOCK_CUDA = 1 << 22
+#: The largest magnitude of a lifted coordinate the lattice accepts. The lifting and the
+#: rounding to the nearest 0-coloured point run in float32, as in the C++: the lifted
+#: coordinates must sum to 0 within less than one lattice step, which float32 keeps while they
+#: stay well below 2^24 (past it the simplex ranks leave 0..d); 2^22 keeps a margin of four.
+MAX_COORDINATE = float(2 ** 22)
 
 
 def _f32(x: float) -> float:
@@ -121,23 +129,198 @@ def _simplex(elevated: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.
     return rem0, rank, bary
 
 
+def lifted_bounds(abs_max: Sequence[float]) -> List[float]:
+    """Upper bounds of |lifted coordinate j|, j = 0..d, for features whose column i is at most
+    ``abs_max[i]`` in magnitude: the lifting is linear, coordinate j is
+    sum_{i >= j} s_i f_i - j s_{j-1} f_{j-1} with the scale factors s_i."""
+    d = len(abs_max)
+    terms = [math.sqrt(2.0 / 3.0) * (d + 1) / math.sqrt((i + 1) * (i + 2)) * float(abs_max[i]) for i in range(d)]
+    return [sum(terms[j:]) + (j * terms[j - 1] if j else 0.0) for j in range(d + 1)]
+
+
+def max_lifted_coordinate(abs_max: Sequence[float]) -> float:
+    """An upper bound of |lifted coordinate| (see :func:`lifted_bounds`)."""
+    return max(lifted_bounds(abs_max))
+
+
+class LatticeTooLarge(ValueError):
+    """The lattice would have more than ``max_points`` points (raised before the blur's tables
+    are made). ``points``: how many it has; ``limit``: the most allowed; ``num_points``: N."""
+
+    def __init__(self, points: int, limit: int, num_points: int) -> None:
+        super().__init__(f"the lattice has {points:,} points, more than max_points = {limit:,}")
+        self.points, self.limit, self.num_points = points, limit, num_points
+
+
+def _lift(features: torch.Tensor, P: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lift the N points and P zero padding points and find their simplices, a block of points
+    at a time (the float temporaries of a block stay small).
+
+    Returns ``q0`` (d, N+P) int32, the nearest 0-coloured lattice point divided by d+1;
+    ``rank`` (d+1, N+P) uint8; ``bary`` (d+1, N+P) float32 (0 for the padding points).
+    """
+    N, d = features.shape
+    dev = features.device
+    Np = N + P
+    q0 = torch.empty(d, Np, dtype=torch.int32, device=dev)
+    rank = torch.empty(d + 1, Np, dtype=torch.uint8, device=dev)
+    bary = torch.zeros(d + 1, Np, dtype=torch.float32, device=dev)
+    block = _LIFT_BLOCK_CUDA if dev.type == "cuda" else _LIFT_BLOCK
+    spans = [(a, min(a + block, N)) for a in range(0, N, block)] + ([(N, Np)] if P else [])
+    for a, b in spans:
+        rem0, rk, by = _simplex(_elevate(features[a:b] if a < N else features.new_zeros(P, d)))
+        q0[:, a:b] = torch.div(rem0[:d], d + 1, rounding_mode="floor")
+        rank[:, a:b] = rk
+        if a < N:
+            bary[:, a:b] = by
+    return q0, rank, bary
+
+
+def _lookup(points: torch.Tensor, offset: int, M: int):
+    """q -> offset + position of q in the sorted ``points``, or M where q is not there: a dense
+    table where the points are dense enough, else a binary search (the same indices)."""
+    n = points.numel()
+    first, last = int(points[0]), int(points[-1])
+    span = last - first + 1
+    if span <= min(_TABLE_SPAN_PER_POINT * n + _TABLE_SPAN_MIN, _TABLE_SPAN_MAX):
+        table = torch.full((span,), M, dtype=torch.int32 if M < 2 ** 31 - 1 else torch.long, device=points.device)
+        table[(points - first).long()] = torch.arange(offset, offset + n, dtype=table.dtype, device=points.device)
+
+        def look(q: torch.Tensor) -> torch.Tensor:
+            i = (q - first).long()
+            inside = (i >= 0) & (i < span)
+            return torch.where(inside, table[i.clamp_(0, span - 1)], M)
+        return look
+
+    def search(q: torch.Tensor) -> torch.Tensor:
+        pos = torch.searchsorted(points, q).clamp_max_(n - 1)
+        return torch.where(points[pos] == q, pos + offset, M)
+    return search
+
+
+class _PackedCodes:
+    """The lattice points of each vertex class r as sorted mixed-radix codes of (segment, q), in
+    int64, or int32 when they fit (twice as fast to sort; the order, and so every result, is
+    the same)."""
+
+    def __init__(self, q0, rank, seg, lo, radix, bits):
+        d = rank.shape[0] - 1
+        self.d, self.rank = d, rank
+        self.ctype = ctype = torch.int32 if bits <= 31 else torch.long
+        strides = [1] * d
+        for i in range(d - 2, -1, -1):
+            strides[i] = strides[i + 1] * radix[i + 1]
+        self.strides = strides
+        base = torch.zeros(q0.shape[1], dtype=ctype, device=q0.device)
+        for i in range(d):
+            base += (q0[i].to(ctype) - lo[i]) * strides[i]
+        if seg is not None:
+            base += seg.to(ctype) * (strides[0] * radix[0])
+        self.base = base
+        self.points = [None] * (d + 1)
+
+    def sort(self, r):
+        """(order, new): the stable order of class r's vertices by code (ties: point order,
+        the C++'s splat order), and where a new code starts in that order."""
+        d = self.d
+        code = self.base
+        if r > 0:
+            code = code.clone()
+            for i in range(d):
+                code -= (self.rank[i] > d - r).to(self.ctype) * self.strides[i]
+        sorted_code, order = torch.sort(code, stable=True)
+        del code
+        new = torch.ones(sorted_code.numel(), dtype=torch.bool, device=sorted_code.device)
+        torch.ne(sorted_code[1:], sorted_code[:-1], out=new[1:])
+        self._sorted = sorted_code
+        return order, new
+
+    def keep(self, r, first):
+        self.points[r] = self._sorted[first]
+        self._sorted = None
+        if r == self.d:
+            self.base = self.rank = None
+
+    def neighbours(self, g, s, offsets, M, outs):
+        """Fill outs[j] (class s's points) with the index of their axis-j neighbour n1, a class
+        g point (C++: key - 1 everywhere, key[j] + d): q + e_j for s > 0, q - 1 + e_j for s = 0;
+        a constant shift of the code (the margins prevent carries)."""
+        d, strides = self.d, self.strides
+        look = _lookup(self.points[g], offsets[g], M)
+        total = sum(strides)
+        for j, out in enumerate(outs):
+            shift = (strides[j] if j < d else 0) - (total if s == 0 else 0)
+            out.copy_(look(self.points[s] + shift))
+
+
+class _KeyRows:
+    """The same lattice points when the packed code would not fit in int64: (segment, q)
+    compared as rows (lexicographic, the order of the packed codes, so both number the lattice
+    points alike)."""
+
+    def __init__(self, q0, rank, seg):
+        self.d, self.q0, self.rank, self.seg = rank.shape[0] - 1, q0, rank, seg
+        self.points = [None] * (self.d + 1)
+
+    def sort(self, r):
+        d = self.d
+        q = self.q0.long() - (self.rank[:d] > d - r).long()  # (d, N)
+        rows = (q if self.seg is None else torch.cat([self.seg[None], q])).t()
+        points, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        del rows, q
+        ids, order = torch.sort(inverse, stable=True)
+        new = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
+        torch.ne(ids[1:], ids[:-1], out=new[1:])
+        self.points[r] = points
+        return order, new
+
+    def keep(self, r, first):
+        if r == self.d:
+            self.q0 = self.rank = None
+
+    def neighbours(self, g, s, offsets, M, outs):
+        d = self.d
+        target, source = self.points[g], self.points[s]
+        n = target.shape[0]
+        k = 0 if self.seg is None else 1
+        for j, out in enumerate(outs):
+            step = torch.zeros(source.shape[1], dtype=torch.long, device=source.device)
+            if j < d:
+                step[k + j] = 1
+            if s == 0:
+                step[k:] -= 1
+            _, inv = torch.unique(torch.cat([target, source + step]), dim=0, return_inverse=True)
+            table = torch.full((int(inv.max()) + 1,), M, dtype=torch.long, device=source.device)
+            table[inv[:n]] = torch.arange(offsets[g], offsets[g] + n, device=source.device)
+            out.copy_(table[inv[n:]])
+
+
 class PermutohedralLattice:
     """A permutohedral lattice over N points, and the Gaussian filter it approximates.
 
     Shapes:
         features: (N, d) float32 positions, already divided by the kernel's standard deviations
-            (pydensecrf's ``x / sxy, y / sxy, r / srgb, ...``).
+            (pydensecrf's ``x / sxy, y / sxy, r / srgb, ...``); every lifted coordinate must stay
+            below :data:`MAX_COORDINATE` in magnitude (see :func:`max_lifted_coordinate`).
         segment: optional (N,) int64 in 0..S-1, the image each point belongs to; points of
             different segments never share a lattice point (filtering a batch as one lattice
             equals filtering each image alone).
 
+        max_points: refuse (:class:`LatticeTooLarge`) a lattice of more points, before its
+            blur tables are made (the dense CRF's memory budget).
+
     ``filter(values)`` maps (N, L) values to (N, L): splat, blur, slice, without normalisation
     (the dense CRF normalises with the filtered ones, see :mod:`mars_plugin.crf`).
     Everything lives on the features' device.
+
+    Memory: what is kept is the splat and slice matrices (16 bytes per vertex, d+1 vertices
+    per point) and the blur's neighbour tables (8 bytes per lattice point and axis); building
+    it takes about 40 bytes per point more for a while (the lifting runs in blocks of points,
+    the sort one vertex class at a time).
     """
 
     def __init__(self, features: torch.Tensor, segment: Optional[torch.Tensor] = None, *,
-                 simd_padding: bool = True) -> None:
+                 simd_padding: bool = True, max_points: Optional[int] = None) -> None:
         if features.ndim != 2 or features.dtype != torch.float32 or features.shape[1] < 1:
             raise ValueError(f"features must be an (N, d) float32 tensor with d >= 1, got {tuple(features.shape)} {features.dtype}")
         N, d = features.shape
@@ -145,182 +328,146 @@ class PermutohedralLattice:
             raise ValueError("features must hold at least one point, got N = 0")
         if not bool(torch.isfinite(features).all()):
             raise ValueError("features contain NaN or Inf values; expected finite positions")
+        top = max_lifted_coordinate(features.abs().amax(0).tolist())
+        if top > MAX_COORDINATE:
+            raise ValueError(f"features are too large for the float32 lattice: lifted coordinates reach up to "
+                             f"{top:.4g}, at most {MAX_COORDINATE:.4g} work (MAX_COORDINATE); divide the positions "
+                             "by larger standard deviations")
         dev = features.device
         self.num_points, self.dim, self.device = N, d, dev
-        seg = torch.zeros(N, dtype=torch.long, device=dev) if segment is None else segment.to(dev, torch.long)
-        if segment is not None and (seg.shape != (N,) or int(seg.min()) < 0):
-            raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got {tuple(segment.shape)}")
+        seg = None
+        num_segments = 1
+        if segment is not None:
+            seg = segment.to(dev, torch.long)
+            if seg.shape != (N,) or int(seg.min()) < 0:
+                raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got {tuple(segment.shape)}")
+            num_segments = int(seg.max()) + 1
+        padded = torch.zeros(0, dtype=torch.long, device=dev)
         if simd_padding:
             # pydensecrf's x86 build lifts the points four at a time and pads the last block
             # with all-zero feature vectors, whose simplex vertices it inserts into the lattice
             # too: they hold no value, but the blur runs through them (near a black top-left
             # pixel in bilateral space). One zero point per image whose count is not a
             # multiple of 4 recreates them.
-            per_image = torch.bincount(seg)
+            per_image = torch.bincount(seg, minlength=num_segments) if seg is not None else torch.tensor([N], device=dev)
             padded = torch.nonzero(per_image % _SIMD_BLOCK).flatten()
-            features = torch.cat([features, features.new_zeros(padded.numel(), d)])
+        P = padded.numel()
+        Np = N + P
+        if seg is not None and P:
             seg = torch.cat([seg, padded])
-        rem0, rank, bary = _simplex(_elevate(features))
-        bary[:, N:] = 0.0  # the padding points splat nothing
+        q0, rank, bary = _lift(features, P)
 
         # Key of vertex r of point n, coordinate i < d (C++: rem0[i] + canonical[r][rank[i]]):
         #   key[r, i, n] = rem0[i, n] + r - (d+1) [rank[i, n] > d - r].
         # rem0 is a multiple of d+1, so every coordinate of vertex r is r modulo d+1: the key is
-        # (r, q) with q[i] = rem0[i] / (d+1) - [rank[i] > d - r], d+1 times fewer values per
-        # coordinate than the key itself (about 10 bits fewer for the bilateral kernel, which
-        # lets most codes be sorted as int32). Axis neighbours move q by at most 1 and r
-        # wraps: q stays within rem0 / (d+1) - 2 .. + 1.
-        q0 = torch.div(rem0[:d], d + 1, rounding_mode="floor")
-        lo = q0.amin(1) - _Q_MARGIN
-        radix = [int(x) for x in (q0.amax(1) - lo + _Q_MARGIN + 1).tolist()]
-        num_segments = int(seg.max()) + 1
-        bits = math.log2(num_segments) + math.log2(d + 1) + sum(math.log2(x) for x in radix)
+        # (r, q) with q[i] = rem0[i] / (d+1) - [rank[i] > d - r]. Vertices of different r never
+        # meet, so the lattice points are found one r at a time (a sort of N codes, not
+        # N (d+1)), numbered by (r, segment, q); an axis neighbour of an r-point is an
+        # (r-1)-point (r = 0: a d-point), q moved by at most 1: q stays within
+        # q0 - 2 .. q0 + 1, the margins of the packed code.
+        lo = q0.amin(1).long() - _Q_MARGIN
+        radix = [int(x) for x in (q0.amax(1).long() - lo + _Q_MARGIN + 1).tolist()]
+        lo = [int(x) for x in lo.tolist()]
+        bits = math.log2(num_segments) + sum(math.log2(x) for x in radix)
+        nnz = (d + 1) * Np
+        itype = torch.int32 if nnz < 2 ** 31 - 1 else torch.long  # MKL's and cuSPARSE's 32-bit indices
         if bits <= _MAX_CODE_BITS:
-            order, ids, counts, neighbours = self._points_packed(q0, rank, lo, radix, seg, bits)
+            groups = _PackedCodes(q0, rank, seg, lo, radix, bits)
         else:
-            order, ids, counts, neighbours = self._points_rows(q0, rank, seg)
-        # From here on vertices are numbered pixel-major, n * (d+1) + r, as the C++ visits
-        # them; ``order`` sorts them by lattice point (stable), ``ids`` is the point of each
-        # vertex in that order, ``counts`` the vertices of each point.
-        M = counts.numel()
+            groups = _KeyRows(q0, rank, seg)
+        # Splat: (M+1) x N, one row per lattice point with its vertices in the C++ order (point
+        # by point); row M stays empty: it is the zero "missing neighbour" of the blur. Padding
+        # points are column 0 with weight 0. Slice: N x (M+1), vertex r of point n in column
+        # ``vertex[n, r]``.
+        splat_col = torch.empty(nnz, dtype=itype, device=dev)
+        splat_val = torch.empty(nnz, dtype=torch.float32, device=dev)
+        vertex = torch.empty(Np, d + 1, dtype=itype, device=dev)
+        starts, offsets, M = [], [], 0
+        for r in range(d + 1):
+            order, new = groups.sort(r)
+            ids = torch.cumsum(new, 0, dtype=itype)
+            ids += M - 1
+            vertex[:, r].index_copy_(0, order, ids)
+            del ids
+            part = slice(r * Np, (r + 1) * Np)
+            splat_col[part] = order
+            torch.index_select(bary[r], 0, order, out=splat_val[part])
+            del order
+            first = torch.nonzero(new).flatten()
+            del new
+            groups.keep(r, first)
+            starts.append((first + r * Np).to(itype))
+            offsets.append(M)
+            M += first.numel()
+            del first
+        offsets.append(M)
+        del q0, rank
+        if max_points is not None and M > max_points:
+            raise LatticeTooLarge(M, max_points, N)
         self.num_lattice_points = M
-        # n2 along an axis is the inverse of n1 (a + delta = b  <=>  b - delta = a): one look-up.
-        idx = torch.arange(M, device=dev)
-        btype = torch.int32 if M < 2 ** 31 - 1 else torch.long  # as fast, half the memory
-        self._blur = []
-        for n1 in neighbours:
-            n2 = torch.full((M + 1,), M, dtype=torch.long, device=dev)
-            found = n1 < M
-            n2[n1[found]] = idx[found]
-            self._blur.append((torch.cat([n1, n1.new_full((1,), M)]).to(btype), n2.to(btype)))
-
-        nnz = ids.numel()  # (N + padding points) * (d+1)
-        itype = torch.int32 if nnz < 2 ** 31 - 1 else torch.long
-        vertex_point = torch.empty_like(ids).index_copy_(0, order, ids)[:N * (d + 1)]
-        self._vertices = vertex_point.view(N, d + 1)
-        weights = bary.t().reshape(-1)
-        # Splat: (M+1) x N, one row per lattice point with its vertices in the C++ order; row
-        # M stays empty: it is the zero "missing neighbour" of the blur. Padding points are
-        # column 0 with weight 0.
-        crow = torch.zeros(M + 2, dtype=torch.long, device=dev)
-        torch.cumsum(counts, 0, out=crow[1:M + 1])
-        crow[M + 1] = nnz
-        col = torch.div(order, d + 1, rounding_mode="floor")
-        col = col.masked_fill(col >= N, 0)
-        self._splat = _csr(crow.to(itype), col.to(itype), weights[order], (M + 1, N))
-        # Slice: N x (M+1), the d+1 vertices of each point with its weights times the C++'s
-        # "magic" alpha = 1 / (1 + 2^-d).
+        if P:
+            splat_col.masked_fill_(splat_col >= N, 0)
+        crow = torch.cat(starts + [torch.full((2,), nnz, dtype=itype, device=dev)])
+        del starts
+        self._splat = _csr(crow, splat_col, splat_val, (M + 1, N))
+        del crow, splat_col, splat_val
+        # ... times the C++'s "magic" alpha = 1 / (1 + 2^-d).
         alpha = _f32(1.0 / (1.0 + 2.0 ** -d))
-        crow = torch.arange(0, N * (d + 1) + 1, d + 1, device=dev).to(itype)
-        self._slice = _csr(crow, vertex_point.to(itype), weights[:N * (d + 1)] * alpha, (N, M + 1))
+        weights = bary[:, :N].t().mul(alpha).reshape(-1)
+        del bary
+        crow = torch.arange(0, N * (d + 1) + 1, d + 1, device=dev, dtype=itype)
+        self._slice = _csr(crow, vertex[:N].reshape(-1), weights, (N, M + 1))
+        del crow, vertex, weights
 
-    # ------------------------------------------------------------ lattice points, packed codes
-    def _points_packed(self, q0, rank, lo, radix, seg, bits):
-        """Sort the vertices by one mixed-radix code of (segment, r, q) in int64, or int32
-        when it fits (twice as fast; the order, and so every result, is the same)."""
-        d = rank.shape[0] - 1
-        dev = q0.device
-        strides = [1] * d
-        for i in range(d - 2, -1, -1):
-            strides[i] = strides[i + 1] * radix[i + 1]
-        stride_r = strides[0] * radix[0]
-        stride_sum = sum(strides)
-        base = seg * (stride_r * (d + 1))
-        for i in range(d):
-            base += (q0[i] - int(lo[i])) * strides[i]
-        # sum_i stride_i [rank_i > d - r] for r = 1..d: a suffix sum over the ranks.
-        stride_t = torch.tensor(strides + [0], dtype=torch.long, device=dev)
-        by_rank = torch.zeros_like(rank).scatter_(0, rank, stride_t[:, None].expand_as(rank).contiguous())
-        above = torch.cumsum(by_rank.flip(0), 0)[:d]
-        code = base + torch.arange(d + 1, device=dev)[:, None] * stride_r
-        code[1:] -= above
-        ctype = torch.int32 if bits <= 31 else torch.long
-        sorted_code, order = torch.sort(code.t().reshape(-1).to(ctype), stable=True)
-        points, ids, counts = torch.unique_consecutive(sorted_code, return_inverse=True, return_counts=True)
-        points = points.long()
-        # Axis j neighbour n1 (C++: key - 1 everywhere, key[j] + d; the last axis has no stored
-        # coordinate) of a point with remainder r: (r - 1, q + e_j) when r > 0, (d, q - 1 + e_j)
-        # when r = 0; a constant shift of the code within each case, the margins prevent carries.
-        r = torch.div(points, stride_r, rounding_mode="floor") % (d + 1)
-        deltas = [(-stride_r + (strides[j] if j < d else 0), d * stride_r - stride_sum + (strides[j] if j < d else 0))
-                  for j in range(d + 1)]
-        M = points.numel()
-        reach = max(max(abs(a), abs(b)) for a, b in deltas)
-        span = int(points[-1] - points[0]) + 1 + 2 * reach
-        queries = [points + torch.where(r > 0, a, b) for a, b in deltas]
-        if span <= min(_TABLE_SPAN_PER_POINT * M + _TABLE_SPAN_MIN, _TABLE_SPAN_MAX):
-            start = int(points[0]) - reach
-            table = torch.full((span,), M, dtype=torch.int32 if M < 2 ** 31 - 1 else torch.long, device=dev)
-            table[points - start] = torch.arange(M, device=dev, dtype=table.dtype)
-            neighbours = [table[q - start].long() for q in queries]
-        else:
-            neighbours = []
-            for q in queries:
-                pos = torch.searchsorted(points, q).clamp_max(M - 1)
-                neighbours.append(torch.where(points[pos] == q, pos, M))
-        return order, ids, counts, neighbours
-
-    # ------------------------------------------------------------ lattice points, key rows
-    def _points_rows(self, q0, rank, seg):
-        """The same lattice when the packed code would not fit in int64: (segment, r, q)
-        compared as rows."""
-        d = rank.shape[0] - 1
-        dev = q0.device
-        N = q0.shape[1]
-        r = torch.arange(d + 1, device=dev)
-        q = q0[None] - (rank[None, :d] > (d - r)[:, None, None]).long()  # (d+1, d, N)
-        rows = torch.cat([seg[None, None, :].expand(d + 1, 1, N), r[:, None, None].expand(d + 1, 1, N), q], 1)
-        rows = rows.permute(2, 0, 1).reshape(-1, d + 2)
-        # unique(dim=0) sorts rows lexicographically, the order of the packed codes, so both
-        # builds number the lattice points alike.
-        points, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
-        ids, order = torch.sort(inverse, stable=True)
-        M = points.shape[0]
-        neighbours = []
-        positive = (points[:, 1] > 0)[:, None]
-        for j in range(d + 1):
-            step = torch.zeros(d + 2, dtype=torch.long, device=dev)
-            if j < d:
-                step[2 + j] = 1
-            from_pos = step.clone()
-            from_pos[1] = -1
-            from_zero = step.clone()
-            from_zero[1] = d
-            from_zero[2:] -= 1
-            query = points + torch.where(positive, from_pos, from_zero)
-            _, inv = torch.unique(torch.cat([points, query]), dim=0, return_inverse=True)
-            table = torch.full((int(inv.max()) + 1,), M, dtype=torch.long, device=dev)
-            table[inv[:M]] = torch.arange(M, device=dev)
-            neighbours.append(table[inv[M:]])
-        return order, ids, counts, neighbours
+        # Blur: along axis j, the neighbours n1 (C++: key - 1 everywhere, key[j] + d; the last
+        # axis has no stored coordinate) and n2 (key + 1, key[j] - d) of every lattice point,
+        # M where there is none. n2 is the inverse of n1 (a + delta = b  <=>  b - delta = a).
+        btype = torch.int32 if M < 2 ** 31 - 1 else torch.long
+        n1 = [torch.full((M + 1,), M, dtype=btype, device=dev) for _ in range(d + 1)]
+        for g in range(d + 1):
+            s = g + 1 if g < d else 0  # the r-points whose neighbours are (r-1)-points (0: d)
+            groups.neighbours(g, s, offsets, M, [n[offsets[s]:offsets[s + 1]] for n in n1])
+        del groups
+        idx = torch.arange(M + 1, device=dev, dtype=btype)
+        self._blur = []
+        for a in n1:
+            b = torch.full((M + 1,), M, dtype=btype, device=dev)
+            b[a] = idx  # b[n1[k]] = k; the points without a neighbour all write row M ...
+            b[M] = M  # ... which stays the empty one
+            self._blur.append((a, b))
 
     # ------------------------------------------------------------ filtering
     @property
     def vertices(self) -> torch.Tensor:
         """(N, d+1) lattice-point index of each point's simplex vertices, vertex r in column r."""
-        return self._vertices
+        return self._slice.col_indices().view(self.num_points, self.dim + 1).long()
 
     def scaled(self, before: torch.Tensor, after: torch.Tensor) -> "PermutohedralLattice":
         """The lattice whose ``filter(v)`` is ``after * K(before * v)`` (before, after: (N,) or
         (N, 1)): the two diagonals folded into the sparse weights once, instead of two
         multiplications of the values at every call. ``self`` is left as it is (the rest is
-        shared)."""
+        shared; :meth:`scale_` does it in place, without a second copy of the weights)."""
+        out = copy.copy(self)
+        out._splat = _csr(self._splat.crow_indices(), self._splat.col_indices(), self._splat.values().clone(),
+                          tuple(self._splat.shape))
+        out._slice = _csr(self._slice.crow_indices(), self._slice.col_indices(), self._slice.values().clone(),
+                          tuple(self._slice.shape))
+        return out.scale_(before, after)
+
+    def scale_(self, before: torch.Tensor, after: torch.Tensor) -> "PermutohedralLattice":
+        """In place: ``filter(v)`` becomes ``after * K(before * v)``. Returns ``self``."""
         b = before.reshape(-1).to(self._splat.values().dtype)
         a = after.reshape(-1).to(self._slice.values().dtype)
-        out = copy.copy(self)
-        col = self._splat.col_indices().long()
-        out._splat = _csr(self._splat.crow_indices(), self._splat.col_indices(), self._splat.values() * b[col],
-                          tuple(self._splat.shape))
-        rows = torch.repeat_interleave(a, self.dim + 1)
-        out._slice = _csr(self._slice.crow_indices(), self._slice.col_indices(), self._slice.values() * rows,
-                          tuple(self._slice.shape))
-        return out
+        self._splat.values().mul_(torch.index_select(b, 0, self._splat.col_indices()))
+        self._slice.values().view(self.num_points, self.dim + 1).mul_(a[:, None])
+        return self
 
-    def filter(self, values: torch.Tensor, *, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def filter(self, values: torch.Tensor, *, add_to: Optional[torch.Tensor] = None,
+               scale: float = 1.0) -> torch.Tensor:
         """Shapes: values (N, L) float32 -> (N, L) float32, on the lattice's device.
 
-        With ``add_to`` ((N, L) float32, contiguous), the result is added into it in place and
-        it is returned (one pass over the output instead of two).
+        With ``add_to`` ((N, L) float32, contiguous), ``scale`` times the result is added into it
+        in place and it is returned (one pass over the output instead of two).
         """
         if values.ndim != 2 or values.shape[0] != self.num_points:
             raise ValueError(f"values must be (N, L) with N = {self.num_points}, got {tuple(values.shape)}")
@@ -332,6 +479,8 @@ class PermutohedralLattice:
             torch.index_select(v, 0, n1, out=w)
             w.add_(torch.index_select(v, 0, n2, out=t)).mul_(0.5).add_(v)
             v, w = w, v
+        del w, t
         if add_to is None:
-            return self._slice @ v
-        return add_to.addmm_(self._slice, v)
+            out = self._slice @ v
+            return out if scale == 1.0 else out.mul_(scale)
+        return add_to.addmm_(self._slice, v, alpha=scale)
