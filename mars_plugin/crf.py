@@ -194,7 +194,10 @@ def check_crf_std_bounds(params: Mapping[str, float], height: int, width: int, n
         value = params[key]
         hint = (f"the smallest that works for this image size{other} is {_round_up(need)}" if math.isfinite(need)
                 else f"no value works for this image size{other}")
-        raise ValueError(f"{name}[{key!r}] = {value!r} is too small for a {height}x{width} image: {what} would "
+        # A flag's key as the command line writes it everywhere (``--crf-params "key"``); a Python
+        # parameter's as Python does (``crf_params['key']``).
+        where = f'{name} "{key}"' if name.startswith("--") else f"{name}[{key!r}]"
+        raise ValueError(f"{where} = {value!r} is too small for a {height}x{width} image: {what} would "
                          f"overflow the lattice's float32 coordinates (at most {MAX_COORDINATE:.4g}); {hint}")
 
     g = float(np.float32(params["gaussian_sxy"]))

@@ -137,8 +137,9 @@ def test_views_that_do_not_overlap_still_read():
 
     base = torch.randn(6, 8, 10)
     with tempfile.TemporaryDirectory() as d:
+        # (an empty view, e.g. base[:0], is refused as empty features: tests/test_small_edges.py)
         for name, t in (("slice", base[::2]), ("permuted", base.permute(0, 2, 1)), ("channel", base[3:4]),
-                        ("empty", base[:0]), ("offset", base[2:5, 1:7])):
+                        ("offset", base[2:5, 1:7])):
             p = Path(d) / f"{name}.pt"
             torch.save(t, p)
             assert torch.equal(read_features(p), t.float()), name
