@@ -14,10 +14,21 @@ the size natural images give), probabilities are a smooth random field. Ours is 
 ours is from the reference on these images (max |Q - Q_ref|, argmax agreement).
 
     python benchmarks/bench_crf.py [--images 8] [--presets mars,psa] [--labels 2,21] [--processes 2]
+
+``--memory`` prints peak memory instead: bytes per pixel of one image's CRF, ours (torch, CPU)
+and pydensecrf, at 500x375 and 1500x1000 (``--memory-sizes``), 2 and 21 labels, each run in a
+fresh process whose peak-RSS counter is reset right before the call (Linux
+``/proc/self/clear_refs``; the inputs and torch itself are not counted), median and range of
+``--repeats`` processes, with ours over pydensecrf and ``crf_memory_bytes`` (what ``max_bytes``
+is compared with):
+
+    python benchmarks/bench_crf.py --memory [--memory-sizes 500x375,1500x1000] [--repeats 3]
 """
 import argparse
+import json
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import time
 
@@ -88,6 +99,58 @@ def time_ours(probs, imgs, params, batch, device):
     return time.perf_counter() - t0, [q.cpu().numpy() for q in out]
 
 
+def _peak_one(backend: str, H: int, W: int, L: int, preset: str) -> int:
+    """Peak RSS growth (bytes) of one dense CRF call, measured in this (fresh) process."""
+    img = natural_image(H, W, 0)
+    probs = torch.from_numpy(smooth_probs(L, H, W, 0))
+    dense_crf(probs[:, :8, :8].contiguous(), img[:8, :8].copy(), preset, backend=backend)  # imports, warm-up
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) becomes the current RSS
+    before = status("VmRSS")
+    q = dense_crf(probs, img, preset, backend=backend)
+    grow = status("VmHWM") - before
+    del q
+    return grow
+
+
+def memory_table(args) -> None:
+    from mars_plugin.crf import crf_memory_bytes
+
+    print(machine_line("cpu"))
+    print(f"peak RSS growth of one dense CRF call, bytes per pixel, {args.repeats} fresh processes each: median "
+          "[range]; ours / pydensecrf from the medians; model = crf_memory_bytes")
+    print("| image | preset | labels | ours B/px | pydensecrf B/px | ours / pydensecrf | model B/px |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    backends = ["torch"] + (["pydensecrf"] if args.reference else [])
+    for size in args.memory_sizes.split(","):
+        W, H = (int(x) for x in size.split("x"))
+        for preset in args.presets.split(","):
+            for L in (int(x) for x in args.labels.split(",")):
+                got = {b: [] for b in backends}
+                for _ in range(args.repeats):
+                    for b in backends:  # interleaved: the machine's state hits both alike
+                        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-one",
+                                            f"{b},{H},{W},{L},{preset}"], capture_output=True, text=True, env=env)
+                        if r.returncode:
+                            raise SystemExit(r.stderr[-2000:])
+                        got[b].append(json.loads(r.stdout.strip().splitlines()[-1]) / (H * W))
+                med = {b: float(np.median(v)) for b, v in got.items()}
+                cell = {b: f"{med[b]:.0f} [{min(v):.0f}-{max(v):.0f}]" for b, v in got.items()}
+                ratio = f"{med['torch'] / med['pydensecrf']:.2f}" if "pydensecrf" in med else "-"
+                model = crf_memory_bytes(H, W, L, preset) / (H * W)
+                print(f"| {W}x{H} | {preset} | {L} | {cell['torch']} | {cell.get('pydensecrf', '-')} | {ratio} | "
+                      f"{model:.0f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=8, help="images per measurement (repeated to fill a batch)")
@@ -99,11 +162,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="rounds; each times every method once, in turn")
     ap.add_argument("--cuda-batches", default="1,16,64")
     ap.add_argument("--no-reference", dest="reference", action="store_false")
+    ap.add_argument("--memory", action="store_true", help="print peak memory per pixel instead of speed")
+    ap.add_argument("--memory-sizes", default="500x375,1500x1000", help="WxH images of --memory")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh processes per --memory measurement")
+    ap.add_argument("--peak-one", default=None, help=argparse.SUPPRESS)  # backend,H,W,L,preset: one measurement
     args = ap.parse_args()
+    if args.peak_one:
+        b, H, W, L, preset = args.peak_one.split(",")
+        print(json.dumps(_peak_one(b, int(H), int(W), int(L), preset)))
+        return
     try:
         import pydensecrf  # noqa: F401
     except ImportError:
         args.reference = False
+    if args.memory:
+        memory_table(args)
+        return
     cuda = torch.cuda.is_available()
     print(machine_line("cuda" if cuda else "cpu"))
     print(f"{args.images} images of {args.width}x{args.height}, 10 iterations; images/s, median of {args.rounds} "
