@@ -166,16 +166,22 @@ def array_digest(a: Any) -> str:
     return digest(str(a.dtype), str(a.shape), a.tobytes())
 
 
-def file_id(path: Optional[PathLike]) -> Optional[str]:
-    """``name:size:mtime_ns`` of a file (None when it does not exist, or ``path`` is None): see
-    the module docstring for why not a content hash."""
+def _stat_key(path: Optional[PathLike]) -> Optional[Tuple[str, int, int]]:
+    """(name, size, mtime_ns) of a file, or None when it does not exist (or ``path`` is None)."""
     if path is None:
         return None
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return f"{Path(path).name}:{st.st_size}:{st.st_mtime_ns}"
+    return Path(path).name, st.st_size, st.st_mtime_ns
+
+
+def file_id(path: Optional[PathLike]) -> Optional[str]:
+    """``name:size:mtime_ns`` of a file (None when it does not exist, or ``path`` is None): see
+    the module docstring for why not a content hash."""
+    key = _stat_key(path)
+    return None if key is None else f"{key[0]}:{key[1]}:{key[2]}"
 
 
 def content_id(path: PathLike) -> Optional[str]:
@@ -288,15 +294,11 @@ class OutputIds:
                 self.known[(str(name), int(size), int(mtime))] = str(e.get("d"))
 
     def __call__(self, path: Optional[PathLike]) -> Optional[str]:
-        if path is None:
+        key = _stat_key(path)
+        if key is None:
             return None
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        name = Path(path).name
-        d = self.known.get((name, st.st_size, st.st_mtime_ns))
-        return f"{name}:d:{d}" if d is not None else f"{name}:{st.st_size}:{st.st_mtime_ns}"
+        d = self.known.get(key)
+        return f"{key[0]}:d:{d}" if d is not None else f"{key[0]}:{key[1]}:{key[2]}"
 
 
 def roles_digest(ids: Mapping[str, Any]) -> str:
