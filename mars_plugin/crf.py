@@ -739,16 +739,12 @@ def _dense_crf(items: List[Any], form: str, kind: str, image: Any, params: Union
     sources, rgbs = [], []
     for i, x in enumerate(items):
         name = kind if form == "single" else f"{kind}[{i}]"
-        t = as_tensor(x, name)
+        t = _check_energy(as_tensor(x, name), name)
         if kind == "probs":
-            if t.ndim != 3 or not t.is_floating_point():
-                raise ValueError(f"{name} must be an (L, H, W) floating tensor, got {describe(t)}")
             check_finite(t, name)
-        else:
-            t = _check_energy(t, name)
-            if bool(torch.isnan(t).any()) or bool((t == float("-inf")).any()):
-                raise ValueError(f"{name} contains NaN or -Inf; expected finite energies (+Inf marks a forbidden label)")
-        t = _check_energy(t.detach().to(sources[0].device if sources else t.device), name)
+        elif bool(torch.isnan(t).any()) or bool((t == float("-inf")).any()):
+            raise ValueError(f"{name} contains NaN or -Inf; expected finite energies (+Inf marks a forbidden label)")
+        t = t.detach().to(sources[0].device if sources else t.device)
         sources.append(t)
         iname = "image" if form == "single" else f"image[{i}]"
         rgbs.append(_rgb_tensor(imgs[i], iname, tuple(t.shape[1:])).to(sources[0].device))

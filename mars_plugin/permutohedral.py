@@ -16,11 +16,17 @@ it to float32 rounding:
 What differs is the bookkeeping, not the arithmetic: instead of a hash table filled one point
 at a time, every vertex key is packed into one integer code (mixed radix over the key's range,
 int32 when it fits, else int64, else rows compared as such) and the lattice points are the
-sorted unique codes; neighbours along an axis are the codes shifted by a constant, found by a
-table look-up or a binary search. Several images are filtered as one
-lattice whose keys start with the image's index (``segment``), so their points never mix and no
-image is padded. Splatting and slicing are sparse (CSR) matrix products, blurring is two row
-gathers per axis, so the same code runs batched on the CPU and on CUDA.
+sorted unique codes, one vertex class (remainder r) at a time: vertices of different classes
+never share a point, so d+1 sorts of N codes replace one of N (d+1). Neighbours along an axis
+are the codes of the next class shifted by a constant, found by a table look-up or a binary
+search. Several images are filtered as one lattice whose keys start with the image's index
+(``segment``), so their points never mix and no image is padded. Splatting and slicing are
+sparse (CSR) matrix products, blurring is two row gathers per axis, so the same code runs
+batched on the CPU and on CUDA.
+
+Memory is bounded by construction: points are lifted in blocks, only int32 indices and float32
+weights are kept (16 bytes per vertex, 8 per lattice point and axis), and ``max_points``
+refuses a lattice before its blur tables exist (the dense CRF's budget, :mod:`mars_plugin.crf`).
 """
 from __future__ import annotations
 
