@@ -167,3 +167,21 @@ def test_bad_max_bytes(bad):
     probs, img = _inputs(4, 5)
     with pytest.raises(ValueError, match="max_bytes must be a positive number of bytes or None"):
         dense_crf(probs, img, max_bytes=bad)
+
+
+def test_local_crf_window_is_bounded_by_the_budget():
+    from mars_plugin.local_crf import local_crf
+
+    probs, img = _inputs(64, 80, 3)
+    p = probs[None].softmax(1)
+    budget = 64 << 20
+    with pytest.raises(ValueError) as e:
+        local_crf(p, img[None], {"window": 1001, "scale": 1}, max_bytes=budget)
+    msg = str(e.value)
+    assert msg.startswith("crf_params['window'] = 1001 needs about ") and "max_bytes = 0.06 GiB" in msg, msg
+    fit = int(re.search(r"at most window = (\d+) fits", msg).group(1))
+    assert fit % 2 == 1 and fit >= 3
+    q = local_crf(p, img[None], {"window": fit, "scale": 1, "iterations": 1}, max_bytes=budget)  # it runs
+    assert q.shape == p.shape and bool(torch.isfinite(q).all())
+    with pytest.raises(ValueError, match=f"window'\\] = {fit + 2} needs"):
+        local_crf(p, img[None], {"window": fit + 2, "scale": 1}, max_bytes=budget)
