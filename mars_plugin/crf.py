@@ -466,7 +466,7 @@ def _lattice(features: torch.Tensor, segment: Optional[torch.Tensor], max_points
 # tables); the mean field holds -U and Q (8 L N), one label block's energy and input
 # (8 Lb N) and the filter's three (M, Lb) arrays; 40 N and _MEMORY_SLACK cover what the
 # allocator keeps of the build's freed pages (peak RSS growth measured on 1 to 12 Mpx images /
-# this model: 0.75 to 0.97, docs/crf.md; small images fragment more, but are far from any budget).
+# this model: 0.66 to 0.98, docs/crf.md; small images fragment more, but are far from any budget).
 _MEMORY_SLACK = 1.15
 
 
