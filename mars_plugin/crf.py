@@ -739,27 +739,31 @@ def _dense_crf(items: List[Any], form: str, kind: str, image: Any, params: Union
     sources, rgbs = [], []
     for i, x in enumerate(items):
         name = kind if form == "single" else f"{kind}[{i}]"
-        t = _check_energy(as_tensor(x, name), name)
-        if kind == "probs":
-            check_finite(t, name)
-        elif bool(torch.isnan(t).any()) or bool((t == float("-inf")).any()):
-            raise ValueError(f"{name} contains NaN or -Inf; expected finite energies (+Inf marks a forbidden label)")
-        t = t.detach().to(sources[0].device if sources else t.device)
-        sources.append(t)
-        iname = "image" if form == "single" else f"image[{i}]"
-        rgbs.append(_rgb_tensor(imgs[i], iname, tuple(t.shape[1:])).to(sources[0].device))
+        sources.append(_check_energy(as_tensor(x, name), name).detach())
     L = sources[0].shape[0]
     for i, t in enumerate(sources):
         if t.shape[0] != L:
             raise ValueError(f"every image needs the same number of labels L = {L}, got {t.shape[0]} for {kind}[{i}]")
+    shapes = [(t.shape[1], t.shape[2]) for t in sources]
+    for H, W in shapes:  # the sizes' checks first: they read no values
+        check_crf_std_bounds(prm, H, W)
+    if backend == "torch" and max_bytes is not None:
+        _check_budget(shapes, L, prm, max_bytes)
+    for i, t in enumerate(sources):
+        name = kind if form == "single" else f"{kind}[{i}]"
+        if kind == "probs":
+            check_finite(t, name)
+        elif bool(torch.isnan(t).any()) or bool((t == float("-inf")).any()):
+            raise ValueError(f"{name} contains NaN or -Inf; expected finite energies (+Inf marks a forbidden label)")
+        sources[i] = t.to(sources[0].device)
+        iname = "image" if form == "single" else f"image[{i}]"
+        rgbs.append(_rgb_tensor(imgs[i], iname, shapes[i]).to(sources[0].device))
     masks = _check_valid(valid, len(sources), L, sources[0].device)
     if kind == "unary":
         for i, (t, m) in enumerate(zip(sources, masks)):
             allowed = torch.isfinite(t) if m is None else torch.isfinite(t) & m[:, None, None]
             if not bool(allowed.any(0).all()):
                 raise ValueError(f"unary[{i}] forbids every label (+Inf) at some pixel; each pixel needs one allowed label")
-    for i, t in enumerate(sources):
-        check_crf_std_bounds(prm, t.shape[1], t.shape[2])
     if backend == "torch":
         out = _mean_field_torch(sources, kind, masks, rgbs, prm, chunk_pixels, max_bytes)
     else:

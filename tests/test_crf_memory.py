@@ -118,6 +118,8 @@ def test_an_image_over_max_bytes_is_refused_before_any_lattice(monkeypatch):
     assert built == []
     msg = str(e.value)
     assert "300x400 image with 2 labels needs about" in msg and "max_bytes = 0.02 GiB" in msg, msg
+    with pytest.raises(ValueError, match="needs about"):  # refused on its size alone: no value was read
+        dense_crf(torch.full((2, 300, 400), float("nan")), img, max_bytes=budget)
     h, w = map(int, re.search(r"\(e\.g\. (\d+)x(\d+)\)", msg).groups())
     probs, img = _inputs(h, w)
     q = dense_crf(probs, img, max_bytes=budget)  # the size it names runs within the same budget
