@@ -541,7 +541,8 @@ def _example_size(shape: Tuple[int, int], pixels: int) -> str:
     return f"{max(1, int(H * f))}x{max(1, int(W * f))}"
 
 
-def _pixels_within(max_bytes: float, L: int, p: Mapping[str, float], bilateral_per_pixel: Optional[float] = None) -> int:
+def _pixels_within(max_bytes: float, L: int, p: Mapping[str, float],
+                   bilateral_per_pixel: Optional[float] = None) -> int:
     """The most pixels one lattice may hold within ``max_bytes`` (the model is linear in N)."""
     per = bilateral_per_pixel if bilateral_per_pixel is not None else _BILATERAL_POINTS_PER_PIXEL
     n = 1 << 20
@@ -763,7 +764,8 @@ def _dense_crf(items: List[Any], form: str, kind: str, image: Any, params: Union
         for i, (t, m) in enumerate(zip(sources, masks)):
             allowed = torch.isfinite(t) if m is None else torch.isfinite(t) & m[:, None, None]
             if not bool(allowed.any(0).all()):
-                raise ValueError(f"unary[{i}] forbids every label (+Inf) at some pixel; each pixel needs one allowed label")
+                raise ValueError(f"unary[{i}] forbids every label (+Inf) at some pixel; each pixel needs one allowed "
+                                 "label")
     if backend == "torch":
         out = _mean_field_torch(sources, kind, masks, rgbs, prm, chunk_pixels, max_bytes)
     else:

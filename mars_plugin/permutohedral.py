@@ -346,7 +346,8 @@ class PermutohedralLattice:
         if segment is not None:
             seg = segment.to(dev, torch.long)
             if seg.shape != (N,) or int(seg.min()) < 0:
-                raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got {tuple(segment.shape)}")
+                raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got "
+                                 f"{tuple(segment.shape)}")
             num_segments = int(seg.max()) + 1
         padded = torch.zeros(0, dtype=torch.long, device=dev)
         if simd_padding:
@@ -355,7 +356,8 @@ class PermutohedralLattice:
             # too: they hold no value, but the blur runs through them (near a black top-left
             # pixel in bilateral space). One zero point per image whose count is not a
             # multiple of 4 recreates them.
-            per_image = torch.bincount(seg, minlength=num_segments) if seg is not None else torch.tensor([N], device=dev)
+            per_image = (torch.bincount(seg, minlength=num_segments) if seg is not None
+                         else torch.tensor([N], device=dev))
             padded = torch.nonzero(per_image % _SIMD_BLOCK).flatten()
         P = padded.numel()
         Np = N + P

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -70,11 +71,7 @@ def _measure(backend):
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_peak_memory_is_within_twice_pydensecrf_and_within_the_model():
     ours = _measure("torch")
-    try:
-        import pydensecrf  # noqa: F401
-        ref = _measure("pydensecrf")
-    except ImportError:
-        ref = None
+    ref = _measure("pydensecrf") if importlib.util.find_spec("pydensecrf") else None
     for L, (grow, model) in ours.items():
         N = 600 * 800
         assert grow <= model, (L, grow / N, model / N)  # what max_bytes is compared with bounds it
