@@ -158,9 +158,9 @@ class CodeExtractor(nn.Module):
         if tokens > self.max_tokens:
             why = (f"res={self.res} brings the shorter side to about {self.res} and the longer one follows"
                    if self.res is not None else "the image's own resolution")
-            raise ValueError(f"an image of {height}x{width} would reach the network as a {h}x{w} input, {tokens:,} patch "
-                             f"tokens of {p} pixels ({why}), more than max_tokens = {self.max_tokens:,}; crop or "
-                             "downscale the image" + (", or use a smaller res" if self.res is not None else ""))
+            raise ValueError(f"an image of {height}x{width} would reach the network as a {h}x{w} input, {tokens:,} "
+                             f"patch tokens of {p} pixels ({why}), more than max_tokens = {self.max_tokens:,}; crop "
+                             "or downscale the image" + (", or use a smaller res" if self.res is not None else ""))
 
     def grid_size(self, height: int, width: int) -> Tuple[int, int]:
         """(h, w) of the output for an image of ``height`` x ``width`` with ``output_size=None``

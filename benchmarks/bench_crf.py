@@ -141,7 +141,7 @@ def memory_table(args) -> None:
                         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-one",
                                             f"{b},{H},{W},{L},{preset}"], capture_output=True, text=True, env=env)
                         if r.returncode:
-                            raise SystemExit(r.stderr[-2000:])
+                            raise SystemExit(f"{b} {W}x{H} {preset} {L}: exit {r.returncode}\n{r.stderr[-2000:]}")
                         got[b].append(json.loads(r.stdout.strip().splitlines()[-1]) / (H * W))
                 med = {b: float(np.median(v)) for b, v in got.items()}
                 cell = {b: f"{med[b]:.0f} [{min(v):.0f}-{max(v):.0f}]" for b, v in got.items()}

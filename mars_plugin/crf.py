@@ -470,7 +470,7 @@ def _lattice(features: torch.Tensor, segment: Optional[torch.Tensor], max_points
 # tables); the mean field holds -U and Q (8 L N), one label block's energy and input
 # (8 Lb N) and the filter's three (M, Lb) arrays; 40 N and _MEMORY_SLACK cover what the
 # allocator keeps of the build's freed pages (peak RSS growth measured on 1 to 12 Mpx images /
-# this model: 0.75 to 0.97, docs/crf.md; small images fragment more, but are far from any budget).
+# this model: 0.66 to 0.98, docs/crf.md; small images fragment more, but are far from any budget).
 _MEMORY_SLACK = 1.15
 
 
@@ -545,7 +545,8 @@ def _example_size(shape: Tuple[int, int], pixels: int) -> str:
     return f"{max(1, int(H * f))}x{max(1, int(W * f))}"
 
 
-def _pixels_within(max_bytes: float, L: int, p: Mapping[str, float], bilateral_per_pixel: Optional[float] = None) -> int:
+def _pixels_within(max_bytes: float, L: int, p: Mapping[str, float],
+                   bilateral_per_pixel: Optional[float] = None) -> int:
     """The most pixels one lattice may hold within ``max_bytes`` (the model is linear in N)."""
     per = bilateral_per_pixel if bilateral_per_pixel is not None else _BILATERAL_POINTS_PER_PIXEL
     n = 1 << 20
@@ -743,31 +744,32 @@ def _dense_crf(items: List[Any], form: str, kind: str, image: Any, params: Union
     sources, rgbs = [], []
     for i, x in enumerate(items):
         name = kind if form == "single" else f"{kind}[{i}]"
-        t = as_tensor(x, name)
-        if kind == "probs":
-            if t.ndim != 3 or not t.is_floating_point():
-                raise ValueError(f"{name} must be an (L, H, W) floating tensor, got {describe(t)}")
-            check_finite(t, name)
-        else:
-            t = _check_energy(t, name)
-            if bool(torch.isnan(t).any()) or bool((t == float("-inf")).any()):
-                raise ValueError(f"{name} contains NaN or -Inf; expected finite energies (+Inf marks a forbidden label)")
-        t = _check_energy(t.detach().to(sources[0].device if sources else t.device), name)
-        sources.append(t)
-        iname = "image" if form == "single" else f"image[{i}]"
-        rgbs.append(_rgb_tensor(imgs[i], iname, tuple(t.shape[1:])).to(sources[0].device))
+        sources.append(_check_energy(as_tensor(x, name), name).detach())
     L = sources[0].shape[0]
     for i, t in enumerate(sources):
         if t.shape[0] != L:
             raise ValueError(f"every image needs the same number of labels L = {L}, got {t.shape[0]} for {kind}[{i}]")
+    shapes = [(t.shape[1], t.shape[2]) for t in sources]
+    for H, W in shapes:  # the sizes' checks first: they read no values
+        check_crf_std_bounds(prm, H, W)
+    if backend == "torch" and max_bytes is not None:
+        _check_budget(shapes, L, prm, max_bytes)
+    for i, t in enumerate(sources):
+        name = kind if form == "single" else f"{kind}[{i}]"
+        if kind == "probs":
+            check_finite(t, name)
+        elif bool(torch.isnan(t).any()) or bool((t == float("-inf")).any()):
+            raise ValueError(f"{name} contains NaN or -Inf; expected finite energies (+Inf marks a forbidden label)")
+        sources[i] = t.to(sources[0].device)
+        iname = "image" if form == "single" else f"image[{i}]"
+        rgbs.append(_rgb_tensor(imgs[i], iname, shapes[i]).to(sources[0].device))
     masks = _check_valid(valid, len(sources), L, sources[0].device)
     if kind == "unary":
         for i, (t, m) in enumerate(zip(sources, masks)):
             allowed = torch.isfinite(t) if m is None else torch.isfinite(t) & m[:, None, None]
             if not bool(allowed.any(0).all()):
-                raise ValueError(f"unary[{i}] forbids every label (+Inf) at some pixel; each pixel needs one allowed label")
-    for i, t in enumerate(sources):
-        check_crf_std_bounds(prm, t.shape[1], t.shape[2])
+                raise ValueError(f"unary[{i}] forbids every label (+Inf) at some pixel; each pixel needs one allowed "
+                                 "label")
     if backend == "torch":
         out = _mean_field_torch(sources, kind, masks, rgbs, prm, chunk_pixels, max_bytes)
     else:

@@ -265,8 +265,9 @@ def _check_pt_storage(path: str, obj: torch.Tensor) -> torch.Tensor:
     and what it declares: a tensor on another device than the CPU (a meta tensor has a shape
     and no data), a storage larger than the file (mapped files: what it declares), a view whose
     values overlap (e.g. ``torch.zeros(1).expand(64, 10**5, 10**5)``, 1.6 KB on disk, 2.6 TB
-    as float32 once copied), or a storage smaller than the shape, strides and offset need. Checked before any copy: what the reader then allocates is at
-    most the storage times 4 / its item size."""
+    as float32 once copied), or a storage smaller than the shape, strides and offset need.
+    Checked before any copy: what the reader then allocates is at most the storage times 4 / its
+    item size."""
     shape, dtype = tuple(obj.shape), obj.dtype
     if obj.device.type != "cpu":
         what = " (a meta tensor: a shape without data)" if obj.device.type == "meta" else ""
@@ -286,8 +287,8 @@ def _check_pt_storage(path: str, obj: torch.Tensor) -> torch.Tensor:
     if obj.numel():
         need = (obj.storage_offset() + 1 + sum((sz - 1) * st for sz, st in zip(shape, obj.stride()))) * item
         if need > storage:
-            raise ValueError(f"{path}: declares a {dtype} tensor of shape {shape} that needs {need:,} bytes of storage, "
-                             f"but its storage holds {storage:,}")
+            raise ValueError(f"{path}: declares a {dtype} tensor of shape {shape} that needs {need:,} bytes of "
+                             f"storage, but its storage holds {storage:,}")
     return obj
 
 

@@ -19,13 +19,14 @@ window), not a copy; README quotes how often its labels agree with ``pydensecrf`
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ._checks import as_tensor, check_finite, describe, rgb_layout
-from .crf import DEFAULT_CRF_PARAMS, check_crf_params
+from .crf import DEFAULT_CRF_PARAMS, DEFAULT_MAX_BYTES, check_crf_params
 
 __all__ = ["LOCAL_CRF_DEFAULTS", "local_crf", "check_local_crf_params"]
 
@@ -69,6 +70,7 @@ def local_crf(
     params: Optional[Mapping[str, Any]] = None,
     *,
     valid: Optional[torch.Tensor] = None,
+    max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
 ) -> torch.Tensor:
     """Windowed mean-field CRF marginals for a batch, on the device of ``probs``.
 
@@ -86,8 +88,10 @@ def local_crf(
             average-pooled by ``scale`` and Q is upsampled bilinearly at the end).
 
     Returns:
-        (B, L, H, W) float32 marginals Q. Memory: about B * L * window^2 * (H/scale) * (W/scale)
-        floats for the messages.
+        (B, L, H, W) float32 marginals Q. Memory: about B * (2 L + 8) * window^2 * (H/scale) *
+        (W/scale) floats (the kernel, the colour and the message windows); more than
+        ``max_bytes`` (default :data:`mars_plugin.crf.DEFAULT_MAX_BYTES`, 6 GiB; None: no
+        limit) is refused before any work, with the largest window that fits.
     """
     p = as_tensor(probs, "probs")
     if p.ndim != 4 or not p.is_floating_point():
@@ -107,6 +111,16 @@ def local_crf(
             raise ValueError("valid must allow at least one label per image, got an image with none")
     s, win = int(prm["scale"]), int(prm["window"])
     r = win // 2
+    # bytes per window position: the message windows and their product with the kernel (2 L),
+    # the colour windows and their differences (6), the kernel (2)
+    cells = B * (2 * L + 8) * -(-H // s) * -(-W // s) * 4
+    if max_bytes is not None and cells * win * win > max_bytes:
+        fit = int(math.isqrt(int(max_bytes // cells)))
+        fit -= 1 - fit % 2
+        raise ValueError(f"crf_params['window'] = {win} needs about {cells * win * win / 2 ** 30:.2f} GiB for {B} "
+                         f"image(s) of {H}x{W} with {L} labels at scale {s}, more than max_bytes = "
+                         f"{max_bytes / 2 ** 30:.2f} GiB; " + (f"at most window = {fit} fits" if fit >= 3 else
+                                                             "no window fits: use a larger scale or fewer images"))
     p = p.detach().float()
     if s > 1:
         p = F.avg_pool2d(p, s, ceil_mode=True)

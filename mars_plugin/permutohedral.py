@@ -16,11 +16,17 @@ it to float32 rounding:
 What differs is the bookkeeping, not the arithmetic: instead of a hash table filled one point
 at a time, every vertex key is packed into one integer code (mixed radix over the key's range,
 int32 when it fits, else int64, else rows compared as such) and the lattice points are the
-sorted unique codes; neighbours along an axis are the codes shifted by a constant, found by a
-table look-up or a binary search. Several images are filtered as one
-lattice whose keys start with the image's index (``segment``), so their points never mix and no
-image is padded. Splatting and slicing are sparse (CSR) matrix products, blurring is two row
-gathers per axis, so the same code runs batched on the CPU and on CUDA.
+sorted unique codes, one vertex class (remainder r) at a time: vertices of different classes
+never share a point, so d+1 sorts of N codes replace one of N (d+1). Neighbours along an axis
+are the codes of the next class shifted by a constant, found by a table look-up or a binary
+search. Several images are filtered as one lattice whose keys start with the image's index
+(``segment``), so their points never mix and no image is padded. Splatting and slicing are
+sparse (CSR) matrix products, blurring is two row gathers per axis, so the same code runs
+batched on the CPU and on CUDA.
+
+Memory is bounded by construction: points are lifted in blocks, only int32 indices and float32
+weights are kept (16 bytes per vertex, 8 per lattice point and axis), and ``max_points``
+refuses a lattice before its blur tables exist (the dense CRF's budget, :mod:`mars_plugin.crf`).
 """
 from __future__ import annotations
 
@@ -340,7 +346,8 @@ class PermutohedralLattice:
         if segment is not None:
             seg = segment.to(dev, torch.long)
             if seg.shape != (N,) or int(seg.min()) < 0:
-                raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got {tuple(segment.shape)}")
+                raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got "
+                                 f"{tuple(segment.shape)}")
             num_segments = int(seg.max()) + 1
         padded = torch.zeros(0, dtype=torch.long, device=dev)
         if simd_padding:
@@ -349,7 +356,8 @@ class PermutohedralLattice:
             # too: they hold no value, but the blur runs through them (near a black top-left
             # pixel in bilateral space). One zero point per image whose count is not a
             # multiple of 4 recreates them.
-            per_image = torch.bincount(seg, minlength=num_segments) if seg is not None else torch.tensor([N], device=dev)
+            per_image = (torch.bincount(seg, minlength=num_segments) if seg is not None
+                         else torch.tensor([N], device=dev))
             padded = torch.nonzero(per_image % _SIMD_BLOCK).flatten()
         P = padded.numel()
         Np = N + P

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -70,11 +71,7 @@ def _measure(backend):
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_peak_memory_is_within_twice_pydensecrf_and_within_the_model():
     ours = _measure("torch")
-    try:
-        import pydensecrf  # noqa: F401
-        ref = _measure("pydensecrf")
-    except ImportError:
-        ref = None
+    ref = _measure("pydensecrf") if importlib.util.find_spec("pydensecrf") else None
     for L, (grow, model) in ours.items():
         N = 600 * 800
         assert grow <= model, (L, grow / N, model / N)  # what max_bytes is compared with bounds it
@@ -118,6 +115,8 @@ def test_an_image_over_max_bytes_is_refused_before_any_lattice(monkeypatch):
     assert built == []
     msg = str(e.value)
     assert "300x400 image with 2 labels needs about" in msg and "max_bytes = 0.02 GiB" in msg, msg
+    with pytest.raises(ValueError, match="needs about"):  # refused on its size alone: no value was read
+        dense_crf(torch.full((2, 300, 400), float("nan")), img, max_bytes=budget)
     h, w = map(int, re.search(r"\(e\.g\. (\d+)x(\d+)\)", msg).groups())
     probs, img = _inputs(h, w)
     q = dense_crf(probs, img, max_bytes=budget)  # the size it names runs within the same budget
@@ -167,3 +166,21 @@ def test_bad_max_bytes(bad):
     probs, img = _inputs(4, 5)
     with pytest.raises(ValueError, match="max_bytes must be a positive number of bytes or None"):
         dense_crf(probs, img, max_bytes=bad)
+
+
+def test_local_crf_window_is_bounded_by_the_budget():
+    from mars_plugin.local_crf import local_crf
+
+    probs, img = _inputs(64, 80, 3)
+    p = probs[None].softmax(1)
+    budget = 64 << 20
+    with pytest.raises(ValueError) as e:
+        local_crf(p, img[None], {"window": 1001, "scale": 1}, max_bytes=budget)
+    msg = str(e.value)
+    assert msg.startswith("crf_params['window'] = 1001 needs about ") and "max_bytes = 0.06 GiB" in msg, msg
+    fit = int(re.search(r"at most window = (\d+) fits", msg).group(1))
+    assert fit % 2 == 1 and fit >= 3
+    q = local_crf(p, img[None], {"window": fit, "scale": 1, "iterations": 1}, max_bytes=budget)  # it runs
+    assert q.shape == p.shape and bool(torch.isfinite(q).all())
+    with pytest.raises(ValueError, match=f"window'\\] = {fit + 2} needs"):
+        local_crf(p, img[None], {"window": fit + 2, "scale": 1}, max_bytes=budget)
