@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
                    help="ResNet depth (resnet18 for small runs)")
     t.add_argument("--output-stride", type=int, choices=(8, 16), default=16, help="the backbone's output stride")
+    t.add_argument("--bn", choices=("train", "frozen", "sync"), default=None,
+                   help="BatchNorm: batch statistics (deeplabv3+'s default, as RS+EPM/DHR), frozen (deeplabv2's "
+                        "default, as deeplab-pytorch) or sync (SyncBatchNorm over torchrun's GPUs)")
     t.add_argument("--weights", default=None,
                    help="torchvision-layout ImageNet file of the backbone (e.g. resnet101-63fe2227.pth), read "
                         "weights-only; default: random initialisation")

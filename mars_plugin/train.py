@@ -10,7 +10,7 @@ labels (the baseline: the WSSS method's pseudo labels as they are).
 
 The optimisation is the MARS authors' own segmentation trainer's (shjo-april/DHR train.py at
 94d5189, lines 197-207 and 366-371): SGD, momentum 0.9, weight decay 4e-5, learning rate 1e-3 for
-the backbone and 10x for the new layers, poly decay with power 0.9 over the iterations, batch 16
+the backbone and 10x for the new layers (weights and biases alike), poly decay with power 0.9 over the iterations, batch 16
 of 512 x 512 crops, EMA 0.999; the augmentation is in :mod:`mars_plugin.seg_data`.
 
 Exactly resumable and the same on any number of processes: a step's images, their augmentation
@@ -55,7 +55,7 @@ TRAIN_DEFAULTS: Dict[str, Any] = dict(
 # The settings whose change makes a checkpoint in --out belong to another run.
 _RUN_KEYS = ("arch", "backbone", "output_stride", "num_classes", "loss", "refine", "crf_params", "iterations",
              "batch_size", "crop", "min_size", "max_size", "lr", "momentum", "weight_decay", "ema", "poly_power",
-             "seed", "weights", "stems")
+             "seed", "bn", "weights", "stems")
 
 
 def poly_lr(base: float, step: int, iterations: int, power: float = 0.9) -> float:
@@ -108,6 +108,7 @@ def train(
     ema: float = TRAIN_DEFAULTS["ema"],
     poly_power: float = TRAIN_DEFAULTS["poly_power"],
     seed: int = TRAIN_DEFAULTS["seed"],
+    bn: Optional[str] = None,
     amp: bool = True,
     device: str = "auto",
     workers: int = 2,
@@ -134,6 +135,11 @@ def train(
         weights: a torchvision-layout ImageNet ResNet file (read weights-only); None: random init.
         loss: ``"mars"`` (EMA teacher + complement + WCE) or ``"ce"`` (plain CE, the baseline).
         refine: the teacher's refinement with ``loss="mars"``: ``"crf"`` (the paper's), None.
+        bn: the backbone's and head's BatchNorm: ``"train"`` (batch statistics; DeepLabv3+'s
+            default, as RS+EPM and DHR train it), ``"frozen"`` (running statistics and affine
+            weights fixed; DeepLabv2's default, as deeplab-pytorch's ``freeze_bn``, main.py:206-208
+            at 4219467) or ``"sync"`` (SyncBatchNorm over the torchrun processes, CUDA only).
+            Without batch statistics (frozen), N processes compute exactly the step of one.
         amp: mixed precision on CUDA (ignored on the CPU).
         device: ``"auto"`` (CUDA if available; under torchrun the process's ``LOCAL_RANK``), ``"cpu"``,
             ``"cuda"``, ``"cuda:N"``.
@@ -168,6 +174,10 @@ def train(
     ema = check_real_param(ema, "ema", 0.0, 1.0)
     poly_power = check_real_param(poly_power, "poly_power", 0.0, 10.0)
     aug = Augmentation(crop=crop, min_size=min_size, max_size=max_size)
+    if bn is None:
+        bn = "frozen" if arch == "deeplabv2" else "train"
+    if bn not in ("train", "frozen", "sync"):
+        raise ValueError(f"bn must be 'train', 'frozen' or 'sync', got {bn!r}")
 
     images, labels, out = Path(images), Path(labels), Path(out)
     for folder, flag in ((images, "--images"), (labels, "--labels")):
@@ -189,24 +199,33 @@ def train(
 
     rank, world = _rank_world()
     dev = resolve_device(device)
-    if dev.type == "cuda" and world > 1 and dev.index is None:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     use_amp = bool(amp) and dev.type == "cuda"
+    if bn == "sync" and dev.type != "cuda":
+        raise ValueError("bn='sync' (SyncBatchNorm) runs on CUDA only; on the CPU use bn='train' or 'frozen'")
 
     settings = dict(arch=arch, backbone=backbone, output_stride=int(output_stride), num_classes=num_classes,
                     loss=loss, refine=refine if loss == "mars" else None,
                     crf_params=crf_params if (loss == "mars" and refine) else None, iterations=iterations,
                     batch_size=batch_size, crop=aug.crop, min_size=aug.min_size, max_size=aug.max_size, lr=lr,
                     momentum=momentum, weight_decay=weight_decay, ema=ema if loss == "mars" else None,
-                    poly_power=poly_power, seed=seed, weights=os.path.basename(weights) if weights else None,
+                    poly_power=poly_power, seed=seed, bn=bn, weights=os.path.basename(weights) if weights else None,
                     stems=len(stems), images=str(images), labels=str(labels), amp=use_amp, world_size=world)
     ck_path = out / CHECKPOINT_NAME
     torch.manual_seed(seed)  # the random initialisation of the new layers (and of everything without --weights)
     model = build_model(arch=arch, backbone=backbone, num_classes=num_classes, output_stride=int(output_stride))
     if weights is not None:
         load_backbone_weights(model, weights)
+    if bn == "frozen":
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for p in m.parameters():
+                    p.requires_grad_(False)
+    elif bn == "sync" and world > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(dev)
     hook = None
     if loss == "mars":
@@ -217,9 +236,20 @@ def train(
         # The per-pixel sum: divided by the global count below (the same gradient on any number
         # of processes).
         hook.loss = WCELoss(ignore_index=IGNORE_VALUE, reduction="sum")
-    opt = torch.optim.SGD(param_groups(model, lr, weight_decay), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    groups = param_groups(model, lr, weight_decay)
+    for g in groups:
+        # DHR train.py:200-205 (the trainer whose numbers these are): backbone weights and biases
+        # at lr, the new layers' at 10 lr, all with weight decay (param_groups' defaults are
+        # PuzzleCAM's 1/2/10/20 with undecayed biases).
+        g["lr_mult"] = 1.0 if g["name"].startswith("backbone") else 10.0
+        g["lr"], g["weight_decay"] = lr * g["lr_mult"], weight_decay
+    opt = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
     base_lrs = [g["lr"] for g in opt.param_groups]
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    # bfloat16 where the GPU has it (Ampere and later): float32's range, so neither the student's
+    # loss nor the teacher's eval-mode forward (running statistics, large activations early on)
+    # overflows, and no loss scaling is needed; float16 with a GradScaler on older cards.
+    amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
 
     start = 0
     if ck_path.is_file():
@@ -279,6 +309,7 @@ def train(
     t0 = time.perf_counter()
     last_loss = None
     net.train()
+    _set_bn_mode(model, bn)
     for step, batch in zip(range(start, iterations), loader):
         for g, base in zip(opt.param_groups, base_lrs):
             g["lr"] = poly_lr(base, step, iterations, poly_power)
@@ -287,7 +318,7 @@ def train(
         y = batch["label"].to(dev, non_blocking=True)
         # The global count of pixels the loss averages over (biased ones included: the teacher fills them).
         count = _all_reduce_sum((y != IGNORE_VALUE).sum().double())
-        with torch.autocast(dev.type, enabled=use_amp):
+        with torch.autocast(dev.type, dtype=amp_dtype, enabled=use_amp):
             logits = net(x)
             if hook is not None:
                 total = hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))
@@ -326,6 +357,14 @@ def train(
     if bar is not None:
         bar.close()
     return {"checkpoint": ck_path, "iterations": iterations, "resumed_from": start, "loss": last_loss}
+
+
+def _set_bn_mode(model: nn.Module, bn: str) -> None:
+    """Frozen BatchNorm stays in eval mode (running statistics) while the rest trains."""
+    if bn == "frozen":
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
 
 
 def _trim_log(path: Path, step: int) -> None:
@@ -379,7 +418,7 @@ def run_train_command(args: Any) -> Dict[str, Any]:
         backbone=args.backbone, output_stride=args.output_stride, weights=args.weights, loss=args.loss,
         refine=args.refine, crf_params=args.crf_params, iterations=args.iterations, batch_size=args.batch_size,
         crop=args.crop, min_size=args.min_size, max_size=args.max_size, lr=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, ema=args.ema, seed=args.seed, amp=not args.no_amp, device=args.device,
+        weight_decay=args.weight_decay, ema=args.ema, seed=args.seed, bn=args.bn, amp=not args.no_amp, device=args.device,
         workers=args.workers, save_every=args.save_every, log_every=args.log_every, class_names=names,
         progress=not args.no_progress,
     )
