@@ -394,6 +394,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="a bad input file: stop with its name (exit 2), or skip it, name it and exit 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    tr = p.add_argument_group("the second step (--train): mars train on the debiased labels, mars predict")
+    tr.add_argument("--train", action="store_true",
+                    help="then train the segmentation network on the debiased labels (out/train), predict and score "
+                         "the validation split (out/val_pred, scores_trained.json) and write the MARS masks of the "
+                         "training split (out/masks); each stage resumes")
+    tr.add_argument("--arch", choices=("deeplabv3+", "deeplabv2"), default="deeplabv3+", help="as mars train --arch")
+    tr.add_argument("--train-backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
+                    help="as mars train --backbone")
+    tr.add_argument("--weights", default=None, help="as mars train --weights (ImageNet ResNet, torchvision layout)")
+    tr.add_argument("--iterations", type=T.iterations, default=30000, help="as mars train --iterations")
+    tr.add_argument("--train-batch-size", type=T.batch_size, default=16, help="as mars train --batch-size")
+    tr.add_argument("--crop", type=T.crop, default=512, help="as mars train --crop")
+    tr.add_argument("--min-size", type=T.image_side, default=320, help="as mars train --min-size")
+    tr.add_argument("--max-size", type=T.image_side, default=640, help="as mars train --max-size")
+    tr.add_argument("--lr", type=T.lr, default=1e-3, help="as mars train --lr")
+    tr.add_argument("--loader-workers", type=T.loader_workers, default=2, help="as mars train --workers")
+    tr.add_argument("--val-domain", default="validation",
+                    help="the split scored after training (<root>/<data>/<val-domain>/{image,mask}; DHR: validation)")
+    tr.add_argument("--no-masks", action="store_true", help="do not predict the training split (the MARS masks)")
     add_threads(p)
 
     t = sub.add_parser("train", formatter_class=_Formatter,
@@ -424,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepLabv3+ (the paper's RS+EPM row) or DeepLabv2 (its IRNet/AdvCAM rows)")
     t.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
                    help="ResNet depth (resnet18 for small runs)")
-    t.add_argument("--output-stride", type=int, choices=(8, 16), default=16, help="the backbone's output stride")
+    t.add_argument("--output-stride", type=int, choices=(8, 16), default=None,
+                   help="the backbone's output stride (default: 16 for deeplabv3+, 8 for deeplabv2, as upstream)")
     t.add_argument("--bn", choices=("train", "frozen", "sync"), default=None,
                    help="BatchNorm: batch statistics (deeplabv3+'s default, as RS+EPM/DHR), frozen (deeplabv2's "
                         "default, as deeplab-pytorch) or sync (SyncBatchNorm over torchrun's GPUs)")
@@ -637,6 +657,21 @@ def _main(argv: Optional[List[str]]) -> int:
             if res["rank"] == 0:
                 print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
                       f"({p['num_images']} images); details and the paper's figures in {res['report']}")
+            if args.train:
+                from .reproduce import default_domain
+                from .reproduce_train import train_after_reproduce
+
+                opts = dict(arch=args.arch, backbone=args.train_backbone, weights=args.weights,
+                            iterations=args.iterations, batch_size=args.train_batch_size, crop=args.crop,
+                            min_size=args.min_size, max_size=args.max_size, lr=args.lr, seed=args.seed,
+                            workers=args.loader_workers)
+                t = train_after_reproduce(args.root, args.out, data=args.data,
+                                          domain=args.domain or default_domain(args.data, args.root),
+                                          val_domain=args.val_domain, train_options=opts, device=args.device,
+                                          masks=not args.no_masks, progress=progress)
+                if res["rank"] == 0 and t["val"] is not None:
+                    print(f"mIoU of the trained network on {args.val_domain}: {100 * t['val']['miou']:.1f} "
+                          f"({t['checkpoint']})")
             if res["world_size"] > 1:
                 # torchrun stops every rank as soon as one exits non-zero (1: files skipped): each
                 # rank names its skipped files, then they leave together.

@@ -47,7 +47,7 @@ SETTINGS_NAME = "train.json"
 
 #: The defaults of ``mars train`` and where they come from (DHR train.py:366-371 at 94d5189).
 TRAIN_DEFAULTS: Dict[str, Any] = dict(
-    arch="deeplabv3+", backbone="resnet101", output_stride=16, loss="mars", refine="crf", crf_params="mars",
+    arch="deeplabv3+", backbone="resnet101", loss="mars", refine="crf", crf_params="mars",
     iterations=30000, batch_size=16, crop=512, min_size=320, max_size=640, lr=1e-3, momentum=0.9,
     weight_decay=4e-5, ema=0.999, poly_power=0.9, seed=0,
 )
@@ -92,7 +92,7 @@ def train(
     image_labels: Optional[Dict[str, List[int]]] = None,
     arch: str = TRAIN_DEFAULTS["arch"],
     backbone: str = TRAIN_DEFAULTS["backbone"],
-    output_stride: int = TRAIN_DEFAULTS["output_stride"],
+    output_stride: Optional[int] = None,
     weights: Optional[Union[str, os.PathLike]] = None,
     loss: str = TRAIN_DEFAULTS["loss"],
     refine: Optional[str] = TRAIN_DEFAULTS["refine"],
@@ -131,7 +131,8 @@ def train(
         image_labels: {stem: [1-based class ids]} the teacher may fill biased pixels with;
             default: the classes of each label (a class whose pixels were all marked biased is
             then not offered: ``mars reproduce`` writes ``image_labels.json``).
-        arch, backbone, output_stride: see :func:`mars_plugin.deeplab.build_model`.
+        arch, backbone, output_stride: see :func:`mars_plugin.deeplab.build_model` (None: the
+            arch's upstream stride, 16 for DeepLabv3+, 8 for DeepLabv2).
         weights: a torchvision-layout ImageNet ResNet file (read weights-only); None: random init.
         loss: ``"mars"`` (EMA teacher + complement + WCE) or ``"ce"`` (plain CE, the baseline).
         refine: the teacher's refinement with ``loss="mars"``: ``"crf"`` (the paper's), None.
@@ -207,7 +208,10 @@ def train(
     if bn == "sync" and dev.type != "cuda":
         raise ValueError("bn='sync' (SyncBatchNorm) runs on CUDA only; on the CPU use bn='train' or 'frozen'")
 
-    settings = dict(arch=arch, backbone=backbone, output_stride=int(output_stride), num_classes=num_classes,
+    from .deeplab import DEFAULT_OUTPUT_STRIDE
+
+    output_stride = int(DEFAULT_OUTPUT_STRIDE.get(arch, 16) if output_stride is None else output_stride)
+    settings = dict(arch=arch, backbone=backbone, output_stride=output_stride, num_classes=num_classes,
                     loss=loss, refine=refine if loss == "mars" else None,
                     crf_params=crf_params if (loss == "mars" and refine) else None, iterations=iterations,
                     batch_size=batch_size, crop=aug.crop, min_size=aug.min_size, max_size=aug.max_size, lr=lr,
@@ -216,7 +220,7 @@ def train(
                     stems=len(stems), images=str(images), labels=str(labels), amp=use_amp, world_size=world)
     ck_path = out / CHECKPOINT_NAME
     torch.manual_seed(seed)  # the random initialisation of the new layers (and of everything without --weights)
-    model = build_model(arch=arch, backbone=backbone, num_classes=num_classes, output_stride=int(output_stride))
+    model = build_model(arch=arch, backbone=backbone, num_classes=num_classes, output_stride=output_stride)
     if weights is not None:
         load_backbone_weights(model, weights)
     if bn == "frozen":
@@ -282,7 +286,7 @@ def train(
         if rank != 0:
             return
         save_checkpoint(ck_path, {
-            "model": {"arch": arch, "backbone": backbone, "output_stride": int(output_stride),
+            "model": {"arch": arch, "backbone": backbone, "output_stride": output_stride,
                       "num_classes": num_classes},
             "iteration": step, "student": model.state_dict(),
             "teacher": hook.teacher.module.state_dict() if hook is not None else None,
