@@ -625,3 +625,51 @@ def test_classes_check_their_arguments_too(cls, args, exc, pattern):
     with pytest.raises(exc, match=pattern):
         with torch.device("meta"):
             cls(*args)
+
+
+def _reference_resnet(x, sd, name, os_):
+    """torchvision's ResNet forward written out with torch.nn.functional from a state dict (eval
+    mode): stem, then per block conv-BN-ReLU ... BN, + identity (or downsample), ReLU; the stride
+    of a dilated layer becomes dilation, its first block keeping the previous dilation."""
+    def bn(t, p):
+        return F.batch_norm(t, sd[p + ".running_mean"], sd[p + ".running_var"], sd[p + ".weight"], sd[p + ".bias"],
+                            False, 0.0, 1e-5)
+
+    def conv(t, p, stride=1, dil=1):
+        w = sd[p + ".weight"]
+        return F.conv2d(t, w, stride=stride, padding=dil * (w.shape[-1] // 2), dilation=dil)
+
+    x = F.max_pool2d(F.relu(bn(conv(x, "conv1", 2), "bn1")), 3, 2, 1)
+    dilate = {16: [False, False, False, True], 8: [False, False, True, True]}[os_]
+    dilation = 1
+    for li, n in enumerate(TORCHVISION[name]["blocks"], 1):
+        stride = 1 if li == 1 else 2
+        previous = dilation
+        if dilate[li - 1]:
+            dilation, stride = dilation * stride, 1
+        for b in range(n):
+            p = f"layer{li}.{b}."
+            s, d1 = (stride, previous) if b == 0 else (1, dilation)
+            if name == "resnet18":
+                out = F.relu(bn(conv(x, p + "conv1", s, d1), p + "bn1"))
+                out = bn(conv(out, p + "conv2", 1, dilation), p + "bn2")
+            else:
+                out = F.relu(bn(conv(x, p + "conv1"), p + "bn1"))
+                out = F.relu(bn(conv(out, p + "conv2", s, d1), p + "bn2"))
+                out = bn(conv(out, p + "conv3"), p + "bn3")
+            idt = bn(conv(x, p + "downsample.0", s), p + "downsample.1") if p + "downsample.0.weight" in sd else x
+            x = F.relu(out + idt)
+    return x
+
+
+@pytest.mark.parametrize("name,os_", [("resnet18", 16), ("resnet18", 8), ("resnet50", 8)])
+def test_backbone_forward_is_torchvisions(name, os_):
+    state = torchvision_state(name, seed=4, with_fc=False)
+    net = ResNet(name, os_).eval()
+    net.load_state_dict(state)
+    x = torch.randn(2, 3, 37, 29)
+    with torch.no_grad():
+        got = net(x)[3]
+        want = _reference_resnet(x, state, name, os_)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
