@@ -432,9 +432,19 @@ def test_wrong_backbone_file_loads_nothing(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def _write_bad(tmp_path, kind):
+@pytest.fixture(scope="module")
+def r18_state():
+    return torchvision_state("resnet18", with_fc=False)
+
+
+@pytest.fixture(scope="module")
+def r18_model():
+    return tiny()
+
+
+def _write_bad(tmp_path, kind, state):
     path = tmp_path / f"{kind}.pth"
-    good = torchvision_state("resnet18", with_fc=False)
+    good = {k: v.clone() for k, v in state.items()}
     if kind == "empty":
         path.write_bytes(b"")
     elif kind == "text":
@@ -479,9 +489,9 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
-def test_bad_weight_files_are_one_line_errors(tmp_path, kind):
-    path = _write_bad(tmp_path, kind)
-    model = tiny()
+def test_bad_weight_files_are_one_line_errors(tmp_path, kind, r18_state, r18_model):
+    path = _write_bad(tmp_path, kind, r18_state)
+    model = r18_model  # shared: a test that loads anything into it fails below
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=BAD_FILES[kind]) as info:
         load_backbone_weights(model, path)
