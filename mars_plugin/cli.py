@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepLabv3+ (the paper's RS+EPM row) or DeepLabv2 (its IRNet/AdvCAM rows)")
     t.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
                    help="ResNet depth (resnet18 for small runs)")
-    t.add_argument("--output-stride", type=int, choices=(8, 16), default=None,
+    t.add_argument("--output-stride", type=T.output_stride, choices=(8, 16), default=None,
                    help="the backbone's output stride (default: 16 for deeplabv3+, 8 for deeplabv2, as upstream)")
     t.add_argument("--bn", choices=("train", "frozen", "sync"), default=None,
                    help="BatchNorm: batch statistics (deeplabv3+'s default, as RS+EPM/DHR), frozen (deeplabv2's "

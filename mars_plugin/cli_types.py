@@ -47,6 +47,7 @@ __all__ = [
     "res",
     "stride",
     "iterations",
+    "output_stride",
     "crop",
     "image_side",
     "lr",
@@ -119,6 +120,7 @@ per_class = int_in(0, MAX_PER_CLASS, "rows per class of the per-class grid")
 stride = int_in(1, MAX_STRIDE)
 #: mars train
 iterations = int_in(1, 10_000_000)
+output_stride = int_in(8, 16, "8 or 16")
 crop = int_in(8, 4096, "a side in pixels")
 image_side = int_in(8, 8192, "the longer side after the random resize")
 lr = real_in(0.0, 10.0, low_open=True)

@@ -59,6 +59,17 @@ BAD_FLAGS = [
     ("reproduce", "--batch-size", "0"), ("reproduce", "--workers", "0"), ("reproduce", "--num-examples", "101"),
     ("reproduce", "--threads", "0"), ("centroids", "--threads", "0"), ("evaluate", "--threads", "2000"),
     ("features", "--threads", "-3"), ("report", "--threads", "x"),
+    ("train", "--iterations", "0"), ("train", "--iterations", "10000001"), ("train", "--batch-size", "0"),
+    ("train", "--crop", "7"), ("train", "--crop", "4097"), ("train", "--min-size", "7"),
+    ("train", "--max-size", "8193"), ("train", "--lr", "0"), ("train", "--lr", "nan"), ("train", "--lr", "11"),
+    ("train", "--momentum", "1"), ("train", "--momentum", "-0.1"), ("train", "--weight-decay", "-1"),
+    ("train", "--weight-decay", "inf"), ("train", "--ema", "1.5"), ("train", "--ema", "nan"),
+    ("train", "--seed", "-1"), ("train", "--workers", "-1"), ("train", "--workers", "257"),
+    ("train", "--save-every", "0"), ("train", "--log-every", "0"), ("train", "--num-classes", "254"),
+    ("train", "--threads", "0"), ("train", "--output-stride", "12"), ("train", "--output-stride", "32"),
+    ("reproduce", "--iterations", "0"), ("reproduce", "--train-batch-size", "0"), ("reproduce", "--crop", "4"),
+    ("reproduce", "--min-size", "0"), ("reproduce", "--max-size", "99999"), ("reproduce", "--lr", "-1"),
+    ("reproduce", "--loader-workers", "-1"),
 ]
 
 
@@ -79,6 +90,7 @@ def _argv(cmd, tmp):
         "report": ["report", "--labels", f"{t}/l", "--debiased", f"{t}/d", "--images", f"{t}/i", "--out", f"{t}/out"],
         "reproduce": ["reproduce", "--root", f"{t}/root", "--pseudo", f"{t}/p", "--features", f"{t}/f",
                       "--out", f"{t}/out"],
+        "train": ["train", "--images", f"{t}/i", "--labels", f"{t}/l", "--out", f"{t}/out"],
     }[cmd]
 
 
