@@ -157,6 +157,17 @@ def test_a_class_below_the_threshold_is_no_label_of_the_crf(crf):
     assert keys.tolist() == [3] and bool((kept == 3).all())
 
 
+def test_when_no_class_reaches_the_threshold_every_class_takes_part():
+    """Beyond 20 classes every probability can stay below 0.05 (upstream's CRF would get no
+    label): the CRF then runs over every class."""
+    g = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(1, 30, 24, 24, generator=g) * 0.1, 1)  # all about 1/30
+    assert float(probs.max()) < CLASS_THRESHOLD
+    rgb = _images(1, 24, 24, seed=4)
+    got = labels_from_probs(probs, rgb, "mars")
+    assert torch.equal(got[0], dense_crf(probs[0], rgb[0], "mars").argmax(0))
+
+
 def test_predict_labels_is_multiscale_then_labels():
     model = Net(4).eval()
     rgb = _images(2, 24, 24, seed=3)
