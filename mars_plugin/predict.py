@@ -223,11 +223,12 @@ def predict_labels(model: Callable[[torch.Tensor], torch.Tensor], images: torch.
 # --------------------------------------------------------------------------------------------
 
 
-def _default_preprocess(x: torch.Tensor) -> torch.Tensor:
-    """(B, 3, H, W) uint8 RGB -> what :func:`mars_plugin.deeplab.build_model`'s networks take."""
+def _default_preprocess(rgb: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, 3) uint8 RGB -> (B, 3, H, W), what :func:`mars_plugin.deeplab.build_model`'s
+    networks take (:func:`mars_plugin.deeplab.normalize`)."""
     from .deeplab import normalize
 
-    return normalize(x)
+    return normalize(rgb)
 
 
 def _image_paths(images_dir: Path, flag: str) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
@@ -282,7 +283,7 @@ def predict_job(
             a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
             network and the CRF run there.
-        preprocess: (B, 3, H, W) uint8 RGB -> the network's input (default:
+        preprocess: (B, H, W, 3) uint8 RGB -> the network's (B, 3, H, W) input (default:
             :func:`mars_plugin.deeplab.normalize`, ImageNet's mean and std).
         num_classes: C, when known (``L = C + 1`` outputs are then checked, and each image's CRF
             memory before any work).
@@ -390,13 +391,13 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     Batch = List[Tuple[str, Dict[str, Any], torch.Tensor]]
 
     def labels_of(batch: Batch) -> torch.Tensor:
-        rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, 3, H, W) uint8
+        rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, H, W, 3) uint8
         x = preprocess(rgb)
         probs = multiscale_probs(model, x, scales, flip, fp16=fp16)
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
                              "background")
-        return labels_from_probs(probs, rgb.permute(0, 2, 3, 1), crf, class_threshold).cpu()
+        return labels_from_probs(probs, rgb, crf, class_threshold).cpu()
 
     def run(batch: Batch) -> None:
         try:
@@ -407,7 +408,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                     run([item])
                 return
             stem, _, img = batch[0]
-            fail(stem, f"{where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
+            fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
             return
         for (stem, inputs, _), y in zip(batch, labels):
             path = out_dir / f"{stem}.png"
@@ -442,7 +443,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
             except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
                 fail(stem, one_line(e))
                 continue
-            img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+            img = torch.from_numpy(rgb)
             key = (H, W)
             buckets.setdefault(key, []).append((stem, inputs, img))
             buffered += 1

@@ -53,8 +53,9 @@ def _images(n, h, w, seed=0):
 
 
 def _normalize(rgb):
-    """(B, 3, H, W) uint8 -> float, roughly zero-centred (the tests' stand-in for ImageNet's)."""
-    return rgb.float().div(255).sub(0.5).div(0.25)
+    """(B, H, W, 3) uint8 -> (B, 3, H, W) float, roughly zero-centred (the tests' stand-in for
+    ImageNet's)."""
+    return rgb.permute(0, 3, 1, 2).float().div(255).sub(0.5).div(0.25)
 
 
 def _reference_probs(model, image, scales, flip):
@@ -89,7 +90,7 @@ def _reference_probs(model, image, scales, flip):
 def test_multiscale_probs_equal_a_loop_from_the_definition(scales, flip, stride):
     torch.manual_seed(0)
     model = Net(5, stride=stride).eval()
-    x = _normalize(_images(3, 26, 37).permute(0, 3, 1, 2))
+    x = _normalize(_images(3, 26, 37))
     got = multiscale_probs(model, x, scales, flip)
     want = torch.stack([_reference_probs(model, xi, scales, flip) for xi in x])
     assert got.shape == (3, 5, 26, 37) and got.dtype == torch.float32
@@ -171,7 +172,7 @@ def test_when_no_class_reaches_the_threshold_every_class_takes_part():
 def test_predict_labels_is_multiscale_then_labels():
     model = Net(4).eval()
     rgb = _images(2, 24, 24, seed=3)
-    x = _normalize(rgb.permute(0, 3, 1, 2))
+    x = _normalize(rgb)
     want = labels_from_probs(multiscale_probs(model, x), rgb, "mars")
     assert torch.equal(predict_labels(model, x, rgb), want)
     assert len(want.unique()) > 1  # the test images give several classes
@@ -184,7 +185,7 @@ def test_predict_labels_is_multiscale_then_labels():
 def test_bad_arguments_name_the_parameter(bad, match):
     model = Net(3).eval()
     rgb = _images(1, 24, 24)
-    x = _normalize(rgb.permute(0, 3, 1, 2))
+    x = _normalize(rgb)
     with pytest.raises((ValueError, TypeError), match=match):
         predict_labels(model, x, rgb, **bad)
 
@@ -218,5 +219,5 @@ def test_job_writes_p_mode_pngs_with_the_voc_palette_equal_to_predict_labels(tmp
             assert im.getpalette()[:3 * 256] == voc_palette()[:3 * 256]
             got = torch.from_numpy(np.asarray(im).astype(np.int64))
         rgb = torch.from_numpy(np.array(Image.open(tmp_path / "images" / f"{stem}.png")))[None]
-        want = predict_labels(model, _normalize(rgb.permute(0, 3, 1, 2)), rgb)[0]
+        want = predict_labels(model, _normalize(rgb), rgb)[0]
         assert torch.equal(got, want), stem
