@@ -21,6 +21,16 @@ from mars_plugin.predict import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_pr
                                  predict_job, predict_labels)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: these tiny convolutions gain nothing from more, and on a busy machine
+    two threads per process made them 50x slower (restored after the module)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Net(nn.Module):
     """A tiny network whose classes follow the colours (random weights, large enough to vary
     across the image); ``stride=2`` gives logits at half the input size, as a network that does
@@ -221,3 +231,278 @@ def test_job_writes_p_mode_pngs_with_the_voc_palette_equal_to_predict_labels(tmp
         rgb = torch.from_numpy(np.array(Image.open(tmp_path / "images" / f"{stem}.png")))[None]
         want = predict_labels(model, _normalize(rgb), rgb)[0]
         assert torch.equal(got, want), stem
+
+
+# --------------------------------------------------------------------------------------------
+# the command line, on mars train checkpoints of DeepLabv3+ ResNet-18 with random weights
+# --------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _checkpoint(path: Path, num_classes: int, seed: int = 0, teacher: bool = True) -> Path:
+    """A mars train checkpoint (seg_checkpoint's layout) of a random DeepLabv3+ ResNet-18 whose
+    classifier is scaled up, so that its softmax is peaked and its labels vary."""
+    from mars_plugin.deeplab import build_model
+    from mars_plugin.seg_checkpoint import save_checkpoint
+
+    def weights(s):
+        torch.manual_seed(s)
+        state = build_model("deeplabv3+", "resnet18", num_classes, 16).state_dict()
+        state["decoder.classifier.4.weight"] *= 400
+        return state
+
+    save_checkpoint(path, {"model": {"arch": "deeplabv3+", "backbone": "resnet18", "output_stride": 16,
+                                     "num_classes": num_classes},
+                           "iteration": 10, "student": weights(seed), "teacher": weights(seed + 1) if teacher else None})
+    return path
+
+
+class World:
+    def __init__(self, root: Path):
+        from mars_plugin.files import write_label
+
+        self.root = root
+        self.images = root / "images"
+        self.stems = _write_images(self.images)
+        self.gt = root / "gt"
+        self.gt.mkdir()
+        r = np.random.default_rng(0)
+        for stem, (h, w) in zip(self.stems, SIZES):
+            write_label(self.gt / f"{stem}.png", torch.from_numpy(r.integers(0, 4, (h, w))))
+        self.ck = _checkpoint(root / "mars.pt", 3)
+        self.ce = _checkpoint(root / "ce.pt", 3, teacher=False)
+
+    def argv(self, out, *more, images=None, model=None):
+        return ["predict", "--model", str(model or self.ck), "--images", str(images or self.images), "--out",
+                str(out), "--no-progress", *more]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return World(tmp_path_factory.mktemp("predict"))
+
+
+def _run(argv, capsys):
+    """(exit status, stdout, stderr) of ``mars`` in this process; argparse's exits included."""
+    from mars_plugin.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _reference_labels(ck: Path, which: str, image: Path, **kw) -> torch.Tensor:
+    from mars_plugin.deeplab import normalize
+    from mars_plugin.seg_checkpoint import model_from_checkpoint
+
+    model, _ = model_from_checkpoint(ck, which)
+    rgb = torch.from_numpy(np.array(Image.open(image).convert("RGB")))[None]
+    return predict_labels(model, normalize(rgb), rgb, **kw)[0]
+
+
+def _read(path: Path) -> torch.Tensor:
+    with Image.open(path) as im:
+        assert im.mode == "P" and im.getpalette()[:768] == voc_palette()[:768]
+        return torch.from_numpy(np.asarray(im).astype(np.int64))
+
+
+@pytest.mark.parametrize("which", ["student", "teacher"])
+def test_predict_then_evaluate(world, tmp_path, capsys, which):
+    out = tmp_path / "pred"
+    code, said, err = _run(world.argv(out, "--which", which), capsys)
+    assert code == 0, err
+    assert said.strip() == f"predictions -> {out}: 5 written, 0 skipped"
+    got = {stem: _read(out / f"{stem}.png") for stem in world.stems}
+    for stem in world.stems:
+        assert torch.equal(got[stem], _reference_labels(world.ck, which, world.images / f"{stem}.png")), stem
+    assert len(torch.cat([g.flatten() for g in got.values()]).unique()) > 1
+    code, said, err = _run(["evaluate", "--pred", str(out), "--gt", str(world.gt), "--num-classes", "3",
+                            "--no-progress"], capsys)
+    assert code == 0 and "5 evaluated" in said, err
+
+
+def test_flags_reach_the_computation(world, tmp_path, capsys):
+    out = tmp_path / "pred"
+    more = ["--scales", "1,0.75", "--no-flip", "--crf", "psa", "--class-threshold", "0.2", "--batch-size", "2"]
+    code, _, err = _run(world.argv(out, *more), capsys)
+    assert code == 0, err
+    for stem in world.stems:
+        want = _reference_labels(world.ck, "student", world.images / f"{stem}.png", scales=(1.0, 0.75), flip=False,
+                                 crf="psa", class_threshold=0.2)
+        assert torch.equal(_read(out / f"{stem}.png"), want), stem
+
+
+def test_a_rerun_keeps_finished_files_and_refuses_other_settings(world, tmp_path, capsys):
+    out = tmp_path / "pred"
+    assert _run(world.argv(out, "--crf", "none"), capsys)[0] == 0
+    times = {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")}
+    code, said, _ = _run(world.argv(out, "--crf", "none"), capsys)
+    assert code == 0 and said.strip() == f"predictions -> {out}: 0 written, 5 already done, 0 skipped"
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")} == times
+    (out / "im3.png").unlink()  # a run killed before im3
+    code, said, _ = _run(world.argv(out, "--crf", "none"), capsys)
+    assert code == 0 and said.strip() == f"predictions -> {out}: 1 written, 4 already done, 0 skipped"
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.png") if p.name != "im3.png"} == \
+        {k: v for k, v in times.items() if k != "im3.png"}
+    code, _, err = _run(world.argv(out, "--crf", "mars"), capsys)  # other settings into the same folder
+    assert code == 2 and err.count("\n") == 1 and "other settings" in err and "crf" in err, err
+
+
+def _corrupt(world, tmp_path):
+    import shutil
+
+    images = shutil.copytree(world.images, tmp_path / "images")
+    (images / "im2.png").write_bytes(b"\x89PNG\r\n\x1a\n but no image")
+    return images
+
+
+def test_a_corrupt_image_stops_with_its_name(world, tmp_path, capsys):
+    out = tmp_path / "pred"
+    code, _, err = _run(world.argv(out, "--crf", "none", images=_corrupt(world, tmp_path)), capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("mars predict: error: im2: "), err
+    assert "im2.png" in err and not (out / "im2.png").exists()
+
+
+def test_a_corrupt_image_is_skipped_and_named(world, tmp_path, capsys):
+    out = tmp_path / "pred"
+    code, said, err = _run(world.argv(out, "--crf", "none", "--on-error", "skip",
+                                      images=_corrupt(world, tmp_path)), capsys)
+    assert code == 1 and "4 written, 1 skipped" in said
+    assert re.search(r"^  im2: .*im2\.png", err, re.M), err
+    assert sorted(p.stem for p in out.glob("*.png")) == ["im0", "im1", "im3", "im4"]
+
+
+@pytest.mark.parametrize("more,flag", [
+    (["--scales", "0"], "--scales"), (["--scales", "1,x"], "--scales"), (["--scales", "1,9"], "--scales"),
+    (["--batch-size", "0"], "--batch-size"), (["--class-threshold", "1.5"], "--class-threshold"),
+    (["--class-threshold", "nan"], "--class-threshold"), (["--crf", "dense"], "--crf"), (["--which", "ema"], "--which"),
+    (["--on-error", "ignore"], "--on-error"), (["--device", "cuda:7"], "--device"), (["--device", "gpu"], "--device"),
+    (["--root", "."], "--root"), (["--method", "MARS"], "--method"), (["--domain", "val"], "--domain"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(world, tmp_path, capsys, more, flag):
+    if flag == "--device" and torch.cuda.is_available():
+        pytest.skip("a machine with CUDA")
+    code, _, err = _run(world.argv(tmp_path / "pred", *more), capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and flag in last and "Traceback" not in err, err
+    assert not (tmp_path / "pred").exists() or not any((tmp_path / "pred").glob("*.png"))
+
+
+def test_images_without_out_is_one_line(world, capsys):
+    code, _, err = _run(["predict", "--model", str(world.ck), "--images", str(world.images)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--out" in err, err
+
+
+def _not_a_checkpoint(kind: str, path: Path) -> Path:
+    if kind == "bytes":
+        path.write_bytes(os.urandom(256))
+    elif kind == "state_dict":  # ImageNet backbone weights given as --model
+        torch.save({"conv1.weight": torch.zeros(2, 3, 1, 1)}, path)
+    elif kind == "pickle":
+        import pickle
+
+        path.write_bytes(pickle.dumps({"format": "mars-train/1", "model": World}))
+    elif kind == "missing":
+        pass
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("kind,says", [("bytes", "not a readable mars train checkpoint"),
+                                       ("state_dict", "not a mars train checkpoint"),
+                                       ("pickle", "not a readable mars train checkpoint"),
+                                       ("missing", "no such file")])
+def test_a_file_that_is_no_checkpoint_is_one_line(world, tmp_path, capsys, kind, says):
+    bad = _not_a_checkpoint(kind, tmp_path / "bad.pt")
+    code, _, err = _run(world.argv(tmp_path / "pred", model=bad), capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"mars predict: error: --model {bad}"), err
+    assert says in err and not (tmp_path / "pred").exists()
+
+
+def test_a_ce_checkpoint_has_no_teacher(world, tmp_path, capsys):
+    code, _, err = _run(world.argv(tmp_path / "pred", "--which", "teacher", model=world.ce), capsys)
+    assert code == 2 and err.count("\n") == 1 and "holds no teacher" in err and "--which student" in err, err
+    assert _run(world.argv(tmp_path / "pred", "--crf", "none", model=world.ce), capsys)[0] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# DHR's tree: <root>/WSS/<data>/<method>/<domain>/
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dhr(tmp_path_factory, world):
+    root = tmp_path_factory.mktemp("dhr")
+    for domain, n in (("train_aug", 3), ("validation", 2)):
+        folder = root / "VOC2012" / domain / "image"
+        folder.mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(_images(1, 24 + 8 * i, 32, seed=10 + i)[0].numpy()).save(folder / f"2007_00{i}.jpg")
+    return root, _checkpoint(world.root / "voc.pt", 20, seed=3)
+
+
+@pytest.mark.parametrize("domain", [None, "validation"])
+def test_root_and_method_write_dhr_wss_masks(dhr, capsys, domain):
+    from mars_plugin.adapters.dhr import DHRLayout, load_pseudo_labels
+
+    root, ck = dhr
+    argv = ["predict", "--model", str(ck), "--root", str(root), "--method", "MARS", "--crf", "none",
+            "--no-progress"] + ([] if domain is None else ["--domain", domain])
+    code, said, err = _run(argv, capsys)
+    assert code == 0, err
+    domain = domain or "train_aug"
+    layout = DHRLayout(root, "VOC2012")
+    folder = layout.wss_dir("MARS", domain)
+    assert folder == root / "WSS" / "VOC2012" / "MARS" / domain and f"predictions -> {folder}:" in said
+    ids = sorted(layout.ids(domain, tagged_only=False))
+    masks = dict(load_pseudo_labels(folder, ids=ids))  # how DHR's adapter reads --wss masks
+    assert sorted(masks) == ids
+    for i in ids:
+        image = layout.image_dir(domain) / f"{i}.jpg"
+        assert torch.equal(masks[i], _reference_labels(ck, "student", image, crf="none"))
+        assert _read(folder / f"{i}.png").shape == masks[i].shape
+
+
+def test_method_refuses_a_network_of_other_classes_than_the_dataset(dhr, world, capsys):
+    root, _ = dhr
+    code, _, err = _run(["predict", "--model", str(world.ck), "--root", str(root), "--method", "MARS3",
+                         "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--model" in err and "3 classes" in err, err
+    assert not (root / "WSS" / "VOC2012" / "MARS3").exists()
+
+
+def test_root_without_method_or_out_is_one_line(dhr, capsys):
+    root, ck = dhr
+    code, _, err = _run(["predict", "--model", str(ck), "--root", str(root)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--method" in err and "--out" in err, err
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun: two gloo ranks write what one process writes
+# --------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_ranks_write_what_one_process_writes(world, tmp_path, capsys):
+    from test_distributed import _free_port
+    from test_features_distributed import _env
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    # --batch-size 1: the ranks' batches differ from one process's (a conv over another batch
+    # size may round differently); per image the work is the same.
+    more = ["--batch-size", "1", "--threads", "1"]
+    assert _run(world.argv(one, *more), capsys)[0] == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), "--tee", "3", "-m", "mars_plugin.cli", *world.argv(two, *more)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(re.findall(r"^\[default(\d)\]:predict rank (\d)/2: (\d+) written, (\d+) skipped -> (.*)$",
+                              res.stdout, re.M))
+    assert lines == [("0", "0", "3", "0", str(two)), ("1", "1", "2", "0", str(two))], res.stdout
+    names = sorted(p.name for p in one.iterdir() if not p.name.startswith(".mars-run"))
+    assert sorted(p.name for p in two.iterdir() if not p.name.startswith(".mars-run")) == names
+    for name in names:
+        assert torch.equal(_read(two / name), _read(one / name)), name
