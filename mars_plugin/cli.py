@@ -476,6 +476,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_threads(t)
 
+    from .predict import add_predict_arguments
+
+    pr = sub.add_parser("predict", formatter_class=_Formatter,
+                        help="a trained network's labels (mars train checkpoint): multi-scale + flip inference and "
+                             "the dense CRF, as the authors' evaluators",
+                        description="One P-mode PNG (VOC palette) per image: the mean softmax over --scales and "
+                                    "flips, then the dense CRF over the classes reaching --class-threshold (RS+EPM's "
+                                    "and DHR's evaluators; sources in mars_plugin/predict.py). --root/--method write "
+                                    "DHR's WSS/<data>/<method>/<domain>/ (MARS masks, for train.py --wss). "
+                                    "Resumable, atomic writes; under torchrun the ranks share the images.")
+    add_predict_arguments(pr)
+    add_threads(pr)
+
     return ap
 
 
@@ -510,7 +523,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 #: What an interrupted command leaves (the others write their outputs atomically at the end).
-_AFTER_INTERRUPT = {c: "run it again to resume (finished files are kept)" for c in ("features", "debias", "reproduce")}
+_AFTER_INTERRUPT = {c: "run it again to resume (finished files are kept)"
+                    for c in ("features", "debias", "reproduce", "predict")}
 _AFTER_INTERRUPT["train"] = "run it again to resume from the last checkpoint"
 _AFTER_INTERRUPT["demo"] = "run it again to start over"
 
@@ -521,7 +535,8 @@ def _interrupted(argv: Optional[List[str]]) -> int:
     import threading
 
     words = list(sys.argv[1:] if argv is None else argv)
-    commands = ("demo", "centroids", "debias", "evaluate", "features", "report", "reproduce", "sample", "train")
+    commands = ("demo", "centroids", "debias", "evaluate", "features", "report", "reproduce", "sample", "predict",
+                "train")
     name = next((w for w in words if w in commands), None)
     # A second Ctrl-C while this line is written must not print a traceback either.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -585,6 +600,19 @@ def _main(argv: Optional[List[str]]) -> int:
                 # torchrun stops every rank as soon as one exits non-zero (1: skipped files): no
                 # rank leaves before every rank has printed its lines.
                 jobs.barrier()
+                return 1 if s.failed else 0
+        if args.command == "predict":
+            from .predict import run_predict
+
+            joined = _maybe_init_distributed()
+            s, out = run_predict(args)  # under torchrun: this rank's share; a failure on one rank fails all
+            rank, world = jobs._rank_world()
+            if world == 1:
+                print(f"predictions -> {out}: {s.line()}")
+            else:
+                print(f"predict rank {rank}/{world}: {s.line()} -> {out}", flush=True)
+                _print_skipped(s)
+                jobs.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
                 return 1 if s.failed else 0
         if args.command in ("centroids", "debias"):
             joined = _maybe_init_distributed()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Union
+from typing import Callable, Tuple, Union
 
 from ._checks import (
     BIASED_PNG_VALUE,
@@ -59,6 +59,8 @@ __all__ = [
     "demo_images",
     "demo_size",
     "demo_epochs",
+    "seg_scales",
+    "class_threshold",
     "MAX_RES",
     "MIN_RES",
     "MAX_STRIDE",
@@ -129,6 +131,22 @@ weight_decay = real_in(0.0, 1.0)
 ema = real_in(0.0, 1.0, why="the teacher's EMA momentum; the paper's is 0.999")
 every = int_in(1, 10_000_000)
 loader_workers = int_in(0, MAX_WORKERS)
+class_threshold = real_in(0.0, 1.0)
+
+
+def seg_scales(text: str) -> Tuple[float, ...]:
+    """--scales of ``mars predict``: comma-separated positive numbers, e.g. 1,0.5,1.5,2 (order
+    kept; the bounds of :func:`mars_plugin.adapters.multiscale.check_scales`)."""
+    from .adapters.multiscale import check_scales
+
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,0.5,1.5,2, got {text!r}") from None
+    try:
+        return check_scales(values)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def ignore_index(text: str) -> int:
