@@ -44,15 +44,22 @@ Recipe::
     # 3. deeplab-pytorch: in ImageSets/SegmentationAug/train_aug.txt, second field
     #    /SegmentationClassAug/<id>.png -> /SegmentationClassAug_MARS/<id>.png, then the main.py
     #    edits of docs/adapters.md, "AdvCAM + kazuto1011/deeplab-pytorch" (checked at 4219467):
-    #    L157-158 (criterion and criterion.to(device)) -> hook = MARSTrainingHook(model) and the
-    #    classes; L222/L225 keep the ids; L231-236 -> iter_loss = hook(...); after L247 hook.update(model).
+    #    L157-158 (criterion and criterion.to(device)) -> hook = MARSTrainingHook(model,
+    #    refine="crf", match="logits"), the classes and the BGR mean; L222/L225 keep the ids;
+    #    L231-236 -> the RGB uint8 batch (mean added back, BGR -> RGB) and iter_loss = hook(...,
+    #    images_rgb=rgb); after L247 hook.update(model); the teacher saved as checkpoint_<n>_mars.pth
+    #    beside each checkpoint_<n>.pth and loaded when MARS_RESUME names one.
     #    tests/test_recipes.py applies exactly those lines to a loop of main.py's shape and runs it.
 
 ``MARSTrainingHook`` (``from mars_plugin.adapters import MARSTrainingHook``) sums the MARS loss
-over every logit map of MSC's training output (msc.py returns [1x, 0.75x, 0.5x, max]), as
-deeplab-pytorch sums its CE over them; its EMA teacher runs in eval mode, where MSC returns one
-map. Debiased labels hold **254** for biased pixels; the unmodified ``CrossEntropyLoss`` (21
-classes) would fail on them: train through ``MARSTrainingHook``, which maps 254 to -1.
+over every logit map of MSC's training output: ``[logits] + logits_pyramid + [logits_max]``
+(libs/models/msc.py:45) with the pyramid in the order of its scales [0.5, 0.75]
+(libs/models/__init__.py:38), i.e. [1x, 0.5x, 0.75x, max], as deeplab-pytorch sums its CE over
+them; its EMA teacher runs in eval mode, where MSC returns the max map alone (msc.py:46-47).
+DeepLab-v2 predicts at stride 8, so the CRF teacher takes ``match="logits"``: the logits are
+upsampled to the labels and the CRF refines the teacher at the crop's size. Debiased labels hold
+**254** for biased pixels; the unmodified ``CrossEntropyLoss`` (21 classes) would fail on them:
+train through ``MARSTrainingHook``, which maps 254 to -1.
 """
 from __future__ import annotations
 

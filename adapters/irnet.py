@@ -43,10 +43,12 @@ R-CNN on the pseudo labels, e.g. torchvision's)::
                           for i, y in labels.items()), "result/sem_seg_mars")
     # 3. train on result/sem_seg_mars/<id>.png: replace the line
     #        loss = nn.CrossEntropyLoss(ignore_index=255)(logits, labels)
-    #    by  loss = hook(images, logits, labels, cls)  with hook = MARSTrainingHook(model)
-    #    (from mars_plugin.adapters import MARSTrainingHook), and call hook.update(model) after
-    #    optimizer.step(): the whole loop is in docs/adapters.md, "The training hook in your own
-    #    loop", run as written by tests/test_recipes.py.
+    #    by  loss = hook(images, logits, labels, cls, images_rgb=rgb)  with
+    #    hook = MARSTrainingHook(model, refine="crf") (the paper's CRF teacher; rgb: the (B, H, W, 3)
+    #    uint8 images before normalisation; from mars_plugin.adapters import MARSTrainingHook),
+    #    call hook.update(model) after optimizer.step(), and save hook.state_dict() with the model:
+    #    the whole loop, with its checkpoints and resume, is in docs/adapters.md, "The training
+    #    hook in your own loop", run as written by tests/test_recipes.py.
 
 Debiased labels hold **254** for the biased pixels (-1 in memory). Plain cross-entropy with
 ``ignore_index=255`` would take 254 as a class id (and fail on 21 classes): train on them only

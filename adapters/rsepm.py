@@ -36,9 +36,13 @@ tag=..., name=..., mask_dir='./experiments/')``, which reads
 unchanged. In your training loop (any DeepLab loop on that dataset), replace the
 ``nn.CrossEntropyLoss(ignore_index=255)(logits, masks)`` line by::
 
-    hook = MARSTrainingHook(model)                        # once; from mars_plugin.adapters import MARSTrainingHook
-    loss = hook(images, logits, masks, classes)           # classes: (B, C) multi-hot from tags
+    hook = MARSTrainingHook(model, refine="crf")          # once; from mars_plugin.adapters import MARSTrainingHook
+    loss = hook(images, logits, masks, classes, images_rgb=rgb)  # classes: (B, C) multi-hot from tags
     loss.backward(); optimizer.step(); hook.update(model)
+
+``rgb`` is the batch as (B, H, W, 3) uint8 RGB at the masks' size, before the dataset's
+normalisation: the dense CRF refines the teacher on it, as the paper does. Save
+``hook.state_dict()`` with the model and load it on resume (``hook.load_state_dict``).
 
 ``Dataset_For_Segmentation.__getitem__`` returns only (image, mask); to get ``classes``, wrap it
 so that it also returns ``tags[self.image_names[index].replace('.jpg', '')]`` (the id rule of

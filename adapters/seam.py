@@ -34,11 +34,18 @@ Then the segmentation stage, ``ssc/experiment/seamv1-pseudovoc``:
   lines they replace, or Python raises ``TabError``/``IndentationError``), the edits of docs/adapters.md, "SEAM +
   YudeWang/semantic-segmentation-codebase": after L34 import ``MARSTrainingHook`` and ``seam``
   from ``mars_plugin.adapters``; L85 ``criterion = ...`` -> ``hook =
-  MARSTrainingHook(parameter_source)`` and ``tags = seam.load_image_labels(...,
-  trust_pickle=True)``; L97 ``loss = criterion(...)`` -> ``loss = hook(inputs.to(device), pred1,
-  seg_label.to(device), torch.stack([tags[n] for n in sample['name']]).to(device))`` (``device``
-  is ``train.py:62``); after L99 ``optimizer.step()``: ``hook.update(parameter_source)``.
-  tests/test_recipes.py applies exactly those lines to a loop of train.py's shape and runs it.
+  MARSTrainingHook(parameter_source, refine="crf")`` (the paper's CRF teacher), ``tags =
+  seam.load_image_labels("../../../SEAM/voc12/cls_labels.npy", trust_pickle=True)`` (relative
+  to ``experiment/seamv1-pseudovoc``, where train.py runs, with SEAM checked out beside the
+  codebase), ``DATA_MEAN``/``DATA_STD`` as tensors, and the teacher loaded from
+  ``<TRAIN_CKPT>_mars.pth`` on resume; L97 ``loss = criterion(...)`` -> the uint8 RGB batch
+  (``((inputs * std + mean) * 255)``, channels last; ``ssc/lib/datasets/transform.py:151-168``)
+  and ``loss = hook(inputs.to(device), pred1, seg_label.to(device), torch.stack([tags[n] for n
+  in sample['name']]).to(device), images_rgb=rgb.to(device))`` (``device`` is ``train.py:62``);
+  after L99 ``optimizer.step()``: ``hook.update(parameter_source)``; beside each checkpoint
+  (L125, L132) ``<checkpoint>_mars.pth`` with the teacher and the optimizer, removed with the
+  previous epoch's (L127). tests/test_recipes.py applies exactly those lines to a loop of
+  train.py's shape, from that folder, and runs it.
 
 The hook maps 254 to -1 (biased), fills those pixels from its EMA teacher and weighs them
 (Eq. 6-7). Without it, plain ``CrossEntropyLoss(ignore_index=255)`` would train on 254 as a
