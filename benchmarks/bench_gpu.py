@@ -16,7 +16,6 @@ import tempfile
 import time
 import traceback
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -84,8 +84,8 @@ def main():
     rows.append((f"dense_crf alone, {B} x {S}x{S}, {L} labels, float64 input",
                  timed(lambda: dense_crf(p, rgb, CRF_PRESETS["mars"]), dev)[0]))
     pf = p.float()
-    rows.append((f"dense_crf alone, float32 input", timed(lambda: dense_crf(pf, rgb, CRF_PRESETS["mars"]), dev)[0]))
-    rows.append((f"dense_crf, 5 iterations", timed(lambda: dense_crf(pf, rgb, dict(CRF_PRESETS["mars"], iterations=5)),
+    rows.append(("dense_crf alone, float32 input", timed(lambda: dense_crf(pf, rgb, CRF_PRESETS["mars"]), dev)[0]))
+    rows.append(("dense_crf, 5 iterations", timed(lambda: dense_crf(pf, rgb, dict(CRF_PRESETS["mars"], iterations=5)),
                                                    dev)[0]))
     half = torch.nn.functional.interpolate(pf, scale_factor=0.5, mode="bilinear", align_corners=False)
     rgb_half = torch.nn.functional.interpolate(rgb.permute(0, 3, 1, 2).float(), scale_factor=0.5, mode="bilinear",
