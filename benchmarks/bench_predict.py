@@ -130,7 +130,9 @@ def main(argv=None) -> None:
     for name, t in (("network (multi-scale + flip)", t_net), (f"CRF ({args.crf})", t_crf),
                     ("total", t_net + t_crf)):
         print(f"| {name} | {t / n:.4f} | {n / t:.2f} |" if t > 0 else f"| {name} | 0 | - |")
-    print(f"classes per image's CRF (reaching {CLASS_THRESHOLD}): {min(kept)}..{max(kept)} of {args.num_classes + 1}")
+    if args.crf != "none":
+        print(f"classes per image's CRF (reaching {CLASS_THRESHOLD}): {min(kept)}..{max(kept)} of "
+              f"{args.num_classes + 1}")
     if dev.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(dev) / 2 ** 30:.2f} GiB")
 

@@ -506,3 +506,14 @@ def test_torchrun_two_ranks_write_what_one_process_writes(world, tmp_path, capsy
     assert sorted(p.name for p in two.iterdir() if not p.name.startswith(".mars-run")) == names
     for name in names:
         assert torch.equal(_read(two / name), _read(one / name)), name
+
+
+def test_ctrl_c_is_one_line_and_exit_130(world, tmp_path, capsys, monkeypatch):
+    import mars_plugin.predict as P
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "predict_job", interrupt)
+    code, _, err = _run(world.argv(tmp_path / "pred"), capsys)
+    assert code == 130 and err == "mars predict: interrupted; run it again to resume (finished files are kept)\n"
