@@ -109,6 +109,14 @@ def test_multiscale_probs_equal_a_loop_from_the_definition(scales, flip, stride)
     assert not torch.allclose(want, torch.stack([_reference_probs(model, xi, (1.0,), False) for xi in x]), atol=1e-3)
 
 
+def test_fp16_runs_the_network_in_half_and_returns_float32():
+    model = Net(4).eval()
+    x = _normalize(_images(2, 24, 32))
+    got = multiscale_probs(model, x, fp16=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, multiscale_probs(model, x), atol=2e-2, rtol=0)
+
+
 def _probs_with_absent_classes(seed=0):
     """(3, 5, 24, 30) probabilities in which image 0 has class 4 below the threshold everywhere,
     image 1 only class 2 above it, image 2 every class: the CRF label sets differ per image."""
