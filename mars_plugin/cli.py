@@ -73,8 +73,9 @@ def _add_wsss(p: argparse.ArgumentParser) -> None:
                         "only for files you trust)")
 
 
-def _maybe_init_distributed() -> bool:
-    """Join the process group that torchrun describes in the environment (gloo, CPU tensors)."""
+def _maybe_init_distributed(train: Optional[str] = None) -> bool:
+    """Join the process group that torchrun describes in the environment (gloo, CPU tensors;
+    ``mars train`` on GPUs: nccl, given its ``--device``)."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -83,7 +84,12 @@ def _maybe_init_distributed() -> bool:
 
     if dist.is_initialized():
         return False
-    dist.init_process_group("gloo")
+    backend = "gloo"
+    if train is not None and train != "cpu":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
     return True
 
 
@@ -388,7 +394,87 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="a bad input file: stop with its name (exit 2), or skip it, name it and exit 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    tr = p.add_argument_group("the second step (--train): mars train on the debiased labels, mars predict")
+    tr.add_argument("--train", action="store_true",
+                    help="then train the segmentation network on the debiased labels (out/train), predict and score "
+                         "the validation split (out/val_pred, scores_trained.json) and write the MARS masks of the "
+                         "training split (out/masks); each stage resumes")
+    tr.add_argument("--arch", choices=("deeplabv3+", "deeplabv2"), default="deeplabv3+", help="as mars train --arch")
+    tr.add_argument("--train-backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
+                    help="as mars train --backbone")
+    tr.add_argument("--weights", default=None, help="as mars train --weights (ImageNet ResNet, torchvision layout)")
+    tr.add_argument("--iterations", type=T.iterations, default=30000, help="as mars train --iterations")
+    tr.add_argument("--train-batch-size", type=T.batch_size, default=16, help="as mars train --batch-size")
+    tr.add_argument("--crop", type=T.crop, default=512, help="as mars train --crop")
+    tr.add_argument("--min-size", type=T.image_side, default=320, help="as mars train --min-size")
+    tr.add_argument("--max-size", type=T.image_side, default=640, help="as mars train --max-size")
+    tr.add_argument("--lr", type=T.lr, default=1e-3, help="as mars train --lr")
+    tr.add_argument("--loader-workers", type=T.loader_workers, default=2, help="as mars train --workers")
+    tr.add_argument("--val-domain", default="validation",
+                    help="the split scored after training (<root>/<data>/<val-domain>/{image,mask}; DHR: validation)")
+    tr.add_argument("--no-masks", action="store_true", help="do not predict the training split (the MARS masks)")
     add_threads(p)
+
+    t = sub.add_parser("train", formatter_class=_Formatter,
+                       help="train the segmentation network on debiased labels (EMA teacher + CRF complement + WCE, "
+                            "Sec. 3.4), or with plain CE as the baseline",
+                       description="The paper's second step: a DeepLab network trained on the debiased labels "
+                                   "(254 = biased) with the EMA teacher refined by the dense CRF, the complement "
+                                   "and the weighted CE (Eq. 6-7); --loss ce trains plain CE on the given labels. "
+                                   "The MARS authors' trainer's settings (DHR train.py): SGD, poly, batch 16 of "
+                                   "512x512, random resize, flip, colour jitter. Resumes from --out; under torchrun "
+                                   "each process takes its slice of the global batch (the same step as one process).")
+    t.add_argument("--images", default=None, help="folder of <id>.jpg|png images (default with --root: "
+                                                  "<root>/<data>/<domain>/image)")
+    t.add_argument("--labels", required=True, help="folder of <id>.png labels: debiased (254 = biased) for --loss mars, "
+                                                   "the pseudo labels for --loss ce")
+    t.add_argument("--out", required=True, help="the run's folder: checkpoint.pt, log.jsonl, train.json")
+    t.add_argument("--root", default=None, help="DHR's tree: images and xml tags from <root>/<data>/<domain>")
+    t.add_argument("--data", default="VOC2012", help="with --root: dataset folder (VOC2012, COCO2014)")
+    t.add_argument("--domain", default="train_aug", help="with --root: split folder")
+    t.add_argument("--num-classes", type=T.num_classes, default=None,
+                   help="foreground classes C (default: from --class-names, DHR's json with --root, else 20)")
+    t.add_argument("--class-names", default=None, help="JSON list of class names (background first), kept in the "
+                                                        "checkpoint")
+    t.add_argument("--image-labels", default=None,
+                   help="JSON {id: [class ids]} the teacher may fill biased pixels with (mars reproduce writes "
+                        "image_labels.json); default: the xml tags with --root, else each label's classes")
+    t.add_argument("--arch", choices=("deeplabv3+", "deeplabv2"), default="deeplabv3+",
+                   help="DeepLabv3+ (the paper's RS+EPM row) or DeepLabv2 (its IRNet/AdvCAM rows)")
+    t.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
+                   help="ResNet depth (resnet18 for small runs)")
+    t.add_argument("--output-stride", type=T.output_stride, choices=(8, 16), default=None,
+                   help="the backbone's output stride (default: 16 for deeplabv3+, 8 for deeplabv2, as upstream)")
+    t.add_argument("--bn", choices=("train", "frozen", "sync"), default=None,
+                   help="BatchNorm: batch statistics (deeplabv3+'s default, as RS+EPM/DHR), frozen (deeplabv2's "
+                        "default, as deeplab-pytorch) or sync (SyncBatchNorm over torchrun's GPUs)")
+    t.add_argument("--weights", default=None,
+                   help="torchvision-layout ImageNet file of the backbone (e.g. resnet101-63fe2227.pth), read "
+                        "weights-only; default: random initialisation")
+    t.add_argument("--loss", choices=("mars", "ce"), default="mars",
+                   help="mars: EMA teacher + complement + WCE on debiased labels; ce: plain CE (the baseline)")
+    t.add_argument("--refine", choices=("crf", "none"), default="crf",
+                   help="the teacher's refinement (the paper: the dense CRF, on the batch, on the device)")
+    t.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
+    t.add_argument("--iterations", type=T.iterations, default=30000, help="optimizer steps")
+    t.add_argument("--batch-size", type=T.batch_size, default=16,
+                   help="global batch (split over torchrun's processes)")
+    t.add_argument("--crop", type=T.crop, default=512, help="crop side (DHR: 512)")
+    t.add_argument("--min-size", type=T.image_side, default=320, help="random resize: smallest longer side (DHR: 320)")
+    t.add_argument("--max-size", type=T.image_side, default=640, help="random resize: largest longer side (DHR: 640)")
+    t.add_argument("--lr", type=T.lr, default=1e-3, help="backbone learning rate; new layers 10x (DHR: 1e-3)")
+    t.add_argument("--momentum", type=T.momentum, default=0.9, help="SGD momentum")
+    t.add_argument("--weight-decay", type=T.weight_decay, default=4e-5, help="SGD weight decay (DHR: 4e-5)")
+    t.add_argument("--ema", type=T.ema, default=0.999, help="teacher EMA momentum (the paper: 0.999)")
+    t.add_argument("--seed", type=T.seed, default=0, help="seed of the initialisation, the data order and the "
+                                                          "augmentation")
+    t.add_argument("--no-amp", action="store_true", help="float32 on CUDA (AMP is on by default there)")
+    t.add_argument("--device", default="auto", help="auto (CUDA if any; under torchrun: GPU LOCAL_RANK), cpu, cuda")
+    t.add_argument("--workers", type=T.loader_workers, default=2, help="data-loading processes per training process")
+    t.add_argument("--save-every", type=T.every, default=1000, help="checkpoint every N steps (and at the end)")
+    t.add_argument("--log-every", type=T.every, default=10, help="a log.jsonl line every N steps")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_threads(t)
 
     from .predict import add_predict_arguments
 
@@ -439,6 +525,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 #: What an interrupted command leaves (the others write their outputs atomically at the end).
 _AFTER_INTERRUPT = {c: "run it again to resume (finished files are kept)"
                     for c in ("features", "debias", "reproduce", "predict")}
+_AFTER_INTERRUPT["train"] = "run it again to resume from the last checkpoint"
 _AFTER_INTERRUPT["demo"] = "run it again to start over"
 
 
@@ -448,7 +535,8 @@ def _interrupted(argv: Optional[List[str]]) -> int:
     import threading
 
     words = list(sys.argv[1:] if argv is None else argv)
-    commands = ("demo", "centroids", "debias", "evaluate", "features", "report", "reproduce", "sample", "predict")
+    commands = ("demo", "centroids", "debias", "evaluate", "features", "report", "reproduce", "sample", "predict",
+                "train")
     name = next((w for w in words if w in commands), None)
     # A second Ctrl-C while this line is written must not print a traceback either.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -597,6 +685,21 @@ def _main(argv: Optional[List[str]]) -> int:
             if res["rank"] == 0:
                 print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
                       f"({p['num_images']} images); details and the paper's figures in {res['report']}")
+            if args.train:
+                from .reproduce import default_domain
+                from .reproduce_train import train_after_reproduce
+
+                opts = dict(arch=args.arch, backbone=args.train_backbone, weights=args.weights,
+                            iterations=args.iterations, batch_size=args.train_batch_size, crop=args.crop,
+                            min_size=args.min_size, max_size=args.max_size, lr=args.lr, seed=args.seed,
+                            workers=args.loader_workers)
+                t = train_after_reproduce(args.root, args.out, data=args.data,
+                                          domain=args.domain or default_domain(args.data, args.root),
+                                          val_domain=args.val_domain, train_options=opts, device=args.device,
+                                          masks=not args.no_masks, progress=progress)
+                if res["rank"] == 0 and t["val"] is not None:
+                    print(f"mIoU of the trained network on {args.val_domain}: {100 * t['val']['miou']:.1f} "
+                          f"({t['checkpoint']})")
             if res["world_size"] > 1:
                 # torchrun stops every rank as soon as one exits non-zero (1: files skipped): each
                 # rank names its skipped files, then they leave together.
@@ -604,6 +707,15 @@ def _main(argv: Optional[List[str]]) -> int:
                 sys.stdout.flush()
                 jobs.barrier()
                 return 1 if s.failed else 0
+        elif args.command == "train":
+            from .train import run_train_command
+
+            joined = _maybe_init_distributed(train=args.device)
+            res = run_train_command(args)
+            if res["rank"] == 0:
+                print(f"train ({args.loss}) -> {res['checkpoint']}: {res['iterations']} steps"
+                      + (f", resumed at {res['resumed_from']}" if res["resumed_from"] else "")
+                      + (f", last loss {res['loss']:.4f}" if res["loss"] is not None else ""))
         elif args.command == "report":
             report, s = jobs.report_job(
                 args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),

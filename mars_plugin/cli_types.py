@@ -46,6 +46,16 @@ __all__ = [
     "ignore_index",
     "res",
     "stride",
+    "iterations",
+    "output_stride",
+    "crop",
+    "image_side",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "ema",
+    "every",
+    "loader_workers",
     "demo_images",
     "demo_size",
     "demo_epochs",
@@ -110,6 +120,17 @@ spill_mb = real_in(0.0, math.inf, why="0 spills every batch")
 num_examples = int_in(0, MAX_EXAMPLES, "rows of the most-changed grid")
 per_class = int_in(0, MAX_PER_CLASS, "rows per class of the per-class grid")
 stride = int_in(1, MAX_STRIDE)
+#: mars train
+iterations = int_in(1, 10_000_000)
+output_stride = int_in(8, 16, "8 or 16")
+crop = int_in(8, 4096, "a side in pixels")
+image_side = int_in(8, 8192, "the longer side after the random resize")
+lr = real_in(0.0, 10.0, low_open=True)
+momentum = real_in(0.0, 1.0, high_open=True)
+weight_decay = real_in(0.0, 1.0)
+ema = real_in(0.0, 1.0, why="the teacher's EMA momentum; the paper's is 0.999")
+every = int_in(1, 10_000_000)
+loader_workers = int_in(0, MAX_WORKERS)
 class_threshold = real_in(0.0, 1.0)
 
 

@@ -124,10 +124,13 @@ def teacher_labels(
     p = teacher_probs.detach().double().gather(1, order[:, :, None, None].expand(-1, -1, H, W))
     p = p.masked_fill(~ok[:, :, None, None], 0)
     p = p / p.sum(1, keepdim=True).clamp_min(1e-12)
-    if refine == "local_crf":
-        q = local_crf(p.float(), imgs, params, valid=ok)
-    else:
-        q = dense_crf(p, imgs, params, valid=ok, backend=crf_backend)
+    # The CRF's arithmetic is float32 whatever the caller's autocast (a training loop under AMP
+    # calls the teacher and this inside torch.autocast): its sparse products mix dtypes otherwise.
+    with torch.autocast(p.device.type, enabled=False):
+        if refine == "local_crf":
+            q = local_crf(p.float(), imgs, params, valid=ok)
+        else:
+            q = dense_crf(p, imgs, params, valid=ok, backend=crf_backend)
     return order.gather(1, q.argmax(1).flatten(1).to(order.device)).view(B, H, W)
 
 

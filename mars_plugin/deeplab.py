@@ -310,6 +310,7 @@ class _SegNet(nn.Module):
 
     def __init__(self, backbone: str, num_classes: int, output_stride: int) -> None:
         super().__init__()
+        _, backbone, num_classes, output_stride = _check_model_args(self.arch, backbone, num_classes, output_stride)
         self.backbone = ResNet(backbone, output_stride)
         self.num_classes = num_classes
 
@@ -371,6 +372,26 @@ class DeepLabV2(_SegNet):
         return self.aspp(feats[3])
 
 
+def _check_model_args(arch: Any, backbone: Any, num_classes: Any, output_stride: Any) -> Tuple[str, str, int, int]:
+    """The arguments of :func:`build_model`, checked (None output stride: the arch's own)."""
+    if not isinstance(arch, str):
+        raise TypeError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {describe(arch)}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
+    if not isinstance(backbone, str):
+        raise TypeError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {describe(backbone)}")
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {backbone!r}")
+    num_classes = check_num_classes(num_classes)
+    if output_stride is None:
+        output_stride = DEFAULT_OUTPUT_STRIDE[arch]
+    if isinstance(output_stride, bool) or not isinstance(output_stride, (int, np.integer)):
+        raise TypeError(f"output_stride must be 8 or 16, got {describe(output_stride)}")
+    if int(output_stride) not in OUTPUT_STRIDES:
+        raise ValueError(f"output_stride must be 8 or 16, got {output_stride}")
+    return arch, backbone, num_classes, int(output_stride)
+
+
 def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optional[int] = None) -> nn.Module:
     """The segmentation network of ``mars train``, randomly initialised.
 
@@ -387,23 +408,9 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
         A module whose ``forward(x)``, x (B, 3, H, W) float normalized with :func:`normalize`,
         gives logits (B, C + 1, H, W); ``model.config`` is the dict of these arguments.
     """
-    if not isinstance(arch, str):
-        raise TypeError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {describe(arch)}")
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
-    if not isinstance(backbone, str):
-        raise TypeError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {describe(backbone)}")
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {backbone!r}")
-    num_classes = check_num_classes(num_classes)
-    if output_stride is None:
-        output_stride = DEFAULT_OUTPUT_STRIDE[arch]
-    if isinstance(output_stride, bool) or not isinstance(output_stride, (int, np.integer)):
-        raise TypeError(f"output_stride must be 8 or 16, got {describe(output_stride)}")
-    if int(output_stride) not in OUTPUT_STRIDES:
-        raise ValueError(f"output_stride must be 8 or 16, got {output_stride}")
+    arch, backbone, num_classes, output_stride = _check_model_args(arch, backbone, num_classes, output_stride)
     cls = DeepLabV3Plus if arch == "deeplabv3+" else DeepLabV2
-    return cls(backbone, num_classes, int(output_stride))
+    return cls(backbone, num_classes, output_stride)
 
 
 def _unwrap(model: Any) -> nn.Module:
@@ -468,8 +475,8 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
             hint = "; it is a mars train checkpoint (give it to mars predict --model or mars train --resume)"
         elif isinstance(state, dict) and any(k in state for k in ("state_dict", "model")):
             hint = "; it is a training checkpoint holding a state dict, not a torchvision weight file"
-        raise ValueError(f"{path}: not a state dict of tensors (a torchvision ImageNet file), got "
-                         f"{type(state).__name__ if not isinstance(state, dict) else 'a dict with other entries'}{hint}")
+        got = "a dict with other entries" if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path}: not a state dict of tensors (a torchvision ImageNet file), got {got}{hint}")
     state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     expected = backbone.state_dict()
     missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]

@@ -56,12 +56,20 @@ class EMATeacher(nn.Module):
             if t.shape != s.shape:
                 raise ValueError(f"student {name} has shape {tuple(s.shape)}, teacher {tuple(t.shape)}")
         m = self.momentum
+        ts, ss = [], []
         for name, t in t_state.items():
             s = s_state[name].detach()
             if t.is_floating_point():
-                t.mul_(m).add_(s.to(t.dtype), alpha=1.0 - m)
+                ts.append(t)
+                ss.append(s.to(t.dtype))
             else:
                 t.copy_(s)
+        # One multi-tensor kernel per operation instead of two launches per tensor (a ResNet-101
+        # has ~600 state tensors: the per-tensor loop cost a GPU training step several ms). The
+        # same arithmetic as t.mul_(m).add_(s, alpha=1 - m), tensor by tensor.
+        if ts:
+            torch._foreach_mul_(ts, m)
+            torch._foreach_add_(ts, ss, alpha=1.0 - m)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():

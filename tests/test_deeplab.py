@@ -7,8 +7,6 @@ that the layout tests cost nothing, the forward tests run ResNet-18 on 65x65 ima
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 from mars_plugin import deeplab
 from mars_plugin.deeplab import (IMAGENET_MEAN, IMAGENET_STD, ResNet, build_model, load_backbone_weights, normalize,
                                  param_groups)
-from mars_plugin.seg_checkpoint import model_from_checkpoint, save_checkpoint
+from mars_plugin.seg_checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
 # torchvision's state dicts have 122 / 320 / 626 entries and these parameter counts, fc included
 TORCHVISION = {
@@ -248,12 +246,10 @@ def test_default_output_stride_per_arch():
 @pytest.mark.parametrize("os_", [8, 16])
 @pytest.mark.parametrize("hw", [(65, 65), (25, 38)])
 def test_output_shape(arch, os_, hw):
-    model = tiny(arch, os_, num_classes=4)
-    for mode in (True, False):
-        model.train(mode)
-        out = model(torch.randn(2, 3, *hw))
-        assert tuple(out.shape) == (2, 5, *hw) and out.dtype == torch.float32
-        assert torch.isfinite(out).all()
+    model = tiny(arch, os_, num_classes=4).train()  # eval mode: test_logits_are_bilinear_upsampling...
+    out = model(torch.randn(2, 3, *hw))
+    assert tuple(out.shape) == (2, 5, *hw) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
 
 
 def test_logits_are_bilinear_upsampling_of_the_head():
@@ -298,8 +294,8 @@ def test_determinism_for_a_seed():
 @pytest.mark.parametrize("arch", ["deeplabv3+", "deeplabv2"])
 def test_gradients_reach_every_parameter(arch):
     model = tiny(arch, 16).train()
-    x = torch.randn(2, 3, 49, 49)
-    y = torch.randint(0, 4, (2, 49, 49))
+    x = torch.randn(2, 3, 33, 33)
+    y = torch.randint(0, 4, (2, 33, 33))
     F.cross_entropy(model(x), y).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None, name
@@ -315,7 +311,8 @@ def test_gradients_reach_every_parameter(arch):
     ({"arch": "DeepLabv3+"}, ValueError, r"arch must be one of .* got 'DeepLabv3\+'"),
     ({"arch": ""}, ValueError, r"arch must be one of .* got ''"),
     ({"arch": None}, TypeError, r"arch must be one of .* got NoneType"),
-    ({"backbone": "resnet34"}, ValueError, r"backbone must be one of 'resnet18', 'resnet50', 'resnet101', got 'resnet34'"),
+    ({"backbone": "resnet34"}, ValueError,
+     r"backbone must be one of 'resnet18', 'resnet50', 'resnet101', got 'resnet34'"),
     ({"backbone": "resnet152"}, ValueError, r"backbone must be one of .* got 'resnet152'"),
     ({"backbone": "vgg16"}, ValueError, r"backbone must be one of .* got 'vgg16'"),
     ({"backbone": 101}, TypeError, r"backbone must be one of .* got int 101"),
@@ -357,13 +354,15 @@ def test_numpy_integers_are_accepted():
 # --- ImageNet weights -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("with_tracked", [True, False])
-@pytest.mark.parametrize("arch", ["deeplabv3+", "deeplabv2"])
+@pytest.mark.parametrize("arch,with_tracked", [("deeplabv3+", True), ("deeplabv2", False)])
 def test_load_backbone_weights_round_trip(tmp_path, arch, with_tracked):
     state = torchvision_state("resnet18", seed=1, with_tracked=with_tracked)
     path = tmp_path / "resnet18-f37072fd.pth"
     torch.save(state, path)
     model = tiny(arch, 8, seed=2)
+    for m in model.backbone.modules():  # a count from before: loading ImageNet weights restarts it
+        if isinstance(m, nn.BatchNorm2d):
+            m.num_batches_tracked.fill_(5)
     head_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("backbone.")}
     load_backbone_weights(model, path)
     got = model.backbone.state_dict()
@@ -433,9 +432,19 @@ def test_wrong_backbone_file_loads_nothing(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def _write_bad(tmp_path, kind):
+@pytest.fixture(scope="module")
+def r18_state():
+    return torchvision_state("resnet18", with_fc=False)
+
+
+@pytest.fixture(scope="module")
+def r18_model():
+    return tiny()
+
+
+def _write_bad(tmp_path, kind, state):
     path = tmp_path / f"{kind}.pth"
-    good = torchvision_state("resnet18", with_fc=False)
+    good = {k: v.clone() for k, v in state.items()}
     if kind == "empty":
         path.write_bytes(b"")
     elif kind == "text":
@@ -480,9 +489,9 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
-def test_bad_weight_files_are_one_line_errors(tmp_path, kind):
-    path = _write_bad(tmp_path, kind)
-    model = tiny()
+def test_bad_weight_files_are_one_line_errors(tmp_path, kind, r18_state, r18_model):
+    path = _write_bad(tmp_path, kind, r18_state)
+    model = r18_model  # shared: a test that loads anything into it fails below
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=BAD_FILES[kind]) as info:
         load_backbone_weights(model, path)
@@ -579,7 +588,8 @@ def test_normalize_is_rsepms():
 @pytest.mark.parametrize("bad,exc,pattern", [
     (np.zeros((2, 5, 5, 3), np.float32), TypeError, r"images must be uint8 RGB \(B, H, W, 3\), got array"),
     (torch.zeros(2, 5, 5, 3), TypeError, r"images must be uint8 RGB \(B, H, W, 3\), got tensor"),
-    (torch.zeros(2, 3, 5, 5, dtype=torch.uint8), ValueError, r"images must be \(B, H, W, 3\) RGB, got tensor of shape \(2, 3, 5, 5\)"),
+    (torch.zeros(2, 3, 5, 5, dtype=torch.uint8), ValueError,
+     r"images must be \(B, H, W, 3\) RGB, got tensor of shape \(2, 3, 5, 5\)"),
     (np.zeros((5, 5, 3), np.uint8), ValueError, r"images must be \(B, H, W, 3\) RGB, got tensor of shape \(5, 5, 3\)"),
     ([[1, 2, 3]], TypeError, r"images must be a uint8 tensor or array"),
 ])
@@ -600,8 +610,9 @@ def test_checkpoint_round_trip(tmp_path, arch):
     F.cross_entropy(model(x), torch.randint(0, 6, (2, 33, 33))).backward()
     opt.step()
     path = tmp_path / "ck.pth"
-    save_checkpoint(path, {"model": model.config, "iteration": 1, "student": model.state_dict(),
-                           "teacher": None, "optimizer": opt.state_dict()})
+    # the optimizer's groups carry strings (name): they too must read back with weights_only
+    save_checkpoint(path, {"model": model.config, "iteration": 1, "student": model.state_dict(), "teacher": None,
+                           "optimizer": opt.state_dict() if arch == "deeplabv2" else None})
     back, meta = model_from_checkpoint(path)
     assert back.config == model.config and not back.training
     want, got = model.state_dict(), back.state_dict()
@@ -610,3 +621,65 @@ def test_checkpoint_round_trip(tmp_path, arch):
     with torch.no_grad():
         assert torch.equal(model(x), back(x))
     assert meta["iteration"] == 1
+    if arch == "deeplabv2":
+        ck = load_checkpoint(path)
+        assert [g["name"] for g in ck["optimizer"]["param_groups"]] == [g["name"] for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("cls,args,exc,pattern", [
+    (deeplab.DeepLabV3Plus, ("resnet18", 5, 32), ValueError, r"output_stride must be 8 or 16, got 32"),
+    (deeplab.DeepLabV2, ("resnet34", 5, 8), ValueError, r"backbone must be one of .* got 'resnet34'"),
+    (deeplab.DeepLabV2, ("resnet18", 0, 8), ValueError, r"num_classes must be an integer in 1..253, got 0"),
+])
+def test_classes_check_their_arguments_too(cls, args, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        with torch.device("meta"):
+            cls(*args)
+
+
+def _reference_resnet(x, sd, name, os_):
+    """torchvision's ResNet forward written out with torch.nn.functional from a state dict (eval
+    mode): stem, then per block conv-BN-ReLU ... BN, + identity (or downsample), ReLU; the stride
+    of a dilated layer becomes dilation, its first block keeping the previous dilation."""
+    def bn(t, p):
+        return F.batch_norm(t, sd[p + ".running_mean"], sd[p + ".running_var"], sd[p + ".weight"], sd[p + ".bias"],
+                            False, 0.0, 1e-5)
+
+    def conv(t, p, stride=1, dil=1):
+        w = sd[p + ".weight"]
+        return F.conv2d(t, w, stride=stride, padding=dil * (w.shape[-1] // 2), dilation=dil)
+
+    x = F.max_pool2d(F.relu(bn(conv(x, "conv1", 2), "bn1")), 3, 2, 1)
+    dilate = {16: [False, False, False, True], 8: [False, False, True, True]}[os_]
+    dilation = 1
+    for li, n in enumerate(TORCHVISION[name]["blocks"], 1):
+        stride = 1 if li == 1 else 2
+        previous = dilation
+        if dilate[li - 1]:
+            dilation, stride = dilation * stride, 1
+        for b in range(n):
+            p = f"layer{li}.{b}."
+            s, d1 = (stride, previous) if b == 0 else (1, dilation)
+            if name == "resnet18":
+                out = F.relu(bn(conv(x, p + "conv1", s, d1), p + "bn1"))
+                out = bn(conv(out, p + "conv2", 1, dilation), p + "bn2")
+            else:
+                out = F.relu(bn(conv(x, p + "conv1"), p + "bn1"))
+                out = F.relu(bn(conv(out, p + "conv2", s, d1), p + "bn2"))
+                out = bn(conv(out, p + "conv3"), p + "bn3")
+            idt = bn(conv(x, p + "downsample.0", s), p + "downsample.1") if p + "downsample.0.weight" in sd else x
+            x = F.relu(out + idt)
+    return x
+
+
+@pytest.mark.parametrize("name,os_", [("resnet18", 16), ("resnet18", 8), ("resnet50", 8)])
+def test_backbone_forward_is_torchvisions(name, os_):
+    state = torchvision_state(name, seed=4, with_fc=False)
+    net = ResNet(name, os_).eval()
+    net.load_state_dict(state)
+    x = torch.randn(2, 3, 37, 29)
+    with torch.no_grad():
+        got = net(x)[3]
+        want = _reference_resnet(x, state, name, os_)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

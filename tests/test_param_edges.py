@@ -63,6 +63,17 @@ BAD_FLAGS = [
     ("predict", "--scales", ",".join(["1"] * 17)), ("predict", "--class-threshold", "-0.1"),
     ("predict", "--class-threshold", "1.5"), ("predict", "--class-threshold", "nan"),
     ("predict", "--batch-size", "0"), ("predict", "--batch-size", "4097"), ("predict", "--threads", "0"),
+    ("train", "--iterations", "0"), ("train", "--iterations", "10000001"), ("train", "--batch-size", "0"),
+    ("train", "--crop", "7"), ("train", "--crop", "4097"), ("train", "--min-size", "7"),
+    ("train", "--max-size", "8193"), ("train", "--lr", "0"), ("train", "--lr", "nan"), ("train", "--lr", "11"),
+    ("train", "--momentum", "1"), ("train", "--momentum", "-0.1"), ("train", "--weight-decay", "-1"),
+    ("train", "--weight-decay", "inf"), ("train", "--ema", "1.5"), ("train", "--ema", "nan"),
+    ("train", "--seed", "-1"), ("train", "--workers", "-1"), ("train", "--workers", "257"),
+    ("train", "--save-every", "0"), ("train", "--log-every", "0"), ("train", "--num-classes", "254"),
+    ("train", "--threads", "0"), ("train", "--output-stride", "12"), ("train", "--output-stride", "32"),
+    ("reproduce", "--iterations", "0"), ("reproduce", "--train-batch-size", "0"), ("reproduce", "--crop", "4"),
+    ("reproduce", "--min-size", "0"), ("reproduce", "--max-size", "99999"), ("reproduce", "--lr", "-1"),
+    ("reproduce", "--loader-workers", "-1"),
 ]
 
 
@@ -84,6 +95,7 @@ def _argv(cmd, tmp):
         "reproduce": ["reproduce", "--root", f"{t}/root", "--pseudo", f"{t}/p", "--features", f"{t}/f",
                       "--out", f"{t}/out"],
         "predict": ["predict", "--model", f"{t}/m.pt", "--images", f"{t}/i", "--out", f"{t}/out"],
+        "train": ["train", "--images", f"{t}/i", "--labels", f"{t}/l", "--out", f"{t}/out"],
     }[cmd]
 
 

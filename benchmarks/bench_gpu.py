@@ -1,0 +1,153 @@
+"""Every GPU row of the project in one process (run by benchmarks/gpu.sh): the dense CRF at batch
+1/16/64, `mars debias --device cuda`, the training step (CE vs MARS with the CRF teacher), and the
+CUDA rows of the benchmarks that already have them (features fp32/fp16, `mars predict`).
+
+Each section prints a markdown table and its wall time; a failing section prints its error and
+the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
+script works, numbers meaningless), which the test suite does not do: it is for developers.
+
+    python benchmarks/bench_gpu.py [--sections crf,debias,train,features,predict] [--smoke]
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _machine import machine_line  # noqa: E402
+
+
+def sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def section_crf(dev, smoke):
+    """Images/s of the dense CRF at 500x375 (VOC), 10 iterations, both presets, 2 and 21 labels."""
+    from bench_crf import natural_image, smooth_probs, time_ours
+
+    from mars_plugin.crf import CRF_PRESETS
+
+    H, W = (375, 500) if not smoke else (60, 80)
+    batches = (1, 16, 64) if not smoke else (1, 4)
+    print(f"dense CRF, {W}x{H}, 10 iterations, on {dev}; images/s of the best of 2 passes over max(batch, 16) "
+          "images after a warm-up call")
+    print("| preset | labels | batch | images/s | VOC train_aug (10,582) |")
+    print("| --- | --- | --- | --- | --- |")
+    imgs = [natural_image(H, W, s) for s in range(8)]
+    for preset in ("mars", "psa"):
+        for L in (2, 21):
+            probs = [smooth_probs(L, H, W, s) for s in range(8)]
+            for b in batches:
+                n = max(b, 16 if not smoke else 4)
+                P, Im = (probs * (n // 8 + 1))[:n], (imgs * (n // 8 + 1))[:n]
+                time_ours(P[:b], Im[:b], CRF_PRESETS[preset], b, dev)  # warm-up (kernels, allocator)
+                t = min(time_ours(P, Im, CRF_PRESETS[preset], b, dev)[0] for _ in range(2))
+                print(f"| {preset} | {L} | {b} | {n / t:.1f} | {10582 * t / n / 60:.1f} min |", flush=True)
+
+
+def section_debias(dev, smoke):
+    """`mars debias` (the folder job: read, CRF on the device, write) images/s."""
+    from bench_debias import make_folder
+
+    from mars_plugin.files import read_features, read_label
+    from mars_plugin.jobs import debias_job
+    from mars_plugin.selection import select_centroids
+
+    n = 64 if not smoke else 4
+    with tempfile.TemporaryDirectory() as root:
+        make_folder(root, n)
+        stems = sorted(f[:-4] for f in os.listdir(os.path.join(root, "features")))
+        V = select_centroids(((read_features(os.path.join(root, "features", s + ".npy")),
+                               read_label(os.path.join(root, "labels", s + ".png"))) for s in stems), 4)
+        V.save(os.path.join(root, "V.pt"))
+        print(f"mars debias --device {dev} on {n} images 500x375 (features D=70 at stride 8, CRF preset mars)")
+        print("| batch | s | images/s | VOC train_aug (10,582) |")
+        print("| --- | --- | --- | --- |")
+        for b in ((16, 64) if not smoke else (4,)):
+            for rep in range(2):  # the first pass warms up the CUDA kernels
+                out = os.path.join(root, f"out_{b}_{rep}")
+                t0 = time.perf_counter()
+                s = debias_job(os.path.join(root, "features"), os.path.join(root, "labels"),
+                               os.path.join(root, "V.pt"), out, images_dir=os.path.join(root, "images"),
+                               refine="crf", batch_size=b, device=dev, progress=False)
+                dt = time.perf_counter() - t0
+            assert s.done == n, s.line()
+            print(f"| {b} | {dt:.2f} | {n / dt:.1f} | {10582 * dt / n / 60:.1f} min |", flush=True)
+
+
+def _script(args):
+    cmd = [sys.executable, os.path.join(HERE, args[0])] + list(args[1:])
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    r = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    if r.returncode:
+        raise RuntimeError(f"{args[0]} exited with {r.returncode}")
+
+
+def section_train(dev, smoke):
+    """`mars train` s/step: CE vs MARS with the CRF teacher at batch 16 x 512 x 512 (AMP)."""
+    if smoke:
+        _script(["bench_train.py", "--backbone", "resnet18", "--batch", "2", "--crop", "64", "--steps", "3",
+                 "--warmup", "1", "--images", "4", "--workers", "0", "--device", dev])
+    else:
+        _script(["bench_train.py", "--device", dev, "--steps", "10", "--warmup", "4"])
+
+
+def section_features(dev, smoke):
+    """`mars features` (DHR's multi-scale inference, STEGO ViT-B/8) fp32 and fp16."""
+    if smoke:
+        _script(["bench_multiscale.py", "--device", dev, "--arch", "s8", "--repeats", "1", "--size", "64x48"])
+        return
+    _script(["bench_multiscale.py", "--device", dev])
+    _script(["bench_multiscale.py", "--device", dev, "--fp16"])
+
+
+def section_predict(dev, smoke):
+    """`mars predict` images/s with multi-scale + flip + CRF."""
+    if not os.path.isfile(os.path.join(HERE, "bench_predict.py")):
+        print("bench_predict.py is not there: no predict row")
+        return
+    if smoke:
+        _script(["bench_predict.py", "--device", dev, "--smoke"])
+    else:
+        _script(["bench_predict.py", "--device", dev])
+
+
+SECTIONS = {"crf": section_crf, "debias": section_debias, "train": section_train, "features": section_features,
+            "predict": section_predict}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: does the script run?")
+    args = ap.parse_args()
+    dev = "cpu" if args.smoke else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu.py: no GPU here (torch.cuda.is_available() is False): nothing to measure")
+        return 0
+    print(machine_line(dev))
+    failed = []
+    for name in args.sections.split(","):
+        print(f"\n## {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name](dev, args.smoke)
+        except Exception:  # noqa: BLE001 -- one section's failure must not lose the others' rows
+            traceback.print_exc(file=sys.stdout)
+            failed.append(name)
+        print(f"({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
+    if failed:
+        print(f"failed sections: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
