@@ -110,11 +110,33 @@ def test_multiscale_probs_equal_a_loop_from_the_definition(scales, flip, stride)
 
 
 def test_fp16_runs_the_network_in_half_and_returns_float32():
-    model = Net(4).eval()
+    from mars_plugin.predict import half_dtype
+
+    seen = []
+
+    class Spy(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            seen.append(y.dtype)
+            return y
+
+    model = Spy(4).eval()
     x = _normalize(_images(2, 24, 32))
     got = multiscale_probs(model, x, fp16=True)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, multiscale_probs(model, x), atol=2e-2, rtol=0)
+    assert got.dtype == torch.float32 and set(seen) == {half_dtype(x.device)} == {torch.bfloat16}
+    torch.testing.assert_close(got, multiscale_probs(model, x), atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_a_network_whose_output_is_not_finite_is_refused(fp16):
+    class Overflow(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            return y.masked_fill(y > 0, float("inf"))  # what float16 does to large activations
+
+    x = _normalize(_images(1, 24, 32))
+    with pytest.raises(ValueError, match="NaN or Inf" + (" under bfloat16 autocast" if fp16 else "")):
+        multiscale_probs(Overflow(4).eval(), x, fp16=fp16)
 
 
 def _probs_with_absent_classes(seed=0):
