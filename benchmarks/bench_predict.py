@@ -60,7 +60,7 @@ def main(argv=None) -> None:
                     help="images per forward pass and per CRF call (default: 8 on CUDA, 1 on the CPU)")
     ap.add_argument("--images", type=int, default=None, help="images per timed run (default: 4 per batch)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fp16", action="store_true", help="the network under float16 autocast")
+    ap.add_argument("--fp16", action="store_true", help="the network under half-precision autocast (mars predict --fp16: bfloat16)")
     ap.add_argument("--logit-std", type=float, default=3.0,
                     help="scale the random network's logits to this standard deviation (0: as they are)")
     ap.add_argument("--classes-per-image", type=int, default=3,
