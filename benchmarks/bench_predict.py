@@ -60,7 +60,8 @@ def main(argv=None) -> None:
                     help="images per forward pass and per CRF call (default: 8 on CUDA, 1 on the CPU)")
     ap.add_argument("--images", type=int, default=None, help="images per timed run (default: 4 per batch)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fp16", action="store_true", help="the network under half-precision autocast (mars predict --fp16: bfloat16)")
+    ap.add_argument("--fp16", action="store_true",
+                    help="the network under half-precision autocast (mars predict --fp16: bfloat16)")
     ap.add_argument("--logit-std", type=float, default=3.0,
                     help="scale the random network's logits to this standard deviation (0: as they are)")
     ap.add_argument("--classes-per-image", type=int, default=3,
@@ -91,13 +92,13 @@ def main(argv=None) -> None:
     keep[:, 0] = True
     for i in range(args.batch):
         keep[i, 1 + torch.randperm(L - 1, generator=g)[: max(args.classes_per_image - 1, 0)]] = True
-    net = model
+    scale = 1.0
     if args.logit_std > 0:
         with torch.no_grad():
             scale = args.logit_std / float(model(normalize(batches[0][:1])).float().std())
 
-        def net(x):
-            return model(x) * scale
+    def net(x):
+        return model(x) * scale
 
     def run():
         """(network seconds, CRF seconds, classes per image's CRF)."""

@@ -565,20 +565,28 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     _OWN_DEFAULT = "%(default).0s"  # no "(default: None)" where the help says what None means
 
     p.add_argument("--model", required=True, metavar="FILE",
-                   help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)" + _OWN_DEFAULT)
+                   help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)"
+                   + _OWN_DEFAULT)
     p.add_argument("--which", choices=("student", "teacher"), default="student",
                    help="the trained network or its EMA teacher (MARS runs only; --loss ce has none)")
-    p.add_argument("--images", default=None, metavar="DIR", help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
+    p.add_argument("--images", default=None, metavar="DIR",
+                   help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
     p.add_argument("--root", default=None, metavar="ROOT",
-                   help="DHR's --root: predict <root>/<data>/<domain>/image/ (with --method: into DHR's WSS tree)" + _OWN_DEFAULT)
-    p.add_argument("--data", default=None, help="dataset folder under --root (DHR's --data); default VOC2012" + _OWN_DEFAULT)
+                   help="DHR's --root: predict <root>/<data>/<domain>/image/ (with --method: into DHR's WSS tree)"
+                   + _OWN_DEFAULT)
+    p.add_argument("--data", default=None,
+                   help="dataset folder under --root (DHR's --data); default VOC2012" + _OWN_DEFAULT)
     p.add_argument("--domain", default=None,
-                   help="split folder under <data> (DHR's --domain); default train_aug for VOC2012, else train" + _OWN_DEFAULT)
+                   help="split folder under <data> (DHR's --domain); default train_aug for VOC2012, else train"
+                   + _OWN_DEFAULT)
     p.add_argument("--method", default=None, metavar="NAME",
                    help="with --root: write <root>/WSS/<data>/<NAME>/<domain>/<id>.png, where DHR's train.py --wss "
                         "NAME reads its masks (MARS masks: --method MARS)" + _OWN_DEFAULT)
-    p.add_argument("--out", default=None, metavar="DIR", help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method" + _OWN_DEFAULT)
-    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES), metavar="S,S,...",
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method"
+                   + _OWN_DEFAULT)
+    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
+                   metavar="S,S,...",
                    help="inference scales, comma-separated (RS+EPM's and DHR's evaluators: 1,0.5,1.5,2); the mean "
                         "softmax over scales (and flips) is taken")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from mars_plugin.crf import dense_crf
-from mars_plugin.files import read_label, voc_palette
+from mars_plugin.files import voc_palette
 from mars_plugin.predict import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_probs, multiscale_probs,
                                  predict_job, predict_labels)
 
@@ -57,7 +57,8 @@ def _images(n, h, w, seed=0):
     for _ in range(n):
         img = np.zeros((h, w, 3))
         for c in range(3):
-            img[..., c] = 128 + 100 * np.sin(xx * r.uniform(0.1, 0.4) + r.uniform(0, 6)) * np.cos(yy * r.uniform(0.1, 0.4))
+            fx, phase, fy = r.uniform(0.1, 0.4), r.uniform(0, 6), r.uniform(0.1, 0.4)
+            img[..., c] = 128 + 100 * np.sin(xx * fx + phase) * np.cos(yy * fy)
         out.append(np.clip(img + r.normal(0, 8, img.shape), 0, 255).astype(np.uint8))
     return torch.from_numpy(np.stack(out))
 
@@ -284,7 +285,8 @@ def _checkpoint(path: Path, num_classes: int, seed: int = 0, teacher: bool = Tru
 
     save_checkpoint(path, {"model": {"arch": "deeplabv3+", "backbone": "resnet18", "output_stride": 16,
                                      "num_classes": num_classes},
-                           "iteration": 10, "student": weights(seed), "teacher": weights(seed + 1) if teacher else None})
+                           "iteration": 10, "student": weights(seed),
+                           "teacher": weights(seed + 1) if teacher else None})
     return path
 
 
