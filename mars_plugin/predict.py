@@ -178,9 +178,8 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
         total = p if total is None else total.add_(p)
     assert total is not None
     if not bool(torch.isfinite(total).all()):  # one check (one GPU sync) for every scale
-        raise ValueError("the network's output holds NaN or Inf" + (f" under {str(half)[6:]} autocast (--fp16): its "
-                                                                    "activations overflow; run without --fp16"
-                                                                    if fp16 else ""))
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
     return total.div_(len(scales) * (2 if flip else 1))
 
 
