@@ -14,7 +14,7 @@ CRF's cost grows with the classes it runs over (printed).
 
     python benchmarks/bench_predict.py --device cuda --arch deeplabv3+ --backbone resnet101 --size 512 \\
         --batch 8 --images 32 [--fp16]
-    python benchmarks/bench_predict.py --backbone resnet18 --size 64 --images 2 --repeats 1   # seconds, CPU
+    python benchmarks/bench_predict.py --smoke                                               # seconds, CPU
 """
 import argparse
 import os
@@ -56,16 +56,26 @@ def main(argv=None) -> None:
     ap.add_argument("--no-flip", action="store_true")
     ap.add_argument("--crf", default="mars", choices=("mars", "psa", "none"))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--batch", type=int, default=1, help="images per forward pass and per CRF call")
-    ap.add_argument("--images", type=int, default=4, help="images per timed run")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="images per forward pass and per CRF call (default: 8 on CUDA, 1 on the CPU)")
+    ap.add_argument("--images", type=int, default=None, help="images per timed run (default: 4 per batch)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fp16", action="store_true", help="the network under float16 autocast")
+    ap.add_argument("--fp16", action="store_true",
+                    help="the network under half-precision autocast (mars predict --fp16: bfloat16)")
     ap.add_argument("--logit-std", type=float, default=3.0,
                     help="scale the random network's logits to this standard deviation (0: as they are)")
     ap.add_argument("--classes-per-image", type=int, default=3,
                     help="classes of each image's CRF (background + random others; 0: the network's own)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: ResNet-18, 64x64, 2 images, one repeat (checks that it runs)")
     args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if args.smoke:
+        args.backbone, args.size, args.images, args.repeats = "resnet18", "64", 2, 1
+        args.batch = args.batch or 2
+    args.batch = args.batch or (8 if cuda else 1)
+    args.images = args.images or 4 * args.batch
     if args.threads:
         torch.set_num_threads(args.threads)
     H, W = _size(args.size)
@@ -82,13 +92,13 @@ def main(argv=None) -> None:
     keep[:, 0] = True
     for i in range(args.batch):
         keep[i, 1 + torch.randperm(L - 1, generator=g)[: max(args.classes_per_image - 1, 0)]] = True
-    net = model
+    scale = 1.0
     if args.logit_std > 0:
         with torch.no_grad():
             scale = args.logit_std / float(model(normalize(batches[0][:1])).float().std())
 
-        def net(x):
-            return model(x) * scale
+    def net(x):
+        return model(x) * scale
 
     def run():
         """(network seconds, CRF seconds, classes per image's CRF)."""
@@ -130,7 +140,9 @@ def main(argv=None) -> None:
     for name, t in (("network (multi-scale + flip)", t_net), (f"CRF ({args.crf})", t_crf),
                     ("total", t_net + t_crf)):
         print(f"| {name} | {t / n:.4f} | {n / t:.2f} |" if t > 0 else f"| {name} | 0 | - |")
-    print(f"classes per image's CRF (reaching {CLASS_THRESHOLD}): {min(kept)}..{max(kept)} of {args.num_classes + 1}")
+    if args.crf != "none":
+        print(f"classes per image's CRF (reaching {CLASS_THRESHOLD}): {min(kept)}..{max(kept)} of "
+              f"{args.num_classes + 1}")
     if dev.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(dev) / 2 ** 30:.2f} GiB")
 

@@ -142,7 +142,8 @@ def seg_scales(text: str) -> Tuple[float, ...]:
     try:
         values = [float(t) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,0.5,1.5,2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,0.5,1.5,2, "
+                                         f"got {text!r}") from None
     try:
         return check_scales(values)
     except (TypeError, ValueError) as e:

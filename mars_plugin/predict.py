@@ -91,6 +91,7 @@ __all__ = [
     "CLASS_THRESHOLD",
     "CRF_CHOICES",
     "multiscale_probs",
+    "half_dtype",
     "labels_from_probs",
     "predict_labels",
     "predict_job",
@@ -147,7 +148,11 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
         returns: (B, L, H, W) float32 probabilities on ``images``' device (each pixel sums to 1).
 
     Args:
-        fp16: run ``model`` under float16 autocast (GPUs); the softmax and the mean are float32.
+        fp16: run ``model`` under half-precision autocast (:func:`half_dtype`: bfloat16, or
+            float16 on a GPU without bfloat16); the softmax and the mean are float32.
+
+    Probabilities that are not finite (a network whose float16 activations overflowed, as a
+    randomly initialised ResNet-101 does: measured on an H200) are a ValueError.
     """
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
@@ -155,13 +160,14 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
         raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
     scales = _check_scales(scales)
     B, _, H, W = images.shape
+    half = half_dtype(images.device)
     total: Optional[torch.Tensor] = None
     for s in scales:
         size = _scaled_size(H, W, s)
         x = _resize(images, size)
         if flip:  # the image and its mirror in one batch (RS+EPM core/networks.py:244)
             x = torch.cat([x, x.flip(-1)])
-        with torch.autocast(x.device.type, dtype=torch.float16, enabled=bool(fp16)):
+        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
             logits = model(x)
         if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
             raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
@@ -171,7 +177,18 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
             p = p[:B] + p[B:].flip(-1)
         total = p if total is None else total.add_(p)
     assert total is not None
+    if not bool(torch.isfinite(total).all()):  # one check (one GPU sync) for every scale
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
     return total.div_(len(scales) * (2 if flip else 1))
+
+
+def half_dtype(device: torch.device) -> torch.dtype:
+    """The autocast type of ``fp16=True``: bfloat16 (float32's range: no overflow where float16
+    gives Inf, as ``mars train`` uses it), float16 on a GPU without bfloat16 (before Ampere)."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
 
 
 def _crf_params(crf: Optional[str]) -> Optional[Dict[str, float]]:
@@ -547,20 +564,28 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     _OWN_DEFAULT = "%(default).0s"  # no "(default: None)" where the help says what None means
 
     p.add_argument("--model", required=True, metavar="FILE",
-                   help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)" + _OWN_DEFAULT)
+                   help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)"
+                   + _OWN_DEFAULT)
     p.add_argument("--which", choices=("student", "teacher"), default="student",
                    help="the trained network or its EMA teacher (MARS runs only; --loss ce has none)")
-    p.add_argument("--images", default=None, metavar="DIR", help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
+    p.add_argument("--images", default=None, metavar="DIR",
+                   help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
     p.add_argument("--root", default=None, metavar="ROOT",
-                   help="DHR's --root: predict <root>/<data>/<domain>/image/ (with --method: into DHR's WSS tree)" + _OWN_DEFAULT)
-    p.add_argument("--data", default=None, help="dataset folder under --root (DHR's --data); default VOC2012" + _OWN_DEFAULT)
+                   help="DHR's --root: predict <root>/<data>/<domain>/image/ (with --method: into DHR's WSS tree)"
+                   + _OWN_DEFAULT)
+    p.add_argument("--data", default=None,
+                   help="dataset folder under --root (DHR's --data); default VOC2012" + _OWN_DEFAULT)
     p.add_argument("--domain", default=None,
-                   help="split folder under <data> (DHR's --domain); default train_aug for VOC2012, else train" + _OWN_DEFAULT)
+                   help="split folder under <data> (DHR's --domain); default train_aug for VOC2012, else train"
+                   + _OWN_DEFAULT)
     p.add_argument("--method", default=None, metavar="NAME",
                    help="with --root: write <root>/WSS/<data>/<NAME>/<domain>/<id>.png, where DHR's train.py --wss "
                         "NAME reads its masks (MARS masks: --method MARS)" + _OWN_DEFAULT)
-    p.add_argument("--out", default=None, metavar="DIR", help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method" + _OWN_DEFAULT)
-    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES), metavar="S,S,...",
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method"
+                   + _OWN_DEFAULT)
+    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
+                   metavar="S,S,...",
                    help="inference scales, comma-separated (RS+EPM's and DHR's evaluators: 1,0.5,1.5,2); the mean "
                         "softmax over scales (and flips) is taken")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,
@@ -576,8 +601,9 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="where the network and the CRF run: cpu, cuda, cuda:1, or auto (under torchrun: GPU "
                         "LOCAL_RANK)")
-    p.add_argument("--fp16", action="store_true", help="the network under float16 autocast (GPUs); softmax, mean "
-                                                       "and CRF stay float32")
+    p.add_argument("--fp16", action="store_true",
+                   help="the network under half-precision autocast: bfloat16 (float16 on GPUs without it); softmax, "
+                        "mean and CRF stay float32")
     p.add_argument("--on-error", choices=ON_ERROR, default="stop",
                    help="an unreadable image: stop at the first with one line naming it (exit 2), or skip it, go "
                         "on, list every skipped file on stderr at the end and exit 1")

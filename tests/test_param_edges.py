@@ -59,6 +59,10 @@ BAD_FLAGS = [
     ("reproduce", "--batch-size", "0"), ("reproduce", "--workers", "0"), ("reproduce", "--num-examples", "101"),
     ("reproduce", "--threads", "0"), ("centroids", "--threads", "0"), ("evaluate", "--threads", "2000"),
     ("features", "--threads", "-3"), ("report", "--threads", "x"),
+    ("predict", "--scales", "0"), ("predict", "--scales", "1,nan"), ("predict", "--scales", "9"),
+    ("predict", "--scales", ",".join(["1"] * 17)), ("predict", "--class-threshold", "-0.1"),
+    ("predict", "--class-threshold", "1.5"), ("predict", "--class-threshold", "nan"),
+    ("predict", "--batch-size", "0"), ("predict", "--batch-size", "4097"), ("predict", "--threads", "0"),
     ("train", "--iterations", "0"), ("train", "--iterations", "10000001"), ("train", "--batch-size", "0"),
     ("train", "--crop", "7"), ("train", "--crop", "4097"), ("train", "--min-size", "7"),
     ("train", "--max-size", "8193"), ("train", "--lr", "0"), ("train", "--lr", "nan"), ("train", "--lr", "11"),
@@ -90,6 +94,7 @@ def _argv(cmd, tmp):
         "report": ["report", "--labels", f"{t}/l", "--debiased", f"{t}/d", "--images", f"{t}/i", "--out", f"{t}/out"],
         "reproduce": ["reproduce", "--root", f"{t}/root", "--pseudo", f"{t}/p", "--features", f"{t}/f",
                       "--out", f"{t}/out"],
+        "predict": ["predict", "--model", f"{t}/m.pt", "--images", f"{t}/i", "--out", f"{t}/out"],
         "train": ["train", "--images", f"{t}/i", "--labels", f"{t}/l", "--out", f"{t}/out"],
     }[cmd]
 

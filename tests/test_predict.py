@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from mars_plugin.crf import dense_crf
-from mars_plugin.files import read_label, voc_palette
+from mars_plugin.files import voc_palette
 from mars_plugin.predict import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_probs, multiscale_probs,
                                  predict_job, predict_labels)
 
@@ -57,7 +57,8 @@ def _images(n, h, w, seed=0):
     for _ in range(n):
         img = np.zeros((h, w, 3))
         for c in range(3):
-            img[..., c] = 128 + 100 * np.sin(xx * r.uniform(0.1, 0.4) + r.uniform(0, 6)) * np.cos(yy * r.uniform(0.1, 0.4))
+            fx, phase, fy = r.uniform(0.1, 0.4), r.uniform(0, 6), r.uniform(0.1, 0.4)
+            img[..., c] = 128 + 100 * np.sin(xx * fx + phase) * np.cos(yy * fy)
         out.append(np.clip(img + r.normal(0, 8, img.shape), 0, 255).astype(np.uint8))
     return torch.from_numpy(np.stack(out))
 
@@ -107,6 +108,36 @@ def test_multiscale_probs_equal_a_loop_from_the_definition(scales, flip, stride)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     # the reference itself is not trivial: scales and flips each change the result
     assert not torch.allclose(want, torch.stack([_reference_probs(model, xi, (1.0,), False) for xi in x]), atol=1e-3)
+
+
+def test_fp16_runs_the_network_in_half_and_returns_float32():
+    from mars_plugin.predict import half_dtype
+
+    seen = []
+
+    class Spy(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            seen.append(y.dtype)
+            return y
+
+    model = Spy(4).eval()
+    x = _normalize(_images(2, 24, 32))
+    got = multiscale_probs(model, x, fp16=True)
+    assert got.dtype == torch.float32 and set(seen) == {half_dtype(x.device)} == {torch.bfloat16}
+    torch.testing.assert_close(got, multiscale_probs(model, x), atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_a_network_whose_output_is_not_finite_is_refused(fp16):
+    class Overflow(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            return y.masked_fill(y > 0, float("inf"))  # what float16 does to large activations
+
+    x = _normalize(_images(1, 24, 32))
+    with pytest.raises(ValueError, match="NaN or Inf" + (" under bfloat16 autocast" if fp16 else "")):
+        multiscale_probs(Overflow(4).eval(), x, fp16=fp16)
 
 
 def _probs_with_absent_classes(seed=0):
@@ -254,7 +285,8 @@ def _checkpoint(path: Path, num_classes: int, seed: int = 0, teacher: bool = Tru
 
     save_checkpoint(path, {"model": {"arch": "deeplabv3+", "backbone": "resnet18", "output_stride": 16,
                                      "num_classes": num_classes},
-                           "iteration": 10, "student": weights(seed), "teacher": weights(seed + 1) if teacher else None})
+                           "iteration": 10, "student": weights(seed),
+                           "teacher": weights(seed + 1) if teacher else None})
     return path
 
 
@@ -506,3 +538,14 @@ def test_torchrun_two_ranks_write_what_one_process_writes(world, tmp_path, capsy
     assert sorted(p.name for p in two.iterdir() if not p.name.startswith(".mars-run")) == names
     for name in names:
         assert torch.equal(_read(two / name), _read(one / name)), name
+
+
+def test_ctrl_c_is_one_line_and_exit_130(world, tmp_path, capsys, monkeypatch):
+    import mars_plugin.predict as P
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "predict_job", interrupt)
+    code, _, err = _run(world.argv(tmp_path / "pred"), capsys)
+    assert code == 130 and err == "mars predict: interrupted; run it again to resume (finished files are kept)\n"
