@@ -116,7 +116,8 @@ def section_predict(dev, smoke):
     if smoke:
         _script(["bench_predict.py", "--device", dev, "--smoke"])
     else:
-        _script(["bench_predict.py", "--device", dev])
+        _script(["bench_predict.py", "--device", dev, "--size", "375x500"])
+        _script(["bench_predict.py", "--device", dev, "--size", "375x500", "--fp16"])
 
 
 SECTIONS = {"crf": section_crf, "debias": section_debias, "train": section_train, "features": section_features,
