@@ -233,3 +233,35 @@ class _nothing:
 
     def __exit__(self, *a):
         return False
+
+
+def test_reproduce_train_runs_the_second_step_on_dhr_tree(tmp_path, capsys):
+    """mars reproduce --train on a sample DHR tree (a copy of train_aug as validation): the
+    network is trained on the debiased labels with the xml tags, the validation split is predicted
+    and scored, the training split's MARS masks are written; run again, everything is kept."""
+    import shutil
+
+    from mars_plugin.sample_trees import write_sample_tree
+
+    root = tmp_path / "s"
+    write_sample_tree("dhr", root, num_images=6, size=32, seed=0)
+    shutil.copytree(root / "VOC2012" / "train_aug", root / "VOC2012" / "validation")
+    out = tmp_path / "rep"
+    argv = ["reproduce", "--root", str(root), "--pseudo", str(root / "WSS/VOC2012/RSEPM/train_aug"),
+            "--backbone", str(root / "weights/dino_tiny_random.pth"), "--heads", str(root / "weights/STEGO_VOC2012.pt"),
+            "--out", str(out), "--no-progress", "--train", "--train-backbone", "resnet18", "--iterations", "2",
+            "--train-batch-size", "2", "--crop", "32", "--min-size", "28", "--max-size", "40", "--loader-workers", "0"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "mIoU of the trained network on validation" in text, text
+    ck = load_checkpoint(out / "train" / CHECKPOINT_NAME)
+    assert ck["iteration"] == 2 and ck["settings"]["loss"] == "mars" and ck["teacher"] is not None
+    scores = json.loads((out / "scores_trained.json").read_text())
+    assert len(scores["iou"]) == 21 and scores["iterations"] == 2
+    stems = sorted(p.stem for p in (root / "VOC2012/train_aug/image").iterdir())
+    assert sorted(p.stem for p in (out / "masks").glob("*.png")) == stems
+    assert sorted(p.stem for p in (out / "val_pred").glob("*.png")) == stems
+    before = {p: p.stat().st_mtime_ns for p in (out / "masks").glob("*.png")}
+    assert cli.main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in (out / "masks").glob("*.png")} == before
+    assert load_checkpoint(out / "train" / CHECKPOINT_NAME)["iteration"] == 2
