@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
@@ -44,8 +43,8 @@ import torch.nn.functional as F
 from mars_plugin import cli_types as T
 from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param
 from mars_plugin.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.jobs import (JobError, JobSummary, _dist_ready, _label_like, _rank_world, one_line, resolve_device,
-                              share_error, sync_group)
+from mars_plugin.jobs import (JobError, JobSummary, SizeBatches, _dist_ready, _label_like, _rank_world, one_line,
+                              resolve_device, share_error, sync_group)
 from mars_plugin.run_record import array_digest, file_id
 
 from .multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
@@ -460,8 +459,7 @@ def _features_shard(
             fail(stem, f"no image of this id in {images_dir} (looked for {', '.join(IMAGE_EXTENSIONS)})")
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        buckets: "OrderedDict[Tuple[int, int], List[Tuple[str, Dict[str, Any], torch.Tensor]]]" = OrderedDict()
-        buffered = 0
+        batches = SizeBatches(batch_size, run)  # images of one size share a forward pass
         again = set()  # stems whose existing file is computed again (its image changed, or no record)
         for stem, path in items:
             if (out_dir / f"{stem}{other_ext}").is_file():
@@ -488,18 +486,8 @@ def _features_shard(
             except ValueError as e:
                 fail(stem, f"{path}: {e}")
                 continue
-            buckets.setdefault(key, []).append((stem, inputs, img))
-            buffered += 1
-            if len(buckets[key]) >= batch_size:
-                run(buckets.pop(key))
-                buffered -= batch_size
-            elif buffered >= 4 * batch_size:  # many sizes: run the fullest bucket
-                key = max(buckets, key=lambda k: len(buckets[k]))
-                b = buckets.pop(key)
-                buffered -= len(b)
-                run(b)
-        for b in buckets.values():
-            run(b)
+            batches.add(key, (stem, inputs, img))
+        batches.flush()
     finally:
         if bar is not None:
             bar.close()

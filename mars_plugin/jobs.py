@@ -18,10 +18,11 @@ import pickle
 import re
 import tempfile
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -643,6 +644,35 @@ def _translate_samples_error(e: Exception, yielded: Sequence[str], summary: JobS
     if msg.startswith("samples: "):
         return JobError(msg[len("samples: "):].replace("pseudo_label", "pseudo label"))
     return JobError(msg)
+
+
+class SizeBatches:
+    """Items grouped by image size into batches of ``batch_size`` for ``run(batch)``; a few sizes
+    are buffered at once (at most ``4 * batch_size`` items): when the buffer is full the fullest
+    size runs, so a folder of many sizes never holds more than that in memory. Call
+    :meth:`flush` at the end for the partial batches. (``mars features`` and ``mars predict``.)"""
+
+    def __init__(self, batch_size: int, run: Callable[[List[Any]], None]) -> None:
+        self.batch_size, self.run = int(batch_size), run
+        self.buckets: "OrderedDict[Any, List[Any]]" = OrderedDict()
+        self.buffered = 0
+
+    def add(self, key: Any, item: Any) -> None:
+        self.buckets.setdefault(key, []).append(item)
+        self.buffered += 1
+        if len(self.buckets[key]) >= self.batch_size:
+            self.buffered -= self.batch_size
+            self.run(self.buckets.pop(key))
+        elif self.buffered >= 4 * self.batch_size:  # many sizes: run the fullest bucket
+            b = self.buckets.pop(max(self.buckets, key=lambda k: len(self.buckets[k])))
+            self.buffered -= len(b)
+            self.run(b)
+
+    def flush(self) -> None:
+        while self.buckets:
+            b = self.buckets.pop(next(iter(self.buckets)))
+            self.buffered -= len(b)
+            self.run(b)
 
 
 def resolve_device(device: str) -> torch.device:

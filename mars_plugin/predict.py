@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -77,6 +76,7 @@ from .jobs import (
     ON_ERROR,
     JobError,
     JobSummary,
+    SizeBatches,
     _check_out_dir,
     _label_like,
     _rank_world,
@@ -439,8 +439,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     try:
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        buckets: "OrderedDict[Tuple[int, int], Batch]" = OrderedDict()
-        buffered = 0
+        batches = SizeBatches(batch_size, run)  # images of one size share a forward pass
         for stem, path in items:
             inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
             kept, exists = record.current(stem, out_dir / f"{stem}.png", inputs)
@@ -462,18 +461,8 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                 continue
             img = torch.from_numpy(rgb)
             key = (H, W)
-            buckets.setdefault(key, []).append((stem, inputs, img))
-            buffered += 1
-            if len(buckets[key]) >= batch_size:
-                run(buckets.pop(key))
-                buffered -= batch_size
-            elif buffered >= 4 * batch_size:  # many sizes: run the fullest bucket
-                key = max(buckets, key=lambda k: len(buckets[k]))
-                b = buckets.pop(key)
-                buffered -= len(b)
-                run(b)
-        for b in buckets.values():
-            run(b)
+            batches.add(key, (stem, inputs, img))
+        batches.flush()
     finally:
         if bar is not None:
             bar.close()

@@ -19,7 +19,7 @@ from mars_plugin.synthetic import make_world, write_world
 
 SIZE, NUM_TRAIN, NUM_VAL = 48, 160, 48
 TRAIN_FLAGS = ["--backbone", "resnet18", "--iterations", "120", "--batch-size", "4", "--crop", str(SIZE),
-               "--min-size", str(SIZE - 8), "--max-size", str(SIZE + 16), "--optimizer", "adamw", "--lr", "1e-3",
+               "--min-size", str(SIZE - 8), "--max-size", str(SIZE + 16), "--optimizer", "adamw", "--lr", "3e-4",
                "--weight-decay", "1e-4", "--workers", "0", "--no-progress", "--threads", "2"]
 
 
