@@ -98,9 +98,10 @@ PROB_CLIP = 1e-5
 CPU_CHUNK_PIXELS = 1 << 18
 CUDA_CHUNK_PIXELS = 1 << 24
 #: On the CPU with numba, the lattices (runs of at most CPU_CHUNK_PIXELS) of a batch are solved
-#: in torch.get_num_threads() parallel threads, about this many per thread in a group (so that
-#: the threads stay busy when images differ in size; the group is within max_bytes).
-COMPILED_RUNS_PER_THREAD = 2
+#: in torch.get_num_threads() parallel threads, up to this many per thread in a group (so that
+#: the threads stay busy when images differ in size; a group is within max_bytes; only one
+#: lattice per thread is alive at a time).
+COMPILED_RUNS_PER_THREAD = 4
 #: The position-only (Gaussian) kernel's lattice depends on the image sizes alone; the last
 #: GAUSSIAN_CACHE_ENTRIES of at most GAUSSIAN_CACHE_PIXELS pixels are kept (about 80 bytes a
 #: pixel, 15 MB for a 500x375 image; :func:`clear_lattice_cache` frees them).
@@ -436,7 +437,7 @@ def _mean_field_torch(sources: List[torch.Tensor], kind: str, masks: List[Option
     """Mean field for a batch, in runs of at most ``chunk_pixels`` pixels (one lattice each) that
     fit in ``max_bytes``; an image that does not fit alone is refused before any work.
 
-    On the CPU with numba (:mod:`mars_plugin.crf_compiled`), the runs of a group of about
+    On the CPU with numba (:mod:`mars_plugin.crf_compiled`), groups of up to
     ``COMPILED_RUNS_PER_THREAD`` runs per thread (within ``max_bytes`` together) are solved in
     parallel threads, one run per thread at a time."""
     device = sources[0].device
@@ -445,14 +446,25 @@ def _mean_field_torch(sources: List[torch.Tensor], kind: str, masks: List[Option
         chunk_pixels = CUDA_CHUNK_PIXELS if device.type == "cuda" else CPU_CHUNK_PIXELS
     L = sources[0].shape[0]
     shapes = [(s.shape[1], s.shape[2]) for s in sources]
-    group_pixels = chunk_pixels * COMPILED_RUNS_PER_THREAD * torch.get_num_threads() if compiled else chunk_pixels
+    sizes = [H * W for H, W in shapes]
+    fit = None
     if max_bytes is not None:
         _check_budget(shapes, L, p, max_bytes)
         fit = _pixels_within(max_bytes, L, p)
         chunk_pixels = max(1, min(chunk_pixels, fit))
-        group_pixels = max(1, min(group_pixels, fit))
+    groups = _chunks(sizes, chunk_pixels)
+    if compiled:  # runs of images grouped: up to so many runs per thread, within the budget
+        most = COMPILED_RUNS_PER_THREAD * torch.get_num_threads()
+        groups, runs = [], _chunks(sizes, chunk_pixels)
+        for a, b in runs:
+            n = sum(sizes[a:b])
+            if groups and groups[-1][2] < most and (fit is None or groups[-1][3] + n <= fit):
+                groups[-1] = (groups[-1][0], b, groups[-1][2] + 1, groups[-1][3] + n)
+            else:
+                groups.append((a, b, 1, n))
+        groups = [(a, b) for a, b, _, _ in groups]
     out: List[torch.Tensor] = []
-    for a, b in _chunks([H * W for H, W in shapes], group_pixels):
+    for a, b in groups:
         try:
             out.extend(_mean_field_chunk(sources[a:b], kind, masks[a:b], rgbs[a:b], p, max_bytes, chunk_pixels))
         except LatticeTooLarge:  # images whose colours make a denser lattice than assumed: one at a time

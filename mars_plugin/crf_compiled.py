@@ -8,9 +8,9 @@ cores are shared with other processes every barrier waits for a time slice (5-9x
 load, measured). Here the lattice of one image (or of a run of small images) is built and its
 mean field solved by a few compiled calls that touch no thread pool; the images of a batch run
 in ``threads`` Python threads (the calls release the GIL), each image start to finish in one
-thread, with one wait at the end. When there are fewer images than threads (one image on a
-many-core machine), the threads split the labels of each filter and the pixels of each softmax
-instead: two waits per iteration.
+thread, with one wait at the end. When there are fewer images than threads (one image), the
+threads share each iteration instead: the two kernels' filters as separate tasks (their labels
+in blocks with four threads or more), then the pixels of the softmax: two waits per iteration.
 
 It computes what the torch path computes, with the same float32 operations where they decide
 something: the lifting onto the lattice and the simplex of each point (the operations and
@@ -352,6 +352,19 @@ if numba is not None:
             for k in range(k0, k1):
                 dst[n, k] = src[n, k]
 
+    @njit(cache=_CACHE, nogil=True, boundscheck=False)
+    def _zero_cols(x, k0, k1):
+        for n in range(x.shape[0]):
+            for k in range(k0, k1):
+                x[n, k] = 0.0
+
+    @njit(cache=_CACHE, nogil=True, fastmath=_FM, boundscheck=False)
+    def _add_scaled_rows(e, m, scale, n0, n1):
+        """e[n0:n1] += scale * m[n0:n1]: the serial path's last slice step (m holds the slice)."""
+        for n in range(n0, n1):
+            for k in range(e.shape[1]):
+                e[n, k] += scale * m[n, k]
+
     @njit(cache=_CACHE, nogil=True, fastmath=_FM, boundscheck=False)
     def _solve(neg_u, q, e, gv, gsw, glw, gn1, gn2, cg, bv, bsw, blw, bn1, bn2, cb, iterations, vbuf, wbuf):
         """Mean field of one lattice pair in this thread: Q = softmax(-U), then ``iterations``
@@ -474,37 +487,49 @@ def _split(n: int, parts: int) -> List[Tuple[int, int]]:
 
 def _solve_split(neg_u: np.ndarray, q: np.ndarray, unit: Unit, compats: Tuple[float, float], iterations: int,
                  pool: ThreadPoolExecutor, threads: int) -> None:
-    """One unit with every thread: each filter on a block of labels per thread, each softmax on
-    a block of pixels per thread (two waits per iteration)."""
+    """One unit with every thread. Each iteration: the two kernels' messages as separate tasks
+    (the bilateral one into a second array; with four threads or more, each kernel's labels in
+    blocks), then the pixels in blocks, one per thread: the bilateral message added, the
+    softmax. Two waits per iteration; the additions are the serial path's, in its order."""
     a, b, g, build = unit
     bl = build()
-    u = np.ascontiguousarray(neg_u[a:b])
-    L = u.shape[1]
-    labels = _split(L, min(threads, L))
-    rows = _split(u.shape[0], threads)
+    u = neg_u[a:b]
+    N, L = u.shape
+    labels = _split(L, max(1, min(threads // 2, L)))
+    rows = _split(N, threads)
     width = max(k1 - k0 for k0, k1 in labels)
-    size = (max(g.num_lattice_points, bl.num_lattice_points) + 1) * width
-    scratch = [(np.empty(size, np.float32), np.empty(size, np.float32)) for _ in labels]
+    scratch = [(np.empty((k.num_lattice_points + 1) * width, np.float32),
+                np.empty((k.num_lattice_points + 1) * width, np.float32)) for k in (bl, g) for _ in labels]
     cg, cb = _f32(compats[0]), _f32(compats[1])
     cur = q[a:b]
     other = np.empty_like(u)
+    message = np.empty_like(u)  # the bilateral kernel's, added after the position kernel's
 
     def run(calls):
         for f in [pool.submit(*c) for c in calls]:
             f.result()
 
-    def energy(x, e, k0, k1, vbuf, wbuf):
+    def gaussian(x, e, k0, k1, vbuf, wbuf):  # e = -U + cg Kg(x), as the serial path
         _copy_cols(u, e, k0, k1)
         _filter(g.vert, g.sw, g.lw, g.n1, g.n2, x, vbuf, wbuf, e, cg, k0, k1)
-        _filter(bl.vert, bl.sw, bl.lw, bl.n1, bl.n2, x, vbuf, wbuf, e, cb, k0, k1)
 
-    run([(_copy_cols, u, cur, k0, k1) for k0, k1 in labels])
+    def bilateral(x, k0, k1, vbuf, wbuf):  # message = Kb(x)
+        _zero_cols(message, k0, k1)
+        _filter(bl.vert, bl.sw, bl.lw, bl.n1, bl.n2, x, vbuf, wbuf, message, _f32(1.0), k0, k1)
+
+    def normalise(e, r0, r1):  # e += cb Kb(x), then the softmax
+        _add_scaled_rows(e, message, cb, r0, r1)
+        _softmax_rows(e, r0, r1)
+
+    run([(_copy_cols, u[r0:r1], cur[r0:r1], 0, L) for r0, r1 in rows])
     run([(_softmax_rows, cur, r0, r1) for r0, r1 in rows])
     for _ in range(int(iterations)):
-        run([(energy, cur, other, k0, k1, vb, wb) for (k0, k1), (vb, wb) in zip(labels, scratch)])
-        run([(_softmax_rows, other, r0, r1) for r0, r1 in rows])
+        tasks = [(bilateral, cur, k0, k1, vb, wb) for (k0, k1), (vb, wb) in zip(labels, scratch)]
+        tasks += [(gaussian, cur, other, k0, k1, vb, wb) for (k0, k1), (vb, wb) in zip(labels, scratch[len(labels):])]
+        run(tasks)
+        run([(normalise, other, r0, r1) for r0, r1 in rows])
         cur, other = other, cur
-    if not np.shares_memory(cur, q[a:b]):
+    if not np.shares_memory(cur, q):
         q[a:b] = cur
 
 
@@ -515,7 +540,8 @@ def mean_field(neg_u: np.ndarray, units: Sequence[Unit], compats: Tuple[float, f
 
     With ``threads`` > 1, whole units run in parallel threads (each built and solved start to
     finish by one thread); units left over when there are fewer than threads run one at a time
-    with every thread (labels and pixels split). Results do not depend on ``threads``.
+    with every thread (the two kernels, then the pixels split). Results do not depend on
+    ``threads``.
     """
     neg_u = np.ascontiguousarray(neg_u, dtype=np.float32)
     q = np.empty_like(neg_u)
