@@ -89,7 +89,7 @@ def cli_table(args) -> None:
             r = subprocess.run([sys.executable, "-m", "mars_plugin.cli", "debias", *common, "--centroids",
                                 os.path.join(root, "V.pt"), "--images", os.path.join(root, "images"), "--out", out,
                                 "--crf-params", args.preset, "--no-progress", *extra], env=_command_env(checkout),
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, cwd=root)  # not here: -m would import this checkout
             if r.returncode:
                 raise SystemExit(f"mars debias failed:\n{r.stderr[-3000:]}")
             return time.perf_counter() - t0

@@ -94,7 +94,8 @@ def commands(root: str):
 def run_once(args, env, out_dir: str) -> float:
     shutil.rmtree(out_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "mars_plugin.cli", *args], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mars_plugin.cli", *args], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(out_dir))  # PYTHONPATH decides which checkout runs
     dt = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"mars {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
