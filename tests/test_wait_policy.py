@@ -3,6 +3,7 @@ loads libgomp (every way of starting it, its --workers processes too), a user's 
 setting is kept, importing the library changes nothing, and the documented library line makes
 torch's idle threads sleep instead of spinning."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -157,7 +158,9 @@ def test_the_documented_library_line_makes_idle_threads_sleep():
         assert r.returncode == 0, r.stderr[-2000:]
         return float(r.stdout.strip().splitlines()[-1])
 
-    readme_line = 'import os; os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")'
+    # the README's line, as written there
+    readme_line = re.search(r"```python\n(import os; os\.environ\.setdefault\(\"OMP_WAIT_POLICY\".*)\n```",
+                            (REPO / "README.md").read_text()).group(1)
     spinning = cpu("", GOMP_SPINCOUNT="300000")  # libgomp's own default: spin ~3 ms, then sleep
     sleeping = cpu(readme_line)
     assert sleeping < 0.1 and sleeping < spinning / 3, (sleeping, spinning)
