@@ -49,7 +49,8 @@ def is_mars_command(argv: Optional[Sequence[str]] = None, command_line: Optional
     """Whether this process runs the ``mars`` command: the console script (``sys.argv[0]``
     named ``mars``) or ``python [options] -m mars_plugin.cli`` (as torchrun starts each rank)."""
     argv = sys.argv if argv is None else argv
-    if argv and os.path.splitext(os.path.basename(argv[0]))[0] in ("mars", "mars-script"):
+    name = argv[0].replace("\\", "/").rsplit("/", 1)[-1] if argv else ""  # either separator (Windows)
+    if os.path.splitext(name)[0] in ("mars", "mars-script"):
         return True
     line = _command_line() if command_line is None else list(command_line)
     i = 1
