@@ -199,8 +199,8 @@ if numba is not None:
         """Lift every point of the images [starts[b], starts[b+1]) and insert its d+1 vertices
         (C++ key: rem0[i] + r - (d+1) [rank[i] > d - r], i < d, after the image index when
         there are several images), pixel by pixel, then one zero point for each image b with
-        pad[b]. Fills vert (N, d+1), bary_out (N, d+1); returns the number of lattice points
-        and the hash table (grown from ``slots`` as needed)."""
+        pad[b]. Fills vert (N, d+1), bary_out (N, d+1); returns the number of lattice points,
+        the hash table and the keys (grown from ``slots`` and ``keys`` as needed)."""
         N, d = features.shape
         d1 = d + 1
         B = starts.shape[0] - 1
@@ -251,9 +251,13 @@ if numba is not None:
                     p, count = _insert(key, keys, slots, slots.shape[0] - 1, count)
                     if b < B:
                         vert[n, r] = p
+                if count + d1 > keys.shape[0]:  # room for the next point's vertices
+                    more = np.empty((2 * keys.shape[0], kd), np.int32)
+                    more[:count] = keys[:count]
+                    keys = more
                 if 2 * (count + d1) > slots.shape[0]:
                     slots = _grown(keys, count, 2 * slots.shape[0])
-        return count, slots
+        return count, slots, keys
 
     @njit(cache=_CACHE, nogil=True)
     def _build_neighbours(keys, M, lead, slots, n1, n2):
@@ -417,12 +421,11 @@ class CompiledLattice:
         starts[1:] = np.cumsum(sizes)
         pad = np.array([s % _SIMD_BLOCK != 0 for s in sizes], dtype=np.bool_)
         lead = 1 if len(sizes) > 1 else 0
-        most = (N + int(pad.sum())) * d1  # every vertex a point of its own (never more)
-        # about one lattice point per pixel on photographs: a table of 2-4 slots per pixel at
-        # first (grown while filling), rows of keys for the most points (only those used are
-        # ever touched)
+        # About one lattice point per pixel on photographs (up to d+1 on noise): the table
+        # (2-4 slots per pixel) and the keys (one row per pixel) at first, both doubled while
+        # filling, so that memory follows the lattice.
         slots = np.full(1 << max(4, int(math.ceil(math.log2(2 * (N + d1))))), -1, dtype=np.int32)
-        keys = np.empty((most, lead + d), dtype=np.int32)
+        keys = np.empty((N + d1, lead + d), dtype=np.int32)
         vert = np.empty((N, d1), dtype=np.int32)
         bary = np.empty((N, d1), dtype=np.float32)
         # The torch path's float32 constants: scale factors sqrt(2/3) (d+1) / sqrt((i+1)(i+2))
@@ -430,7 +433,7 @@ class CompiledLattice:
         inv_std_dev = float(np.float32(math.sqrt(2.0 / 3.0) * d1))
         scale = np.array([1.0 / math.sqrt((i + 2) * (i + 1)) * inv_std_dev for i in range(d)] + [1.0 / d1],
                          dtype=np.float32)
-        M, slots = _build_points(features, starts, pad, scale, keys, slots, vert, bary)
+        M, slots, keys = _build_points(features, starts, pad, scale, keys, slots, vert, bary)
         M = int(M)
         if max_points is not None and M > max_points:
             raise LatticeTooLarge(M, max_points, N)
