@@ -5,8 +5,9 @@ For each preset (mars: Gaussian 1/3, bilateral 67/3/4; psa: 3/3, 80/13/10) and l
 
 * pydensecrf (the reference; the ``crf`` extra), one process, and --processes processes each
   running its share of the images (multiprocessing, one thread each);
-* ours (mars_plugin.crf.dense_crf) on the CPU at batch 1 and 8 (torch's threads, see the
-  machine line), and on CUDA at batch 1, 16 and 64 when a GPU is there.
+* ours (mars_plugin.crf.dense_crf) on the CPU with one thread (per core: compare with one
+  pydensecrf process), at batch 1 and 8 with torch's threads (see the machine line; a batch runs
+  its images in parallel threads), and on CUDA at batch 1, 16 and 64 when a GPU is there.
 
 Images are generated (smooth colour fields, a few sharp-edged shapes, mild noise: a lattice of
 the size natural images give), probabilities are a smooth random field. Ours is the median of
@@ -14,6 +15,9 @@ the size natural images give), probabilities are a smooth random field. Ours is 
 ours is from the reference on these images (max |Q - Q_ref|, argmax agreement).
 
     python benchmarks/bench_crf.py [--images 8] [--presets mars,psa] [--labels 2,21] [--processes 2]
+
+``--busy N`` starts N CPU-bound processes (``while 1: pass``) for the whole measurement: the
+numbers on a machine whose cores are shared (the load average is printed at the end).
 
 ``--memory`` prints peak memory instead: bytes per pixel of one image's CRF, ours (torch, CPU)
 and pydensecrf, at 500x375 and 1500x1000 (``--memory-sizes``), 2 and 21 labels, each run in a
@@ -81,8 +85,18 @@ def time_reference(probs, imgs, params, pool):
     return time.perf_counter() - t0, out
 
 
-def time_ours(probs, imgs, params, batch, device):
-    """Seconds for ours over all images, ``batch`` at a time."""
+def time_ours(probs, imgs, params, batch, device, threads=None):
+    """Seconds for ours over all images, ``batch`` at a time (with ``threads`` CPU threads)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _time_ours(probs, imgs, params, batch, device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_ours(probs, imgs, params, batch, device):
     P = [torch.from_numpy(p).to(device) for p in probs]
     Im = [torch.from_numpy(i).to(device) for i in imgs]
     if device == "cuda":
@@ -165,6 +179,7 @@ def main():
     ap.add_argument("--memory", action="store_true", help="print peak memory per pixel instead of speed")
     ap.add_argument("--memory-sizes", default="500x375,1500x1000", help="WxH images of --memory")
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per --memory measurement")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes running during the measurement")
     ap.add_argument("--peak-one", default=None, help=argparse.SUPPRESS)  # backend,H,W,L,preset: one measurement
     args = ap.parse_args()
     if args.peak_one:
@@ -196,9 +211,12 @@ def main():
         methods += [("pydensecrf, 1 process", "ref", None)]
         if pool is not None:
             methods += [(f"pydensecrf, {args.processes} processes", "ref", pool)]
+    methods += [("ours, cpu, 1 thread, batch 1", "cpu1", 1)]
     methods += [(f"ours, cpu, batch {b}", "cpu", b) for b in (1, 8)]
     if cuda:
         methods += [(f"ours, cuda, batch {b}", "cuda", int(b)) for b in args.cuda_batches.split(",")]
+    busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.busy)]
+    loads = []
     try:
         for preset in args.presets.split(","):
             params = CRF_PRESETS[preset]
@@ -216,7 +234,9 @@ def main():
                         else:
                             n = max(arg, len(probs)) // arg * arg
                             reps = n // len(probs) + 1
-                            t, out = time_ours((probs * reps)[:n], (imgs * reps)[:n], params, arg, kind)
+                            t, out = time_ours((probs * reps)[:n], (imgs * reps)[:n], params, arg,
+                                               "cpu" if kind == "cpu1" else kind, 1 if kind == "cpu1" else None)
+                        loads.append(os.getloadavg()[0])
                         if r > 0:
                             times[name].append(n / t)
                             outs[name] = out[: len(probs)]
@@ -232,7 +252,10 @@ def main():
                         agree = float(np.mean([(a.argmax(0) == b.argmax(0)).mean() for a, b in zip(outs[name], ref)]))
                         cmp = f"{diff:.1e} | {100 * agree:.3f}%"
                     print(f"| {preset} | {L} | {name} | {rate:.2f} | {ratio} | {cmp} |", flush=True)
+        print(f"{args.busy} busy processes; load average {min(loads):.1f}-{max(loads):.1f} while measuring")
     finally:
+        for p in busy:
+            p.kill()
         if pool is not None:
             pool.close()
             pool.join()

@@ -7,9 +7,19 @@ train_aug (10,582 images):
 * with --device cuda (when a GPU is there) the torch CRF at batch 16 and 64.
 
     python benchmarks/bench_debias.py [--images 32] [--workers 1,2] [--preset mars]
+
+``--cli`` measures the command instead, as a user runs it (``python -m mars_plugin.cli debias``
+in a fresh process, torch's import inside the clock): with its defaults, and with
+``--crf-backend pydensecrf``, in --rounds interleaved rounds at each --busy level (N CPU-bound
+processes ``while 1: pass`` running meanwhile), and ours over pydensecrf within each round;
+``--baseline DIR`` adds the same command run from another checkout (e.g. the previous version):
+
+    python benchmarks/bench_debias.py --cli --busy 0,1 [--rounds 5] [--images 8] [--baseline DIR]
 """
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +56,72 @@ def make_folder(root: str, n: int, H: int = 375, W: int = 500, D: int = 70, stri
 
 
 VOC_TRAIN_AUG = 10582
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _command_env(checkout: str) -> dict:
+    """A command's environment: ``checkout`` first on PYTHONPATH, no OpenMP wait setting of ours."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def cli_table(args) -> None:
+    """`mars debias` (defaults) against `--crf-backend pydensecrf`, each a fresh process, in
+    interleaved rounds per --busy level."""
+    import numpy as np
+
+    variants = [("ours (defaults)", ROOT, []), ("pydensecrf", ROOT, ["--crf-backend", "pydensecrf"])]
+    if args.baseline:
+        variants.insert(1, ("baseline (defaults)", os.path.abspath(args.baseline), []))
+    levels = [int(x) for x in args.busy.split(",")]
+    with tempfile.TemporaryDirectory() as root:
+        make_folder(root, args.images)
+        common = ["--features", os.path.join(root, "features"), "--labels", os.path.join(root, "labels")]
+        subprocess.run([sys.executable, "-m", "mars_plugin.cli", "centroids", *common, "--num-classes", "4",
+                        "--out", os.path.join(root, "V.pt"), "--no-progress"], env=_command_env(ROOT), check=True,
+                       capture_output=True)
+        out = os.path.join(root, "out")
+
+        def run(checkout, extra):
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-m", "mars_plugin.cli", "debias", *common, "--centroids",
+                                os.path.join(root, "V.pt"), "--images", os.path.join(root, "images"), "--out", out,
+                                "--crf-params", args.preset, "--no-progress", *extra], env=_command_env(checkout),
+                               capture_output=True, text=True, cwd=root)  # not here: -m would import this checkout
+            if r.returncode:
+                raise SystemExit(f"mars debias failed:\n{r.stderr[-3000:]}")
+            return time.perf_counter() - t0
+
+        for _, checkout, extra in variants:  # warm-up (numba's cache, the file system)
+            run(checkout, extra)
+        times, loads = {}, {}
+        for _ in range(args.rounds):
+            for level in levels:
+                busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(level)]
+                try:
+                    time.sleep(1.0)
+                    for name, checkout, extra in variants:
+                        times.setdefault((level, name), []).append(run(checkout, extra))
+                        loads.setdefault(level, []).append(os.getloadavg()[0])
+                finally:
+                    for p in busy:
+                        p.kill()
+                        p.wait()
+    print(machine_line("cpu"))
+    print(f"`mars debias` of {args.images} images 500x375 (D=70 features at stride 8, CRF preset {args.preset}), "
+          f"each a fresh process; {args.rounds} interleaved rounds; s: median [min-max]; ratio: this over "
+          "pydensecrf in the same round, median [range]; load: 1-minute load average while measuring")
+    print("| busy processes | load | command | s | ratio to pydensecrf |")
+    print("| --- | --- | --- | --- | --- |")
+    for level in levels:
+        ref = np.array(times[(level, "pydensecrf")])
+        for name, _, _ in variants:
+            t = np.array(times[(level, name)])
+            r = t / ref
+            print(f"| {level} | {min(loads[level]):.1f}-{max(loads[level]):.1f} | {name} | {np.median(t):.2f} "
+                  f"[{t.min():.2f}-{t.max():.2f}] | {np.median(r):.2f} [{r.min():.2f}-{r.max():.2f}] |", flush=True)
 
 
 def main():
@@ -54,7 +130,14 @@ def main():
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--preset", default="mars", help="CRF preset (mars or psa)")
     ap.add_argument("--no-reference", dest="reference", action="store_false", help="skip the pydensecrf rows")
+    ap.add_argument("--cli", action="store_true", help="time the `mars debias` command against pydensecrf")
+    ap.add_argument("--busy", default="0,1", help="--cli: levels of busy processes")
+    ap.add_argument("--rounds", type=int, default=5, help="--cli: interleaved rounds")
+    ap.add_argument("--baseline", default=None, help="--cli: another checkout whose `mars debias` to time too")
     args = ap.parse_args()
+    if args.cli:
+        cli_table(args)
+        return
     try:
         import pydensecrf  # noqa: F401
     except ImportError:

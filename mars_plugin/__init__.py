@@ -7,6 +7,9 @@ Three calls between the pseudo-label and segmentation stages of any WSSS codebas
     y_co, w = complement_labels(y_db, teacher(x).softmax(1), classes)        # Eq. 6, per step
     loss = WCELoss()(student(x), y_co, w)                                    # Eq. 7
 """
+# First, before torch loads libgomp: in the mars command, OpenMP threads sleep at a barrier
+# instead of spinning (mars_plugin/_wait_policy.py acts when imported); as a library, nothing.
+from . import _wait_policy  # noqa: F401
 from .centroids import ImageCentroids, image_centroids
 from .complement import complement_labels
 from .crf import DenseCRF, dense_crf

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import crf_compiled
 from ._checks import as_tensor, check_finite, describe, rgb_layout
-from .permutohedral import MAX_COORDINATE, LatticeTooLarge, PermutohedralLattice, lifted_bounds
+from .permutohedral import MAX_COORDINATE, LatticeTooLarge, PermutohedralLattice, lifted_bounds, max_lifted_coordinate
 
 __all__ = [
     "CRF_PRESETS",
@@ -96,6 +97,11 @@ PROB_CLIP = 1e-5
 #: to about 64 images of 512x512 per lattice.
 CPU_CHUNK_PIXELS = 1 << 18
 CUDA_CHUNK_PIXELS = 1 << 24
+#: On the CPU with numba, the lattices (runs of at most CPU_CHUNK_PIXELS) of a batch are solved
+#: in torch.get_num_threads() parallel threads, up to this many per thread in a group (so that
+#: the threads stay busy when images differ in size; a group is within max_bytes; only one
+#: lattice per thread is alive at a time).
+COMPILED_RUNS_PER_THREAD = 4
 #: The position-only (Gaussian) kernel's lattice depends on the image sizes alone; the last
 #: GAUSSIAN_CACHE_ENTRIES of at most GAUSSIAN_CACHE_PIXELS pixels are kept (about 80 bytes a
 #: pixel, 15 MB for a 500x375 image; :func:`clear_lattice_cache` frees them).
@@ -429,22 +435,42 @@ def _mean_field_torch(sources: List[torch.Tensor], kind: str, masks: List[Option
                       rgbs: List[torch.Tensor], p: Mapping[str, float], chunk_pixels: Optional[int],
                       max_bytes: Optional[int]) -> List[torch.Tensor]:
     """Mean field for a batch, in runs of at most ``chunk_pixels`` pixels (one lattice each) that
-    fit in ``max_bytes``; an image that does not fit alone is refused before any work."""
+    fit in ``max_bytes``; an image that does not fit alone is refused before any work.
+
+    On the CPU with numba (:mod:`mars_plugin.crf_compiled`), groups of up to
+    ``COMPILED_RUNS_PER_THREAD`` runs per thread (within ``max_bytes`` together) are solved in
+    parallel threads, one run per thread at a time."""
     device = sources[0].device
+    compiled = device.type == "cpu" and crf_compiled.available()
     if chunk_pixels is None:
         chunk_pixels = CUDA_CHUNK_PIXELS if device.type == "cuda" else CPU_CHUNK_PIXELS
     L = sources[0].shape[0]
     shapes = [(s.shape[1], s.shape[2]) for s in sources]
+    sizes = [H * W for H, W in shapes]
+    fit = None
     if max_bytes is not None:
         _check_budget(shapes, L, p, max_bytes)
-        chunk_pixels = max(1, min(chunk_pixels, _pixels_within(max_bytes, L, p)))
+        fit = _pixels_within(max_bytes, L, p)
+        chunk_pixels = max(1, min(chunk_pixels, fit))
+    groups = _chunks(sizes, chunk_pixels)
+    if compiled:  # runs of images grouped: up to so many runs per thread, within the budget
+        most = COMPILED_RUNS_PER_THREAD * torch.get_num_threads()
+        groups, runs = [], _chunks(sizes, chunk_pixels)
+        for a, b in runs:
+            n = sum(sizes[a:b])
+            if groups and groups[-1][2] < most and (fit is None or groups[-1][3] + n <= fit):
+                groups[-1] = (groups[-1][0], b, groups[-1][2] + 1, groups[-1][3] + n)
+            else:
+                groups.append((a, b, 1, n))
+        groups = [(a, b) for a, b, _, _ in groups]
     out: List[torch.Tensor] = []
-    for a, b in _chunks([H * W for H, W in shapes], chunk_pixels):
+    for a, b in groups:
         try:
-            out.extend(_mean_field_chunk(sources[a:b], kind, masks[a:b], rgbs[a:b], p, max_bytes))
+            out.extend(_mean_field_chunk(sources[a:b], kind, masks[a:b], rgbs[a:b], p, max_bytes, chunk_pixels))
         except LatticeTooLarge:  # images whose colours make a denser lattice than assumed: one at a time
             for i in range(a, b):
-                out.extend(_mean_field_chunk(sources[i:i + 1], kind, masks[i:i + 1], rgbs[i:i + 1], p, max_bytes))
+                out.extend(_mean_field_chunk(sources[i:i + 1], kind, masks[i:i + 1], rgbs[i:i + 1], p, max_bytes,
+                                             chunk_pixels))
     return out
 
 
@@ -633,10 +659,14 @@ def _neg_energy(dst: torch.Tensor, src: torch.Tensor, kind: str, mask: Optional[
 
 
 def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Optional[torch.Tensor]],
-                      rgbs: List[torch.Tensor], p: Mapping[str, float], max_bytes: Optional[int]) -> List[torch.Tensor]:
+                      rgbs: List[torch.Tensor], p: Mapping[str, float], max_bytes: Optional[int],
+                      chunk_pixels: int = CPU_CHUNK_PIXELS) -> List[torch.Tensor]:
     """Mean field for one lattice: sources[i] (L, H_i, W_i) probabilities (``kind="probs"``) or
     unary energies (``"unary"``, +inf = label not allowed), masks[i] None or (L,) bool, rgbs[i]
     (H_i, W_i, 3) uint8, all on one device. Returns the (L, H_i, W_i) float32 marginals.
+
+    On the CPU with numba: one lattice per run of at most ``chunk_pixels`` pixels, the runs
+    solved in parallel (:func:`_mean_field_compiled`).
 
     Memory (see :func:`crf_memory_bytes`): the lattices are built first; then three (N, L)
     arrays (-U, Q and the energy, reused by every iteration; -U is written straight from the
@@ -647,6 +677,8 @@ def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Option
     shapes = tuple((s.shape[1], s.shape[2]) for s in sources)
     sizes = [H * W for H, W in shapes]
     N = sum(sizes)
+    if device.type == "cpu" and crf_compiled.available():
+        return _mean_field_compiled(sources, kind, masks, rgbs, p, max_bytes, chunk_pixels)
     gaussian = _gaussian_lattice(shapes, p["gaussian_sxy"], device)
     max_points = None
     if max_bytes is not None:
@@ -657,14 +689,7 @@ def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Option
     except LatticeTooLarge as e:
         if len(shapes) > 1:
             raise  # the caller runs these images one at a time
-        per_pixel = e.points / e.num_points
-        fit = _pixels_within(max_bytes, L, p, bilateral_per_pixel=per_pixel)
-        raise ValueError(
-            f"the dense CRF of {_describe_sizes(shapes)} with {L} labels needs more than max_bytes = "
-            f"{_gb(max_bytes)}: its colours make a bilateral lattice of {e.points:,} points ({per_pixel:.2f} per "
-            f"pixel; {e.limit:,} fit); at that density at most {fit:,} pixels fit (e.g. "
-            f"{_example_size(shapes[0], fit)}); pass a larger max_bytes, downscale the image, or use a larger "
-            "bilateral_srgb or bilateral_sxy") from None
+        raise _too_large(e, shapes, L, p, max_bytes) from None
     # The Potts message of one kernel is compat * n * K(n * Q), compat applied by the product.
     terms = [(gaussian, float(np.float32(p["gaussian_compat"]))), (bilateral, float(np.float32(p["bilateral_compat"])))]
     # (N, L): one row per pixel, the layout the sparse products want.
@@ -700,6 +725,99 @@ def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Option
     out, start = [], 0
     for (H, W), n in zip(shapes, sizes):
         out.append(q[start:start + n].t().reshape(L, H, W).contiguous())
+        start += n
+    return out
+
+
+def _too_large(e: LatticeTooLarge, shapes: Sequence[Tuple[int, int]], L: int, p: Mapping[str, float],
+               max_bytes: float) -> ValueError:
+    """The error for one image whose bilateral lattice outgrew ``max_bytes``."""
+    per_pixel = e.points / e.num_points
+    fit = _pixels_within(max_bytes, L, p, bilateral_per_pixel=per_pixel)
+    return ValueError(
+        f"the dense CRF of {_describe_sizes(shapes)} with {L} labels needs more than max_bytes = "
+        f"{_gb(max_bytes)}: its colours make a bilateral lattice of {e.points:,} points ({per_pixel:.2f} per "
+        f"pixel; {e.limit:,} fit); at that density at most {fit:,} pixels fit (e.g. "
+        f"{_example_size(shapes[0], fit)}); pass a larger max_bytes, downscale the image, or use a larger "
+        "bilateral_srgb or bilateral_sxy")
+
+
+def _checked_features(features: torch.Tensor) -> np.ndarray:
+    """The positions of a kernel for the compiled lattice, with the torch lattice's checks."""
+    if not bool(torch.isfinite(features).all()):
+        raise ValueError("crf_params: gaussian_sxy, bilateral_sxy or bilateral_srgb is so small that x / sxy or "
+                         "rgb / srgb overflows float32; expected standard deviations of about 1 or more")
+    top = max_lifted_coordinate(features.abs().amax(0).tolist())
+    if top > MAX_COORDINATE:
+        raise ValueError(f"features are too large for the float32 lattice: lifted coordinates reach up to "
+                         f"{top:.4g}, at most {MAX_COORDINATE:.4g} work (MAX_COORDINATE); divide the positions "
+                         "by larger standard deviations")
+    return features.numpy()
+
+
+def _compiled_gaussian(shapes: Tuple[Tuple[int, int], ...], sxy: float) -> "crf_compiled.CompiledLattice":
+    """The compiled position-kernel lattice of these image sizes, kept as :func:`_gaussian_lattice`
+    keeps the torch one."""
+    key = (shapes, float(np.float32(sxy)), "compiled")
+    with _GAUSSIAN_CACHE_LOCK:
+        hit = _GAUSSIAN_CACHE.get(key)
+        if hit is not None:
+            _GAUSSIAN_CACHE.move_to_end(key)
+            return hit
+    cpu = torch.device("cpu")
+    built = crf_compiled.CompiledLattice(_checked_features(_features(shapes, sxy, None, 1.0, cpu)),
+                                         [H * W for H, W in shapes])
+    if built.num_points <= GAUSSIAN_CACHE_PIXELS:
+        with _GAUSSIAN_CACHE_LOCK:
+            _GAUSSIAN_CACHE[key] = built
+            while len(_GAUSSIAN_CACHE) > GAUSSIAN_CACHE_ENTRIES:
+                _GAUSSIAN_CACHE.popitem(last=False)
+    return built
+
+
+def _mean_field_compiled(sources: List[torch.Tensor], kind: str, masks: List[Optional[torch.Tensor]],
+                         rgbs: List[torch.Tensor], p: Mapping[str, float], max_bytes: Optional[int],
+                         chunk_pixels: int) -> List[torch.Tensor]:
+    """:func:`_mean_field_chunk` on the CPU with numba: the images cut into runs of at most
+    ``chunk_pixels`` pixels, one lattice pair per run, the runs solved in
+    ``torch.get_num_threads()`` threads (:func:`mars_plugin.crf_compiled.mean_field`), each
+    run's bilateral lattice within its share of ``max_bytes``."""
+    L = sources[0].shape[0]
+    shapes = tuple((s.shape[1], s.shape[2]) for s in sources)
+    sizes = [H * W for H, W in shapes]
+    N = sum(sizes)
+    neg_u = torch.empty(N, L, dtype=torch.float32)
+    start = 0
+    for s, m, n in zip(sources, masks, sizes):
+        _neg_energy(neg_u[start:start + n], s, kind, m)
+        start += n
+    cpu = torch.device("cpu")
+    units, start = [], 0
+    for a, b in _chunks(sizes, chunk_pixels):
+        run_shapes = shapes[a:b]
+        n = sum(sizes[a:b])
+        gaussian = _compiled_gaussian(run_shapes, p["gaussian_sxy"])
+        features = _checked_features(_features(run_shapes, p["bilateral_sxy"], rgbs[a:b], p["bilateral_srgb"], cpu))
+        limit = None
+        if max_bytes is not None:
+            limit = _bilateral_points_within(max_bytes * n / N, n, L, gaussian.num_lattice_points)
+
+        def build(features=features, run=sizes[a:b], limit=limit):
+            return crf_compiled.CompiledLattice(features, run, limit)
+
+        units.append((start, start + n, gaussian, build))
+        start += n
+    compats = (float(np.float32(p["gaussian_compat"])), float(np.float32(p["bilateral_compat"])))
+    try:
+        q = crf_compiled.mean_field(neg_u.numpy(), units, compats, int(p["iterations"]), torch.get_num_threads())
+    except LatticeTooLarge as e:
+        if len(shapes) > 1:
+            raise  # the caller runs these images one at a time
+        raise _too_large(e, shapes, L, p, max_bytes) from None
+    del neg_u
+    out, start = [], 0
+    for (H, W), n in zip(shapes, sizes):
+        out.append(torch.from_numpy(q[start:start + n].T.reshape(L, H, W).copy()))
         start += n
     return out
 
