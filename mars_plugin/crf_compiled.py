@@ -201,7 +201,8 @@ if numba is not None:
 
     @njit(cache=_CACHE, nogil=True)
     def _build_points_rows(features, starts, pad, scale, keys, slots, vert, bary_out):
-        """The fallback where packed codes would not fit in int64. Lift every point of the images [starts[b], starts[b+1]) and insert its d+1 vertices
+        """The fallback where packed codes would not fit in int64. Lift every point of the
+        images [starts[b], starts[b+1]) and insert its d+1 vertices
         (C++ key: rem0[i] + r - (d+1) [rank[i] > d - r], i < d, after the image index when
         there are several images), pixel by pixel, then one zero point for each image b with
         pad[b]. Fills vert (N, d+1), bary_out (N, d+1); returns the number of lattice points,
