@@ -4,15 +4,17 @@ torch's CPU operations (and numba's OpenMP kernels) run on a pool of OpenMP thre
 parallel operation ends in a barrier. By default GNU OpenMP (libgomp) lets a waiting thread spin
 for about 300,000 rounds (a few ms) before it sleeps; on a machine whose cores also run other
 processes, a spinning thread takes the time slice its own team's late thread needs, so every
-barrier waits for the scheduler: the torch dense CRF ran 5-9x slower than pydensecrf with one
-other busy process on 2 cores, ``mars demo`` 6-8 minutes instead of 35-50 s. With
+barrier waits for the scheduler: with other processes keeping 2 cores at a load of 2-3, the
+torch dense CRF ran 5-9x slower than pydensecrf and ``mars demo`` took 6-8 minutes instead of
+35-50 s (issue 24). With
 ``OMP_WAIT_POLICY=PASSIVE`` the threads sleep at once (see docs/decisions.md for the numbers).
 
 libgomp reads the variable once, when torch loads it, so it has to be in the environment
 before ``import torch``. ``mars_plugin/__init__.py`` imports this module before anything else,
-and importing it calls :func:`command_line_default`: in the ``mars`` command (the console script, ``python -m mars_plugin.cli``, each
-rank under torchrun) it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the user set
-``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``; the worker processes of ``--workers`` inherit it.
+and importing it calls :func:`command_line_default`: in the ``mars`` command (the console
+script, ``python -m mars_plugin.cli``, each rank under torchrun) it sets
+``OMP_WAIT_POLICY=PASSIVE`` unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``; the
+worker processes of ``--workers`` inherit it.
 Imported as a library, mars_plugin changes nothing; the same effect is one line before torch
 is imported (README, "Sharing the CPU")::
 

@@ -26,9 +26,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def add_threads(p: argparse.ArgumentParser) -> None:
     """``--threads N``, taken by every command (see :func:`apply_threads`)."""
     p.add_argument("--threads", type=T.threads, default=None, metavar="N",
-                   help="CPU threads of torch (torch.set_num_threads) and of numba's kernels; default: leave "
-                        "them as they are (torch: one per core). On a machine shared with other jobs, 1 or 2 "
-                        "avoids threads fighting over cores")
+                   help="CPU threads of torch (torch.set_num_threads), of numba's kernels and of the compiled "
+                        "CRF; default: leave them as they are (one per core). Idle threads sleep (the mars "
+                        "command sets OMP_WAIT_POLICY=PASSIVE), so the default suits a shared machine too; fewer "
+                        "leave cores to other work")
 
 
 def apply_threads(n: Optional[int]) -> None:

@@ -20,7 +20,9 @@ multiply-add), hence the same lattice points and barycentric weights as pydensec
 points are found with a hash table in the order pixels first touch them (as pydensecrf's
 ``HashTable``), not by sorting: the numbering differs from the torch path's, the filtered
 values do not (the splat and slice sums may round differently in the last bit, as MKL's and
-the C++'s do).
+the C++'s do). Vertex keys are packed into one int64 code (the image, then q' in mixed radix,
+as the torch path packs them), so that the table compares one integer, and a neighbour's code
+is the point's plus a constant; where the codes would not fit, the keys are compared as rows.
 
 numba is optional (the ``fast`` extra); :func:`available` says whether this path can be used
 (``MARS_NO_NUMBA=1`` turns it off, as for the compiled K-means).
@@ -44,6 +46,9 @@ numba = kmeans_compiled.numba
 # pydensecrf's SSE code lifts points in blocks of four and pads the last block with zero
 # feature vectors, whose vertices join the lattice (see PermutohedralLattice's simd_padding).
 _SIMD_BLOCK = 4
+# Vertex keys are packed into one int64 code while their range stays below this; past it (very
+# fine kernels on large images) they are compared as rows of int32, with the same lattice.
+_MAX_CODE = 1 << 62
 
 
 def _f32(x: float) -> np.float32:
@@ -195,8 +200,9 @@ if numba is not None:
         bary[0] = by_rank[0] + (np.float32(1.0) - by_rank[d])
 
     @njit(cache=_CACHE, nogil=True)
-    def _build_points(features, starts, pad, scale, keys, slots, vert, bary_out):
-        """Lift every point of the images [starts[b], starts[b+1]) and insert its d+1 vertices
+    def _build_points_rows(features, starts, pad, scale, keys, slots, vert, bary_out):
+        """The fallback where packed codes would not fit in int64. Lift every point of the
+        images [starts[b], starts[b+1]) and insert its d+1 vertices
         (C++ key: rem0[i] + r - (d+1) [rank[i] > d - r], i < d, after the image index when
         there are several images), pixel by pixel, then one zero point for each image b with
         pad[b]. Fills vert (N, d+1), bary_out (N, d+1); returns the number of lattice points,
@@ -260,7 +266,7 @@ if numba is not None:
         return count, slots, keys
 
     @njit(cache=_CACHE, nogil=True)
-    def _build_neighbours(keys, M, lead, slots, n1, n2):
+    def _build_neighbours_rows(keys, M, lead, slots, n1, n2):
         """Blur neighbours along each axis j (C++: n1 = key - 1, key[j] + d; n2 = key + 1,
         key[j] - d; the last axis has no stored coordinate), M where there is none. n2 is the
         inverse of n1."""
@@ -279,6 +285,151 @@ if numba is not None:
                 if j < d:
                     key[lead + j] += d + 1
                 a = _find(key, keys, slots, cap_mask, M)
+                n1[j, m] = a
+                if a != M:
+                    n2[j, a] = m
+
+    @njit(cache=_CACHE, nogil=True)
+    def _lift_points(features, starts, pad, scale, q, rank_out, bary_out):
+        """Pass 1: every point's simplex. Points 0..N-1 are the pixels, then one zero point per
+        image b with pad[b]. q (N+P, d) int32: the nearest 0-coloured point divided by d+1;
+        rank_out (N+P, d+1) int8; bary_out (N, d+1) float32."""
+        N, d = features.shape
+        d1 = d + 1
+        cf = np.empty(d, np.float32)
+        el = np.empty(d1, np.float32)
+        diff = np.empty(d1, np.float32)
+        by_rank = np.empty(d1, np.float32)
+        bary = np.empty(d1, np.float32)
+        rank = np.empty(d1, np.int64)
+        rem0 = np.empty(d1, np.int64)
+        zero = np.zeros(d, np.float32)
+        row = N
+        for n in range(N + pad.shape[0]):
+            if n >= N:
+                if not pad[n - N]:
+                    continue
+                _lift_one(zero, scale, d, cf, el, diff, rank, rem0, by_rank, bary)
+                out = row
+                row += 1
+            else:
+                _lift_one(features[n], scale, d, cf, el, diff, rank, rem0, by_rank, bary)
+                out = n
+                for r in range(d1):
+                    bary_out[n, r] = bary[r]
+            for i in range(d):
+                q[out, i] = rem0[i] // d1
+            for i in range(d1):
+                rank_out[out, i] = rank[i]
+
+    @njit(cache=_CACHE, nogil=True)
+    def _code_slot(code, shift):
+        return np.int64((np.uint64(code) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(shift))
+
+    @njit(cache=_CACHE, nogil=True)
+    def _codes_grown(codes, count, bits):
+        """A table of 2^bits slots holding codes[:count]."""
+        slots = np.full(1 << bits, -1, np.int32)
+        shift = 64 - bits
+        mask = (1 << bits) - 1
+        for p in range(count):
+            s = _code_slot(codes[p], shift)
+            while slots[s] >= 0:
+                s = (s + 1) & mask
+            slots[s] = p
+        return slots
+
+    @njit(cache=_CACHE, nogil=True)
+    def _insert_codes(q, rank, starts, pad_images, lo, strides, vert, codes, bits):
+        """Pass 2: the vertices of every point as packed codes, (image, q' - lo) in mixed radix
+        times d+1 plus r, where q'[i] = q[i] - [rank[i] > d - r] (the C++ key is
+        (d+1) q' + r), inserted pixel by pixel in a hash table of 2^bits slots: vertex r of
+        pixel n is lattice point vert[n, r], numbered in the order pixels first touch them;
+        then the padding points (row N + k belongs to image pad_images[k]). Returns the number
+        of points, their codes, the table and its bits (grown as needed)."""
+        Np, d = q.shape
+        d1 = d + 1
+        N = vert.shape[0]
+        slots = np.full(1 << bits, -1, np.int32)
+        pos = np.empty(d1, np.int64)
+        count = 0
+        image = 0
+        for n in range(Np):
+            if n < N:
+                while n >= starts[image + 1]:
+                    image += 1
+                seg = image
+            else:
+                seg = pad_images[n - N]
+            base = np.int64(seg) * strides[d]
+            for i in range(d):
+                base += (np.int64(q[n, i]) - lo[i]) * strides[i]
+            for i in range(d1):
+                pos[rank[n, i]] = i
+            shift = 64 - bits
+            mask = (1 << bits) - 1
+            for r in range(d1):
+                # vertex r: q' drops by one where rank > d - r, i.e. at the coordinate ranked
+                # d - r + 1 on top of vertex r - 1's (none when that is the unstored last one)
+                if r > 0 and pos[d - r + 1] < d:
+                    base -= strides[pos[d - r + 1]]
+                code = base * d1 + r
+                sl = _code_slot(code, shift)
+                while True:
+                    p = slots[sl]
+                    if p < 0:
+                        slots[sl] = count
+                        codes[count] = code
+                        p = count
+                        count += 1
+                        break
+                    if codes[p] == code:
+                        break
+                    sl = (sl + 1) & mask
+                if n < N:
+                    vert[n, r] = p
+            if 2 * (count + d1) > slots.shape[0]:
+                bits += 1
+                slots = _codes_grown(codes, count, bits)
+            if count + d1 > codes.shape[0]:
+                more = np.empty(2 * codes.shape[0], np.int64)
+                more[:count] = codes[:count]
+                codes = more
+        return count, codes, slots, bits
+
+    @njit(cache=_CACHE, nogil=True)
+    def _neighbours_codes(codes, M, strides, slots, bits, n1, n2, m0, m1):
+        """Pass 3 for lattice points m0..m1-1: the neighbour n1 along axis j of the point (r, q')
+        is (r-1, q' + e_j) for r > 0 and (d, q' - 1 + e_j) for r = 0 (C++: key - 1 everywhere,
+        key[j] + d; e_d = 0), a constant step of the code (the margins of lo prevent carries);
+        n2 is its inverse. n1 and n2 must hold M everywhere first."""
+        d1 = n1.shape[0]
+        d = d1 - 1
+        shift = 64 - bits
+        mask = (1 << bits) - 1
+        total = np.int64(0)
+        for i in range(d):
+            total += strides[i]
+        for m in range(m0, m1):
+            c = codes[m]
+            r = c % d1
+            base = c // d1
+            for j in range(d1):
+                b = base + (strides[j] if j < d else 0)
+                if r > 0:
+                    code = b * d1 + (r - 1)
+                else:
+                    code = (b - total) * d1 + d
+                s = _code_slot(code, shift)
+                a = M
+                while True:
+                    p = slots[s]
+                    if p < 0:
+                        break
+                    if codes[p] == code:
+                        a = p
+                        break
+                    s = (s + 1) & mask
                 n1[j, m] = a
                 if a != M:
                     n2[j, a] = m
@@ -421,11 +572,6 @@ class CompiledLattice:
         starts[1:] = np.cumsum(sizes)
         pad = np.array([s % _SIMD_BLOCK != 0 for s in sizes], dtype=np.bool_)
         lead = 1 if len(sizes) > 1 else 0
-        # About one lattice point per pixel on photographs (up to d+1 on noise): the table
-        # (2-4 slots per pixel) and the keys (one row per pixel) at first, both doubled while
-        # filling, so that memory follows the lattice.
-        slots = np.full(1 << max(4, int(math.ceil(math.log2(2 * (N + d1))))), -1, dtype=np.int32)
-        keys = np.empty((N + d1, lead + d), dtype=np.int32)
         vert = np.empty((N, d1), dtype=np.int32)
         bary = np.empty((N, d1), dtype=np.float32)
         # The torch path's float32 constants: scale factors sqrt(2/3) (d+1) / sqrt((i+1)(i+2))
@@ -433,14 +579,46 @@ class CompiledLattice:
         inv_std_dev = float(np.float32(math.sqrt(2.0 / 3.0) * d1))
         scale = np.array([1.0 / math.sqrt((i + 2) * (i + 1)) * inv_std_dev for i in range(d)] + [1.0 / d1],
                          dtype=np.float32)
-        M, slots, keys = _build_points(features, starts, pad, scale, keys, slots, vert, bary)
-        M = int(M)
-        if max_points is not None and M > max_points:
-            raise LatticeTooLarge(M, max_points, N)
-        n1 = np.empty((d1, M + 1), dtype=np.int32)
-        n2 = np.empty((d1, M + 1), dtype=np.int32)
-        _build_neighbours(keys[:M], M, lead, slots, n1, n2)
-        del keys, slots
+        pad_images = np.nonzero(pad)[0].astype(np.int64)
+        Np = N + pad_images.shape[0]
+        q = np.empty((Np, d), dtype=np.int32)
+        rank = np.empty((Np, d1), dtype=np.int8)
+        _lift_points(features, starts, pad, scale, q, rank, bary)
+        # The packed code of a vertex: (image, q' - lo) in mixed radix, times d+1, plus r; q'
+        # runs over q - 1 .. q and its neighbours one further: margins of 2 below, 1 above.
+        lo = q.min(0).astype(np.int64) - 2
+        radix = [int(x) for x in q.max(0).astype(np.int64) - lo + 2]
+        strides = [1] * (d + 1)
+        for i in range(d - 2, -1, -1):
+            strides[i] = strides[i + 1] * radix[i + 1]
+        strides[d] = strides[0] * radix[0]
+        # About one lattice point per pixel on photographs (up to d+1 on noise): the table
+        # (2-4 slots per pixel) and the codes (one per pixel) at first, both doubled while
+        # filling, so that memory follows the lattice.
+        bits = max(4, int(math.ceil(math.log2(2 * (N + d1)))))
+        if strides[d] * len(sizes) * d1 < _MAX_CODE:
+            strides = np.array(strides, dtype=np.int64)
+            M, codes, slots, bits = _insert_codes(q, rank, starts, pad_images, lo, strides, vert,
+                                                  np.empty(N + d1, dtype=np.int64), bits)
+            M = int(M)
+            if max_points is not None and M > max_points:
+                raise LatticeTooLarge(M, max_points, N)
+            n1 = np.full((d1, M + 1), M, dtype=np.int32)
+            n2 = np.full((d1, M + 1), M, dtype=np.int32)
+            _neighbours_codes(codes, M, strides, slots, bits, n1, n2, 0, M)
+            del codes, slots
+        else:  # very fine kernels on large images: the keys compared as rows
+            del q, rank
+            slots = np.full(1 << bits, -1, dtype=np.int32)
+            keys = np.empty((N + d1, lead + d), dtype=np.int32)
+            M, slots, keys = _build_points_rows(features, starts, pad, scale, keys, slots, vert, bary)
+            M = int(M)
+            if max_points is not None and M > max_points:
+                raise LatticeTooLarge(M, max_points, N)
+            n1 = np.empty((d1, M + 1), dtype=np.int32)
+            n2 = np.empty((d1, M + 1), dtype=np.int32)
+            _build_neighbours_rows(keys[:M], M, lead, slots, n1, n2)
+            del keys, slots
         self.num_points, self.dim, self.num_lattice_points = N, d, M
         self.vert, self.n1, self.n2 = vert, n1, n2
         alpha = _f32(1.0 / (1.0 + 2.0 ** -d))

@@ -70,6 +70,17 @@ def test_compiled_lattice_matches_the_reference_and_the_torch_lattice(name):
     assert CompiledLattice(f, [f.shape[0]]).num_lattice_points == lat.num_lattice_points
 
 
+@pytest.mark.parametrize("name", ["random d=5", "pixel grid sxy=1 (boundary points)", "bilateral, noise",
+                                  "huge coordinates"])
+def test_the_row_keys_fallback_builds_the_same_lattice(name, monkeypatch):
+    f = FEATURES[name]
+    packed = CompiledLattice(f, [f.shape[0]])
+    monkeypatch.setattr(crf_compiled, "_MAX_CODE", 0)  # no packed code fits: keys compared as rows
+    rows = CompiledLattice(f, [f.shape[0]])
+    for a in ("vert", "n1", "n2", "sw", "lw"):
+        np.testing.assert_array_equal(getattr(rows, a), getattr(packed, a))
+
+
 def test_images_in_one_compiled_lattice_filter_as_alone():
     a, b, c = _bilateral("edges", 9, 6, 0), _bilateral("smooth", 5, 11, 1), _bilateral("random", 3, 3, 2)
     x = np.random.default_rng(1).random((a.shape[0] + b.shape[0] + c.shape[0], 2)).astype(np.float32)

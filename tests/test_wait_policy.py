@@ -80,7 +80,8 @@ def test_a_users_own_wait_setting_is_kept(user, watch):
     assert seen == [user.get("OMP_WAIT_POLICY", "None")]
 
 
-@pytest.mark.parametrize("code", ["import mars_plugin", "import torch, mars_plugin", "from mars_plugin.cli import main"])
+@pytest.mark.parametrize("code", ["import mars_plugin", "import torch, mars_plugin",
+                                  "from mars_plugin.cli import main"])
 def test_importing_the_library_changes_nothing(code, watch):
     assert watch([sys.executable, "-c", code]) == ["None"]
 
