@@ -81,6 +81,9 @@ class MARSTrainingHook:
         crf_backend: ``"torch"`` or ``"pydensecrf"`` (the reference; CPU, one image at a time).
         multi_scale: when the student returns a list/tuple of logits (multi-scale training),
             sum the MARS loss over all of them, as the repositories sum their CE.
+        reduction: the WCE's ``"mean"`` (over the labelled pixels, as the repositories' CE) or
+            ``"sum"`` (for a trainer that divides by a global pixel count, e.g. over DDP ranks,
+            as ``mars train`` does).
     """
 
     def __init__(
@@ -96,13 +99,14 @@ class MARSTrainingHook:
         multi_scale: bool = True,
         crf_params: Union[None, str, Mapping[str, Any]] = None,
         crf_backend: str = "torch",
+        reduction: str = "mean",
     ) -> None:
         if match not in ("labels", "logits"):
             raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
         if refine not in (None, "crf", "local_crf"):
             raise ValueError(f"refine must be None, 'crf' or 'local_crf', got {refine!r}")
         self.teacher = EMATeacher(model, momentum=momentum)
-        self.loss = WCELoss(ignore_index=ignore_index)
+        self.loss = WCELoss(ignore_index=ignore_index, reduction=reduction)
         self.ignore_index = int(ignore_index)
         self.biased_value = int(biased_value)
         self.match = match

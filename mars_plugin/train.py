@@ -160,7 +160,6 @@ def train(
     from .adapters.training_hook import MARSTrainingHook
     from .deeplab import build_model, load_backbone_weights, param_groups
     from .jobs import JobError, _rank_world, resolve_device
-    from .losses import WCELoss
 
     num_classes = check_num_classes(num_classes)
     if loss not in ("mars", "ce"):
@@ -243,11 +242,10 @@ def train(
     if loss == "mars":
         # match="logits": the loss and the CRF work on the label grid with the crop's RGB (the
         # network's logits are already at the input size).
+        # reduction="sum": divided by the global pixel count below (the same gradient on any
+        # number of processes).
         hook = MARSTrainingHook(model, momentum=ema, match="logits", refine=refine, crf_params=crf_params,
-                                biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE)
-        # The per-pixel sum: divided by the global count below (the same gradient on any number
-        # of processes).
-        hook.loss = WCELoss(ignore_index=IGNORE_VALUE, reduction="sum")
+                                biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum")
     groups = param_groups(model, lr, weight_decay)
     for g in groups:
         # DHR train.py:200-205 (the trainer whose numbers these are): backbone weights and biases

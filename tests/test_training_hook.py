@@ -54,6 +54,24 @@ def test_hook_equals_complement_plus_wce_by_hand(seed, wrap):
     assert net.conv.weight.grad is not None
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reduction_sum_is_the_wce_sum_over_the_labelled_pixels(seed):
+    # mars train divides this sum by the global pixel count of all DDP ranks.
+    torch.manual_seed(seed)
+    net = Net()
+    hook = MARSTrainingHook(net, momentum=0.9, reduction="sum")
+    x, y, classes = _batch(seed)
+    out = net(x)
+    loss = hook(x, out, y, classes)
+    with torch.no_grad():
+        t = hook.teacher.module(x)
+    y_ref = torch.where(y == 254, torch.full_like(y, -1), y)
+    y_co, w = complement_labels(y_ref, t.softmax(1), classes)
+    torch.testing.assert_close(loss, WCELoss(reduction="sum")(out, y_co, w))
+    with pytest.raises(ValueError, match="reduction"):
+        MARSTrainingHook(net, reduction="total")
+
+
 def test_labels_resized_to_logits_like_deeplab_pytorch():
     torch.manual_seed(0)
     net = Net(stride=2)
