@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ._checks import check_int_param, check_num_classes, check_real_param, check_seed
 from .files import BIASED_VALUE, IGNORE_VALUE, IMAGE_EXTENSIONS, atomic_write, list_stems
+from .run_record import LOCK_NAME, RunLock, remove_stale_tmp
 from .seg_checkpoint import load_checkpoint, save_checkpoint
 from .seg_data import Augmentation, StepSampler, TrainFolder
 
@@ -225,151 +226,177 @@ def train(
                     poly_power=poly_power, seed=seed, bn=bn, optimizer=optimizer,
                     weights=os.path.basename(weights) if weights else None,
                     stems=len(stems), images=str(images), labels=str(labels), amp=use_amp, world_size=world)
-    ck_path = out / CHECKPOINT_NAME
-    torch.manual_seed(seed)  # the random initialisation of the new layers (and of everything without --weights)
-    model = build_model(arch=arch, backbone=backbone, num_classes=num_classes, output_stride=output_stride)
-    if weights is not None:
-        load_backbone_weights(model, weights)
-    if bn == "frozen":
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                for p in m.parameters():
-                    p.requires_grad_(False)
-    elif bn == "sync" and world > 1:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(dev)
-    hook = None
-    if loss == "mars":
-        # match="logits": the loss and the CRF work on the label grid with the crop's RGB (the
-        # network's logits are already at the input size).
-        # reduction="sum": divided by the global pixel count below (the same gradient on any
-        # number of processes).
-        hook = MARSTrainingHook(model, momentum=ema, match="logits", refine=refine, crf_params=crf_params,
-                                biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum")
-    groups = param_groups(model, lr, weight_decay)
-    for g in groups:
-        # DHR train.py:200-205 (the trainer whose numbers these are): backbone weights and biases
-        # at lr, the new layers' at 10 lr, all with weight decay (param_groups' defaults are
-        # PuzzleCAM's 1/2/10/20 with undecayed biases).
-        g["lr_mult"] = 1.0 if g["name"].startswith("backbone") else 10.0
-        g["lr"], g["weight_decay"] = lr * g["lr_mult"], weight_decay
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    else:
-        opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
-    base_lrs = [g["lr"] for g in opt.param_groups]
-    # bfloat16 where the GPU has it (Ampere and later): float32's range, so neither the student's
-    # loss nor the teacher's eval-mode forward (running statistics, large activations early on)
-    # overflows, and no loss scaling is needed; float16 with a GradScaler on older cards.
-    amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
-
-    start = 0
-    if ck_path.is_file():
-        ck = load_checkpoint(ck_path, map_location=dev)
-        old = ck.get("settings", {})
-        diff = _settings_diff(old, settings)
-        if diff:
-            raise JobError(f"--out {out}: holds a checkpoint of another run (differs in "
-                           + ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
-                           + "); give a new --out or remove it")
-        model.load_state_dict(ck["student"])
-        if hook is not None:
-            if ck.get("teacher") is None:
-                raise JobError(f"{ck_path}: holds no teacher")
-            hook.teacher.module.load_state_dict(ck["teacher"])
-        opt.load_state_dict(ck["optimizer"])
-        if ck.get("scaler"):
-            scaler.load_state_dict(ck["scaler"])
-        start = int(ck["iteration"])
-    elif rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-
-    net: nn.Module = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-
-    def save(step: int) -> None:
-        if rank != 0:
-            return
-        save_checkpoint(ck_path, {
-            "model": {"arch": arch, "backbone": backbone, "output_stride": output_stride,
-                      "num_classes": num_classes},
-            "iteration": step, "student": model.state_dict(),
-            "teacher": hook.teacher.module.state_dict() if hook is not None else None,
-            "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "settings": settings,
-            "class_names": list(class_names) if class_names else None,
-        })
-
+    # One run per --out: a second one (another shell, a scheduler retrying) would interleave
+    # checkpoints and log lines of two runs. Rank 0 holds the lock for the whole run; the lock
+    # ends with its process, and a folder made only for a run refused here is removed again.
+    lock, made_out = None, False
     if rank == 0:
-        atomic_write(out / SETTINGS_NAME, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=2)))
-        _trim_log(out / LOG_NAME, start)
-    if start >= iterations:
-        return {"checkpoint": ck_path, "iterations": start, "resumed_from": start, "loss": None}
+        made_out = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars train")
+        try:
+            lock.acquire()
+        except BaseException:
+            _remove_if_empty(out, made_out)
+            raise
+        remove_stale_tmp(out)
+    try:
+        ck_path = out / CHECKPOINT_NAME
+        torch.manual_seed(seed)  # the random initialisation of the new layers (and of everything without --weights)
+        model = build_model(arch=arch, backbone=backbone, num_classes=num_classes, output_stride=output_stride)
+        if weights is not None:
+            load_backbone_weights(model, weights)
+        if bn == "frozen":
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    for p in m.parameters():
+                        p.requires_grad_(False)
+        elif bn == "sync" and world > 1:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(dev)
+        hook = None
+        if loss == "mars":
+            # match="logits": the loss and the CRF work on the label grid with the crop's RGB (the
+            # network's logits are already at the input size).
+            # reduction="sum": divided by the global pixel count below (the same gradient on any
+            # number of processes).
+            hook = MARSTrainingHook(model, momentum=ema, match="logits", refine=refine, crf_params=crf_params,
+                                    biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum")
+        groups = param_groups(model, lr, weight_decay)
+        for g in groups:
+            # DHR train.py:200-205 (the trainer whose numbers these are): backbone weights and biases
+            # at lr, the new layers' at 10 lr, all with weight decay (param_groups' defaults are
+            # PuzzleCAM's 1/2/10/20 with undecayed biases).
+            g["lr_mult"] = 1.0 if g["name"].startswith("backbone") else 10.0
+            g["lr"], g["weight_decay"] = lr * g["lr_mult"], weight_decay
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        else:
+            opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+        base_lrs = [g["lr"] for g in opt.param_groups]
+        # bfloat16 where the GPU has it (Ampere and later): float32's range, so neither the student's
+        # loss nor the teacher's eval-mode forward (running statistics, large activations early on)
+        # overflows, and no loss scaling is needed; float16 with a GradScaler on older cards.
+        amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
+        scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
 
-    ds = TrainFolder(images, labels, stems, num_classes, aug, seed, classes=image_labels,
-                     allow_biased=(loss == "mars"))
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=StepSampler(start, iterations, batch_size, rank, world),
-                                         num_workers=workers, pin_memory=dev.type == "cuda",
-                                         persistent_workers=False)
-    bar = None
-    if progress and rank == 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=iterations, initial=start, desc=f"train ({loss})", unit="step", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    last_loss = None
-    net.train()
-    _set_bn_mode(model, bn)
-    for step, batch in zip(range(start, iterations), loader):
-        for g, base in zip(opt.param_groups, base_lrs):
-            g["lr"] = poly_lr(base, step, iterations, poly_power)
-        torch.manual_seed(_step_seed(seed, step, rank))
-        x = batch["image"].to(dev, non_blocking=True)
-        y = batch["label"].to(dev, non_blocking=True)
-        # The global count of pixels the loss averages over (biased ones included: the teacher fills them).
-        count = _all_reduce_sum((y != IGNORE_VALUE).sum().double())
-        with torch.autocast(dev.type, dtype=amp_dtype, enabled=use_amp):
-            logits = net(x)
+        start = 0
+        if ck_path.is_file():
+            ck = load_checkpoint(ck_path, map_location=dev)
+            old = ck.get("settings", {})
+            diff = _settings_diff(old, settings)
+            if diff:
+                raise JobError(f"--out {out}: holds a checkpoint of another run (differs in "
+                               + ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
+                               + "); give a new --out or remove it")
+            model.load_state_dict(ck["student"])
             if hook is not None:
-                total = hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))
-            else:
-                total = F.cross_entropy(logits.float(), y, ignore_index=IGNORE_VALUE, reduction="sum")
-        # DDP averages the gradients over the processes: scale by their number so that the
-        # gradient is the global sum over the global count.
-        loss_t = total.float() * world / count.clamp_min(1).float()
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss_t).backward()
-        scaler.step(opt)
-        scaler.update()
-        if hook is not None:
-            hook.update(model)
-        done = step + 1
-        if done % log_every == 0 or done == iterations:
-            g_loss = _all_reduce_sum(total.detach().double().clone()) / count.clamp_min(1)
-            last_loss = float(g_loss)
-            if not math.isfinite(last_loss) and not use_amp:
-                raise JobError(f"the loss is {last_loss} at step {done}: lower --lr")
-            if rank == 0:
-                el = time.perf_counter() - t0
-                eta = el / (done - start) * (iterations - done)
-                rec = {"iteration": done, "loss": round(last_loss, 6), "lr": opt.param_groups[0]["lr"],
-                       "elapsed_s": round(el, 3), "eta_s": round(eta, 1)}
-                with open(out / LOG_NAME, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                if bar is not None:
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-        if done % save_every == 0 or done == iterations:
-            save(done)
+                if ck.get("teacher") is None:
+                    raise JobError(f"{ck_path}: holds no teacher")
+                hook.teacher.module.load_state_dict(ck["teacher"])
+            opt.load_state_dict(ck["optimizer"])
+            if ck.get("scaler"):
+                scaler.load_state_dict(ck["scaler"])
+            start = int(ck["iteration"])
+    
+        net: nn.Module = model
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+        def save(step: int) -> None:
+            if rank != 0:
+                return
+            save_checkpoint(ck_path, {
+                "model": {"arch": arch, "backbone": backbone, "output_stride": output_stride,
+                          "num_classes": num_classes},
+                "iteration": step, "student": model.state_dict(),
+                "teacher": hook.teacher.module.state_dict() if hook is not None else None,
+                "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "settings": settings,
+                "class_names": list(class_names) if class_names else None,
+            })
+
+        if rank == 0:
+            atomic_write(out / SETTINGS_NAME, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=2)))
+            _trim_log(out / LOG_NAME, start)
+        if start >= iterations:
+            return {"checkpoint": ck_path, "iterations": start, "resumed_from": start, "loss": None}
+
+        ds = TrainFolder(images, labels, stems, num_classes, aug, seed, classes=image_labels,
+                         allow_biased=(loss == "mars"))
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=StepSampler(start, iterations, batch_size, rank, world),
+                                             num_workers=workers, pin_memory=dev.type == "cuda",
+                                             persistent_workers=False)
+        bar = None
+        if progress and rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=iterations, initial=start, desc=f"train ({loss})", unit="step", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        last_loss = None
+        net.train()
+        _set_bn_mode(model, bn)
+        for step, batch in zip(range(start, iterations), loader):
+            for g, base in zip(opt.param_groups, base_lrs):
+                g["lr"] = poly_lr(base, step, iterations, poly_power)
+            torch.manual_seed(_step_seed(seed, step, rank))
+            x = batch["image"].to(dev, non_blocking=True)
+            y = batch["label"].to(dev, non_blocking=True)
+            # The global count of pixels the loss averages over (biased ones included: the teacher fills them).
+            count = _all_reduce_sum((y != IGNORE_VALUE).sum().double())
+            with torch.autocast(dev.type, dtype=amp_dtype, enabled=use_amp):
+                logits = net(x)
+                if hook is not None:
+                    total = hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))
+                else:
+                    total = F.cross_entropy(logits.float(), y, ignore_index=IGNORE_VALUE, reduction="sum")
+            # DDP averages the gradients over the processes: scale by their number so that the
+            # gradient is the global sum over the global count.
+            loss_t = total.float() * world / count.clamp_min(1).float()
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss_t).backward()
+            scaler.step(opt)
+            scaler.update()
+            if hook is not None:
+                hook.update(model)
+            done = step + 1
+            if done % log_every == 0 or done == iterations:
+                g_loss = _all_reduce_sum(total.detach().double().clone()) / count.clamp_min(1)
+                last_loss = float(g_loss)
+                if not math.isfinite(last_loss) and not use_amp:
+                    raise JobError(f"the loss is {last_loss} at step {done}: lower --lr")
+                if rank == 0:
+                    el = time.perf_counter() - t0
+                    eta = el / (done - start) * (iterations - done)
+                    rec = {"iteration": done, "loss": round(last_loss, 6), "lr": opt.param_groups[0]["lr"],
+                           "elapsed_s": round(el, 3), "eta_s": round(eta, 1)}
+                    with open(out / LOG_NAME, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{last_loss:.4f}")
+            if done % save_every == 0 or done == iterations:
+                save(done)
+            if bar is not None:
+                bar.update(1)
+            if on_step is not None:
+                on_step(done)
         if bar is not None:
-            bar.update(1)
-        if on_step is not None:
-            on_step(done)
-    if bar is not None:
-        bar.close()
-    return {"checkpoint": ck_path, "iterations": iterations, "resumed_from": start, "loss": last_loss}
+            bar.close()
+        return {"checkpoint": ck_path, "iterations": iterations, "resumed_from": start, "loss": last_loss}
+    finally:
+        if lock is not None:
+            lock.release()
+            _remove_if_empty(out, made_out)
+
+
+def _remove_if_empty(out: Path, made: bool) -> None:
+    """Remove ``out`` if this run made it and left nothing in it (a refused or failed start)."""
+    if made:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
 
 
 def _set_bn_mode(model: nn.Module, bn: str) -> None:

@@ -164,6 +164,25 @@ def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
         train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1, lr=0.01))
 
 
+def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tree, tmp_path, capsys):
+    from mars_plugin.run_record import LOCK_NAME, RunLock
+
+    out = tmp_path / "o"
+    out.mkdir()
+    held = RunLock(out / LOCK_NAME, f"--out {out}", "mars train").acquire()
+    try:
+        capsys.readouterr()
+        assert cli.main(_cli_args(tree, out)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"mars train: error: --out {out} is in use by another run (pid {os.getpid()} on host "), err
+        assert not (out / CHECKPOINT_NAME).exists() and not (out / LOG_NAME).exists()
+    finally:
+        held.release()
+    assert cli.main(_cli_args(tree, out)) == 0  # the lock ended with its holder
+    assert (out / CHECKPOINT_NAME).is_file() and not (out / LOCK_NAME).exists()
+
+
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
