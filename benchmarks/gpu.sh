@@ -8,8 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The package without installing it (a bare GPU machine has torch but not this checkout).
-[ -e mars_plugin/adapters ] || ln -s ../adapters mars_plugin/adapters
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source benchmarks/_package_path.sh
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
   echo "gpu.sh: no GPU on this machine (torch.cuda.is_available() is False): no GPU row to measure"
   exit 0
