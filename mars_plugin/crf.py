@@ -27,7 +27,7 @@ import math
 import numbers
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -620,13 +620,19 @@ _GAUSSIAN_CACHE_LOCK = threading.Lock()
 def _gaussian_lattice(shapes: Tuple[Tuple[int, int], ...], sxy: float, device: torch.device) -> PermutohedralLattice:
     """The position-only kernel's (normalised) lattice depends on the image sizes alone: the
     last few (VOC's handful of sizes, a training loop's fixed crop) are kept, when small."""
-    key = (shapes, float(np.float32(sxy)), str(device))
+    return _kept((shapes, float(np.float32(sxy)), str(device)), lambda: _lattice(
+        _features(shapes, sxy, None, 1.0, device), _segments([H * W for H, W in shapes], device)))
+
+
+def _kept(key: Any, build: Callable[[], Any]) -> Any:
+    """The kept lattice of ``key``, else ``build()`` (kept when small; the least recently used
+    goes first). Built outside the lock: two threads may build the same one, neither waits."""
     with _GAUSSIAN_CACHE_LOCK:
         hit = _GAUSSIAN_CACHE.get(key)
         if hit is not None:
             _GAUSSIAN_CACHE.move_to_end(key)
             return hit
-    built = _lattice(_features(shapes, sxy, None, 1.0, device), _segments([H * W for H, W in shapes], device))
+    built = build()
     if built.num_points <= GAUSSIAN_CACHE_PIXELS:
         with _GAUSSIAN_CACHE_LOCK:
             _GAUSSIAN_CACHE[key] = built
@@ -758,21 +764,9 @@ def _checked_features(features: torch.Tensor) -> np.ndarray:
 def _compiled_gaussian(shapes: Tuple[Tuple[int, int], ...], sxy: float) -> "crf_compiled.CompiledLattice":
     """The compiled position-kernel lattice of these image sizes, kept as :func:`_gaussian_lattice`
     keeps the torch one."""
-    key = (shapes, float(np.float32(sxy)), "compiled")
-    with _GAUSSIAN_CACHE_LOCK:
-        hit = _GAUSSIAN_CACHE.get(key)
-        if hit is not None:
-            _GAUSSIAN_CACHE.move_to_end(key)
-            return hit
     cpu = torch.device("cpu")
-    built = crf_compiled.CompiledLattice(_checked_features(_features(shapes, sxy, None, 1.0, cpu)),
-                                         [H * W for H, W in shapes])
-    if built.num_points <= GAUSSIAN_CACHE_PIXELS:
-        with _GAUSSIAN_CACHE_LOCK:
-            _GAUSSIAN_CACHE[key] = built
-            while len(_GAUSSIAN_CACHE) > GAUSSIAN_CACHE_ENTRIES:
-                _GAUSSIAN_CACHE.popitem(last=False)
-    return built
+    return _kept((shapes, float(np.float32(sxy)), "compiled"), lambda: crf_compiled.CompiledLattice(
+        _checked_features(_features(shapes, sxy, None, 1.0, cpu)), [H * W for H, W in shapes]))
 
 
 def _mean_field_compiled(sources: List[torch.Tensor], kind: str, masks: List[Optional[torch.Tensor]],

@@ -107,6 +107,14 @@ if numba is not None:
         return np.int64(h & np.uint64(cap_mask))
 
     @njit(cache=_CACHE, nogil=True)
+    def _same_key(keys, p, key):
+        """Whether row ``p`` of ``keys`` equals ``key`` (the probe of _insert and _find)."""
+        for i in range(key.shape[0]):
+            if keys[p, i] != key[i]:
+                return False
+        return True
+
+    @njit(cache=_CACHE, nogil=True)
     def _insert(key, keys, slots, cap_mask, count):
         """The index of ``key`` in ``keys[:count]``, added as point ``count`` if new; returns
         (index, new count)."""
@@ -119,12 +127,7 @@ if numba is not None:
                 for i in range(kd):
                     keys[count, i] = key[i]
                 return count, count + 1
-            same = True
-            for i in range(kd):
-                if keys[p, i] != key[i]:
-                    same = False
-                    break
-            if same:
+            if _same_key(keys, p, key):
                 return p, count
             s = (s + 1) & cap_mask
 
@@ -141,18 +144,12 @@ if numba is not None:
 
     @njit(cache=_CACHE, nogil=True)
     def _find(key, keys, slots, cap_mask, missing):
-        kd = key.shape[0]
         s = _hash_slot(key, cap_mask)
         while True:
             p = slots[s]
             if p < 0:
                 return missing
-            same = True
-            for i in range(kd):
-                if keys[p, i] != key[i]:
-                    same = False
-                    break
-            if same:
+            if _same_key(keys, p, key):
                 return p
             s = (s + 1) & cap_mask
 
