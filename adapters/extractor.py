@@ -430,17 +430,11 @@ def _features_shard(
             raise ValueError(f"the extractor returned {tuple(feats.shape[-2:])} maps, {size} were asked for")
         return feats
 
-    def run(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]]) -> None:
-        try:
-            feats = forward(batch)
-        except Exception as e:  # noqa: BLE001 -- a per-image failure (e.g. too small for a scale)
-            if len(batch) > 1:  # find the image(s) it was: each alone
-                for item in batch:
-                    run([item])
-                return
-            stem, _, img = batch[0]
-            fail(stem, f"{where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
-            return
+    def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
+        stem, _, img = item
+        fail(stem, f"{where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
+
+    def write(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]], feats: torch.Tensor) -> None:
         feats = feats.float().cpu()
         for (stem, inputs, _), f in zip(batch, feats):
             with np.errstate(over="ignore"):
@@ -459,7 +453,7 @@ def _features_shard(
             fail(stem, f"no image of this id in {images_dir} (looked for {', '.join(IMAGE_EXTENSIONS)})")
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        batches = SizeBatches(batch_size, run)  # images of one size share a forward pass
+        batches = SizeBatches(batch_size, forward, write, failed)  # one size: one forward pass
         again = set()  # stems whose existing file is computed again (its image changed, or no record)
         for stem, path in items:
             if (out_dir / f"{stem}{other_ext}").is_file():

@@ -416,17 +416,11 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                              "background")
         return labels_from_probs(probs, rgb, crf, class_threshold).cpu()
 
-    def run(batch: Batch) -> None:
-        try:
-            labels = labels_of(batch)
-        except Exception as e:  # noqa: BLE001 -- a per-image failure (e.g. too small for a scale)
-            if len(batch) > 1:  # find the image(s) it was: each alone
-                for item in batch:
-                    run([item])
-                return
-            stem, _, img = batch[0]
-            fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
-            return
+    def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
+        stem, _, img = item
+        fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
+
+    def write(batch: Batch, labels: torch.Tensor) -> None:
         for (stem, inputs, _), y in zip(batch, labels):
             path = out_dir / f"{stem}.png"
             y8 = y.to(torch.uint8)
@@ -439,7 +433,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     try:
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        batches = SizeBatches(batch_size, run)  # images of one size share a forward pass
+        batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
         for stem, path in items:
             inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
             kept, exists = record.current(stem, out_dir / f"{stem}.png", inputs)

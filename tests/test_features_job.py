@@ -322,3 +322,38 @@ def test_stems_limit_the_images_and_a_missing_one_is_named(tmp_path, images, ste
     assert not (tmp_path / "third").exists()
     with pytest.raises(ValueError, match="not a plain file name"):
         features_job(stego, img_dir, tmp_path / "fourth", progress=False, stems=["../a"])
+
+
+def test_size_batches_compute_each_item_of_a_failing_batch_alone():
+    # mars features and mars predict: one bad image fails alone, the rest of its batch is written.
+    from mars_plugin.jobs import SizeBatches
+
+    calls, written, failed = [], [], []
+
+    def compute(batch):
+        calls.append(list(batch))
+        if "bad" in batch:
+            raise ValueError("too small")
+        return [x.upper() for x in batch]
+
+    b = SizeBatches(3, compute, lambda batch, out: written.extend(out), lambda item, e: failed.append((item, str(e))))
+    for key, item in [((4, 4), "a"), ((4, 4), "bad"), ((8, 8), "c"), ((4, 4), "d"), ((8, 8), "e")]:
+        b.add(key, item)
+    b.flush()
+    assert calls == [["a", "bad", "d"], ["a"], ["bad"], ["d"], ["c", "e"]]
+    assert written == ["A", "D", "C", "E"] and failed == [("bad", "too small")]
+
+
+def test_size_batches_a_failing_write_is_not_retried_per_item():
+    from mars_plugin.jobs import SizeBatches
+
+    calls = []
+
+    def write(batch, out):
+        raise OSError("disk full")
+
+    b = SizeBatches(2, lambda batch: calls.append(list(batch)), write, lambda item, e: pytest.fail("not an image's fault"))
+    b.add(1, "a")
+    with pytest.raises(OSError, match="disk full"):
+        b.add(1, "b")
+    assert calls == [["a", "b"]]
