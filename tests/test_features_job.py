@@ -352,7 +352,10 @@ def test_size_batches_a_failing_write_is_not_retried_per_item():
     def write(batch, out):
         raise OSError("disk full")
 
-    b = SizeBatches(2, lambda batch: calls.append(list(batch)), write, lambda item, e: pytest.fail("not an image's fault"))
+    def failed(item, e):
+        pytest.fail("not an image's fault")
+
+    b = SizeBatches(2, lambda batch: calls.append(list(batch)), write, failed)
     b.add(1, "a")
     with pytest.raises(OSError, match="disk full"):
         b.add(1, "b")
