@@ -6,6 +6,6 @@ hands the core plain tensors. They arrive with their own issues; this package is
 
 # The training hook is what every recipe imports: ``from mars_plugin.adapters import
 # MARSTrainingHook`` (it lives in mars_plugin.adapters.training_hook).
-from .training_hook import MARSTrainingHook  # noqa: E402
+from mars_plugin.adapters.training_hook import MARSTrainingHook  # noqa: E402
 
 __all__ = ["MARSTrainingHook"]

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 from mars_plugin import EMATeacher, WCELoss, complement_labels
 from mars_plugin._checks import as_tensor, check_fraction, describe
-from mars_plugin.centroids import resize_label
-from mars_plugin.crf import check_crf_backend, check_crf_params
-from mars_plugin.local_crf import check_local_crf_params
-from mars_plugin.files import BIASED_VALUE
+from mars_plugin.method.centroids import resize_label
+from mars_plugin.engines.crf import check_crf_backend, check_crf_params
+from mars_plugin.engines.local_crf import check_local_crf_params
+from mars_plugin.formats.files import BIASED_VALUE
 
 __all__ = ["MARSTrainingHook", "default_output_transform", "STATE_FORMAT"]
 
@@ -74,7 +74,7 @@ class MARSTrainingHook:
             labels' size on ``images_rgb`` of that size, as the paper refines full images.
         output_transform: maps a model output to (B, C+1, h, w) logits.
         refine: teacher refinement, None, ``"crf"`` (the dense CRF, batched on the logits'
-            device, :func:`mars_plugin.crf.dense_crf`) or ``"local_crf"`` (its windowed
+            device, :func:`mars_plugin.engines.crf.dense_crf`) or ``"local_crf"`` (its windowed
             approximation); both need ``images_rgb`` in the call (see :meth:`__call__`).
         crf_params: a preset name (``"mars"`` default, ``"psa"``) or a dict of overrides (see
             :func:`mars_plugin.complement_labels`).

@@ -21,10 +21,10 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
-from mars_plugin.adapters import advcam, irnet, rsepm, seam  # noqa: E402
-from mars_plugin.adapters.stego import STEGOExtractor  # noqa: E402
-from mars_plugin.adapters.vit import DinoViT  # noqa: E402
-from mars_plugin.files import write_label  # noqa: E402
+from mars_plugin.adapters.wsss import advcam, irnet, rsepm, seam  # noqa: E402
+from mars_plugin.adapters.uss.stego import STEGOExtractor  # noqa: E402
+from mars_plugin.adapters.uss.vit import DinoViT  # noqa: E402
+from mars_plugin.formats.files import write_label  # noqa: E402
 
 H, W = 320, 480
 

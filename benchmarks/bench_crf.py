@@ -5,7 +5,7 @@ For each preset (mars: Gaussian 1/3, bilateral 67/3/4; psa: 3/3, 80/13/10) and l
 
 * pydensecrf (the reference; the ``crf`` extra), one process, and --processes processes each
   running its share of the images (multiprocessing, one thread each);
-* ours (mars_plugin.crf.dense_crf) on the CPU with one thread (per core: compare with one
+* ours (mars_plugin.engines.crf.dense_crf) on the CPU with one thread (per core: compare with one
   pydensecrf process), at batch 1 and 8 with torch's threads (see the machine line; a batch runs
   its images in parallel threads), and on CUDA at batch 1, 16 and 64 when a GPU is there.
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
-from mars_plugin.crf import CRF_PRESETS, dense_crf  # noqa: E402
+from mars_plugin.engines.crf import CRF_PRESETS, dense_crf  # noqa: E402
 
 
 def natural_image(H: int, W: int, seed: int) -> np.ndarray:
@@ -135,7 +135,7 @@ def _peak_one(backend: str, H: int, W: int, L: int, preset: str) -> int:
 
 
 def memory_table(args) -> None:
-    from mars_plugin.crf import crf_memory_bytes
+    from mars_plugin.engines.crf import crf_memory_bytes
 
     print(machine_line("cpu"))
     print(f"peak RSS growth of one dense CRF call, bytes per pixel, {args.repeats} fresh processes each: median "

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
 from mars_plugin import select_centroids  # noqa: E402
-from mars_plugin.files import write_features, write_image, write_label  # noqa: E402
-from mars_plugin.jobs import debias_job  # noqa: E402
+from mars_plugin.formats.files import write_features, write_image, write_label  # noqa: E402
+from mars_plugin.commands.jobs import debias_job  # noqa: E402
 
 
 def make_folder(root: str, n: int, H: int = 375, W: int = 500, D: int = 70, stride: int = 8, seed: int = 0):
@@ -151,7 +151,7 @@ def main():
         runs += [("crf", "torch", "cuda", b, 1) for b in (16, 64)]
     with tempfile.TemporaryDirectory() as root:
         make_folder(root, args.images)
-        from mars_plugin.files import read_features, read_label
+        from mars_plugin.formats.files import read_features, read_label
 
         stems = sorted(f[:-4] for f in os.listdir(os.path.join(root, "features")))
         V = select_centroids(((read_features(os.path.join(root, "features", s + ".npy")),
@@ -176,7 +176,7 @@ def main():
             print(f"| {refine} | {backend if refine == 'crf' else '-'} | {device} | {batch} | {w} | {dt:.2f} | "
                   f"{args.images / dt:.2f} | {voc / 60:.1f} min |", flush=True)
         if reference_out is not None:
-            from mars_plugin.files import read_label as rl
+            from mars_plugin.formats.files import read_label as rl
 
             torch_out = os.path.join(root, "out_crf_torch_cpu_8_1")
             same = np.mean([float((rl(os.path.join(torch_out, s + ".png")) == rl(os.path.join(reference_out, s + ".png")))

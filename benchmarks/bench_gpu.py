@@ -32,7 +32,7 @@ def section_crf(dev, smoke):
     """Images/s of the dense CRF at 500x375 (VOC), 10 iterations, both presets, 2 and 21 labels."""
     from bench_crf import natural_image, smooth_probs, time_ours
 
-    from mars_plugin.crf import CRF_PRESETS
+    from mars_plugin.engines.crf import CRF_PRESETS
 
     H, W = (375, 500) if not smoke else (60, 80)
     batches = (1, 16, 64) if not smoke else (1, 4)
@@ -56,9 +56,9 @@ def section_debias(dev, smoke):
     """`mars debias` (the folder job: read, CRF on the device, write) images/s."""
     from bench_debias import make_folder
 
-    from mars_plugin.files import read_features, read_label
-    from mars_plugin.jobs import debias_job
-    from mars_plugin.selection import select_centroids
+    from mars_plugin.formats.files import read_features, read_label
+    from mars_plugin.commands.jobs import debias_job
+    from mars_plugin.method.selection import select_centroids
 
     n = 64 if not smoke else 4
     with tempfile.TemporaryDirectory() as root:

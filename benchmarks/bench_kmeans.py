@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from mars_plugin import kmeans_compiled
-from mars_plugin.kmeans import _uniforms, batched_kmeans, seeding_trials
+from mars_plugin.engines import kmeans_compiled
+from mars_plugin.engines.kmeans import _uniforms, batched_kmeans, seeding_trials
 
 
 def compiled_inertia(problems, k, max_iter=100, tol=1e-4):

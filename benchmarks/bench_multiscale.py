@@ -35,9 +35,9 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
-from mars_plugin.adapters.multiscale import DHR_SCALES, multiscale, scaled_size  # noqa: E402
-from mars_plugin.adapters.stego import STEGOExtractor  # noqa: E402
-from mars_plugin.adapters.vit import DinoViT, normalize_imagenet  # noqa: E402
+from mars_plugin.adapters.uss.multiscale import DHR_SCALES, multiscale, scaled_size  # noqa: E402
+from mars_plugin.adapters.uss.stego import STEGOExtractor  # noqa: E402
+from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet  # noqa: E402
 
 
 #: --model: (architectures {name: (width, depth, heads)}, patch). STEGO is DHR's ViT-B/8 + 70-d
@@ -73,10 +73,10 @@ def build(model: str, arch: str, device: torch.device) -> nn.Module:
     vit = _random_(DinoViT(patch, width, depth, heads, num_patches=37 * 37, layer_scale=True, mask_token=True,
                            ffn="swiglu" if arch == "g14" else "mlp"))
     if model == "dinov2":
-        from mars_plugin.adapters.dinov2 import DINOv2Extractor
+        from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
 
         return DINOv2Extractor(vit).to(device).eval()
-    from mars_plugin.adapters.cause import CAUSEExtractor, CAUSESegment
+    from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment
 
     seg = _random_(CAUSESegment(width))
     return CAUSEExtractor(vit, seg, torch.randn(CODEBOOK, width)).to(device).eval()

@@ -29,11 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
-from mars_plugin.adapters._common import VOC_CLASSES  # noqa: E402
-from mars_plugin.adapters.vit import DinoViT  # noqa: E402
-from mars_plugin.files import write_image, write_label  # noqa: E402
-from mars_plugin.reproduce import reproduce  # noqa: E402
-from mars_plugin.reproduce_report import PAPER_COCO_CLASSES  # noqa: E402
+from mars_plugin.adapters.wsss._common import VOC_CLASSES  # noqa: E402
+from mars_plugin.adapters.uss.vit import DinoViT  # noqa: E402
+from mars_plugin.formats.files import write_image, write_label  # noqa: E402
+from mars_plugin.commands.reproduce import reproduce  # noqa: E402
+from mars_plugin.commands.reproduce_report import PAPER_COCO_CLASSES  # noqa: E402
 
 VOC_TRAIN_AUG = 10582
 COCO_TRAIN = 82783
@@ -80,7 +80,7 @@ def make_tree(root: str, n: int, H: int = 375, W: int = 500, seed: int = 0, data
 
 def write_given_features(root: str, dim: int, seed: int = 0) -> str:
     """Random (dim, ceil(H/8), ceil(W/8)) fp16 features for every pseudo label, as DHR's .pt files."""
-    from mars_plugin.files import read_label
+    from mars_plugin.formats.files import read_label
 
     g = torch.Generator().manual_seed(seed)
     out = os.path.join(root, "given_features")
@@ -121,7 +121,7 @@ def _table(stages, n, total, data="VOC2012"):
 def _agreement(out_a: str, out_b: str):
     """Mean and min per-pixel cosine of the two runs' features, and the share of debiased-label
     pixels that are equal."""
-    from mars_plugin.files import read_features, read_label
+    from mars_plugin.formats.files import read_features, read_label
 
     cos, equal, total = [], 0, 0
     for name in sorted(os.listdir(os.path.join(out_a, "features"))):

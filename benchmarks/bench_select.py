@@ -211,8 +211,7 @@ def main() -> None:
         run_one(args._run, sizes[0], dims[0], tuple(args._cache), args._out, args.batch_size, devices[0],
                 backends[0], args.repeat)
         return
-    from mars_plugin import kmeans_compiled
-
+    from mars_plugin.engines import kmeans_compiled
     # (device, backend) pairs of ours: a GPU always runs the torch backend.
     runs = [(dev, "torch" if dev.startswith("cuda") else be) for dev in devices for be in backends]
     runs = list(dict.fromkeys(runs))

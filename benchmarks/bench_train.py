@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
-from mars_plugin.files import write_image, write_label  # noqa: E402
-from mars_plugin.train import train  # noqa: E402
+from mars_plugin.formats.files import write_image, write_label  # noqa: E402
+from mars_plugin.commands.train import train  # noqa: E402
 
 
 def make_tree(root: str, n: int, H: int = 375, W: int = 500, classes: int = 20) -> None:

@@ -21,7 +21,7 @@ from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
 from mars_plugin.adapters.training_hook import MARSTrainingHook  # noqa: E402
-from mars_plugin.demo import TinySegNet  # noqa: E402
+from mars_plugin.commands.demo import TinySegNet  # noqa: E402
 
 
 def main():

@@ -28,14 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
 from mars_plugin import cli  # noqa: E402
-from mars_plugin.debias import debias_labels  # noqa: E402
-from mars_plugin.demo import WORLD_NOISE  # noqa: E402
-from mars_plugin.files import IGNORE_VALUE, atomic_write, read_label, write_label  # noqa: E402
-from mars_plugin.metrics import confusion_matrix, segmentation_scores  # noqa: E402
-from mars_plugin.seg_checkpoint import model_from_checkpoint  # noqa: E402
-from mars_plugin.seg_data import normalize  # noqa: E402
-from mars_plugin.selection import select_centroids  # noqa: E402
-from mars_plugin.synthetic import make_world, write_world  # noqa: E402
+from mars_plugin.method.debias import debias_labels  # noqa: E402
+from mars_plugin.commands.demo import WORLD_NOISE  # noqa: E402
+from mars_plugin.formats.files import IGNORE_VALUE, atomic_write, read_label, write_label  # noqa: E402
+from mars_plugin.commands.metrics import confusion_matrix, segmentation_scores  # noqa: E402
+from mars_plugin.networks.seg_checkpoint import model_from_checkpoint  # noqa: E402
+from mars_plugin.networks.seg_data import normalize  # noqa: E402
+from mars_plugin.method.selection import select_centroids  # noqa: E402
+from mars_plugin.worlds.synthetic import make_world, write_world  # noqa: E402
 
 LABELS = {"mars": "debiased", "ce": "labels"}
 

@@ -16,10 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
-from mars_plugin.complement import complement_labels  # noqa: E402
-from mars_plugin.crf import CRF_PRESETS, dense_crf  # noqa: E402
-from mars_plugin.deeplab import build_model  # noqa: E402
-from mars_plugin.seg_data import normalize  # noqa: E402
+from mars_plugin.method.complement import complement_labels  # noqa: E402
+from mars_plugin.engines.crf import CRF_PRESETS, dense_crf  # noqa: E402
+from mars_plugin.networks.deeplab import build_model  # noqa: E402
+from mars_plugin.networks.seg_data import normalize  # noqa: E402
 
 
 def timed(fn, dev, reps=5):

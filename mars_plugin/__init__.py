@@ -9,16 +9,16 @@ Three calls between the pseudo-label and segmentation stages of any WSSS codebas
 """
 # First, before torch loads libgomp: in the mars command, OpenMP threads sleep at a barrier
 # instead of spinning (mars_plugin/_wait_policy.py acts when imported); as a library, nothing.
-from . import _wait_policy  # noqa: F401
-from .centroids import ImageCentroids, image_centroids
-from .complement import complement_labels
-from .crf import DenseCRF, dense_crf
-from .debias import BIASED, DebiasResult, debias_labels, debiased_similarity
-from .ema import EMATeacher
-from .kmeans import batched_kmeans, kmeans
-from .local_crf import local_crf
-from .losses import WCELoss, weighted_cross_entropy
-from .selection import DebiasedCentroids, select_centroids
+from mars_plugin import _wait_policy  # noqa: F401
+from mars_plugin.method.centroids import ImageCentroids, image_centroids
+from mars_plugin.method.complement import complement_labels
+from mars_plugin.engines.crf import DenseCRF, dense_crf
+from mars_plugin.method.debias import BIASED, DebiasResult, debias_labels, debiased_similarity
+from mars_plugin.method.ema import EMATeacher
+from mars_plugin.engines.kmeans import batched_kmeans, kmeans
+from mars_plugin.engines.local_crf import local_crf
+from mars_plugin.method.losses import WCELoss, weighted_cross_entropy
+from mars_plugin.method.selection import DebiasedCentroids, select_centroids
 
 __version__ = "0.1.0"
 

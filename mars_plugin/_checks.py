@@ -12,11 +12,11 @@ from typing import Any, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-# The value debiased PNGs store the biased label -1 as (mars_plugin.files.BIASED_VALUE, which
+# The value debiased PNGs store the biased label -1 as (mars_plugin.formats.files.BIASED_VALUE, which
 # is this one): kept here so that the core's label checks can point a raw 254 to read_label
 # without importing the I/O layer.
 BIASED_PNG_VALUE = 254
-#: The ignore byte of every label file (``mars_plugin.files.IGNORE_VALUE`` is this one).
+#: The ignore byte of every label file (``mars_plugin.formats.files.IGNORE_VALUE`` is this one).
 IGNORE_PNG_VALUE = 255
 #: The largest number of foreground classes C: labels are bytes 0..C, and 254 (biased) and 255
 #: (ignore) are not classes.
@@ -159,7 +159,7 @@ def _biased_hint(t: torch.Tensor, allow_biased: bool) -> str:
         return ""
     if allow_biased:
         return (f"; {BIASED_PNG_VALUE} is how debiased PNGs store biased pixels: read them with "
-                f"mars_plugin.files.read_label, which maps {BIASED_PNG_VALUE} to -1")
+                f"mars_plugin.formats.files.read_label, which maps {BIASED_PNG_VALUE} to -1")
     return (f"; {BIASED_PNG_VALUE} is how debiased PNGs store biased pixels: this argument takes the WSSS "
             f"pseudo label, not a debiased one")
 
@@ -215,8 +215,8 @@ def check_ignore_byte(value: Any, name: str = "ignore_index", num_classes: Optio
     return v
 
 
-# Bounds of the parameters of the folder jobs and their flags (mars_plugin.jobs,
-# mars_plugin.cli_types): typos caught before hours of work or an allocation that cannot fit.
+# Bounds of the parameters of the folder jobs and their flags (mars_plugin.commands.jobs,
+# mars_plugin.commands.cli_types): typos caught before hours of work or an allocation that cannot fit.
 #: K-means clusters per class (the paper: 2); beyond an image's pixels K gives one centroid
 #: per pixel, so a larger K is a typo, not a setting.
 MAX_K = 1000

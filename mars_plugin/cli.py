@@ -1,6 +1,6 @@
 """The ``mars`` command line: ``mars demo``, ``centroids``, ``debias``, ``evaluate``, ``report``.
 
-Every flag states its default in ``--help``. Folder layout: see :mod:`mars_plugin.files`.
+Every flag states its default in ``--help``. Folder layout: see :mod:`mars_plugin.formats.files`.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from . import cli_types as T
-from ._checks import MAX_THREADS, check_class_names, check_int_param
-from .centroids import BACKENDS
-from .crf import CRF_BACKENDS
-from .files import atomic_write
+from mars_plugin.commands import cli_types as T
+from mars_plugin._checks import MAX_THREADS, check_class_names, check_int_param
+from mars_plugin.method.centroids import BACKENDS
+from mars_plugin.engines.crf import CRF_BACKENDS
+from mars_plugin.formats.files import atomic_write
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -118,7 +118,7 @@ def _wsss_class_names(args: argparse.Namespace) -> Optional[List[str]]:
     IRNet, AdvCAM and SEAM."""
     if args.wsss is None:
         return None
-    from .jobs import _adapter
+    from mars_plugin.commands.jobs import _adapter
 
     adapter = _adapter(args.wsss)
     if args.wsss == "rsepm":
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="MARS: model-agnostic biased object removal for weakly-supervised semantic segmentation.",
         formatter_class=_Formatter,
     )
-    from . import __version__
+    from mars_plugin import __version__
 
     ap.add_argument("--version", action="version", version=f"mars {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and "
                                     "print the commands to try on it (features, centroids, debias, evaluate, report, "
                                     "reproduce). A few seconds, a few MB.")
-    from .sample_trees import TREES
+    from mars_plugin.worlds.sample_trees import TREES
 
     sm.add_argument("--tree", choices=TREES, required=True, help="whose layout")
     sm.add_argument("--out", required=True, help="a new (or empty) folder for the tree")
@@ -314,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(e)
     add_threads(e)
 
-    from .adapters.extractor import _OWN_DEFAULT, DHR_SCALES, scales_argument, add_features_arguments
-    from .reproduce import USS_CHOICES
+    from mars_plugin.adapters.uss.extractor import _OWN_DEFAULT, DHR_SCALES, scales_argument, add_features_arguments
+    from mars_plugin.commands.reproduce import USS_CHOICES
 
     f = sub.add_parser("features", formatter_class=_Formatter,
                        help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
@@ -480,14 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_threads(t)
 
-    from .predict import add_predict_arguments
+    from mars_plugin.commands.predict import add_predict_arguments
 
     pr = sub.add_parser("predict", formatter_class=_Formatter,
                         help="a trained network's labels (mars train checkpoint): multi-scale + flip inference and "
                              "the dense CRF, as the authors' evaluators",
                         description="One P-mode PNG (VOC palette) per image: the mean softmax over --scales and "
                                     "flips, then the dense CRF over the classes reaching --class-threshold (RS+EPM's "
-                                    "and DHR's evaluators; sources in mars_plugin/predict.py). --root/--method write "
+                                    "and DHR's evaluators; sources in mars_plugin/commands/predict.py). --root/--method write "
                                     "DHR's WSS/<data>/<method>/<domain>/ (MARS masks, for train.py --wss). "
                                     "Resumable, atomic writes; under torchrun the ranks share the images.")
     add_predict_arguments(pr)
@@ -507,7 +507,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Ctrl-C (KeyboardInterrupt, SIGINT) ends any command with one line on stderr and status 130
     (128 + SIGINT, what a shell reports for a program killed by it); every output is written
     atomically, so a run interrupted at any point resumes when it is run again. Worker processes
-    (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.jobs.debias_job`)."""
+    (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.commands.jobs.debias_job`)."""
     try:
         try:
             code = _main(argv)
@@ -569,29 +569,28 @@ def _print_skipped(s) -> None:
 
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
-    from . import jobs
-
+    from mars_plugin.commands import jobs
     apply_threads(args.threads)
 
     s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
     joined = False  # whether this call joined a torchrun process group (and must leave it)
     try:
         if args.command == "demo":
-            from .demo import run_demo
+            from mars_plugin.commands.demo import run_demo
 
             run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
                      epochs=args.epochs, refine=args.refine, crf_params=args.crf_params,
                      write_world=not args.no_world)
             return 0
         if args.command == "sample":
-            from .sample_trees import describe, write_sample_tree
+            from mars_plugin.worlds.sample_trees import describe, write_sample_tree
 
             write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
             print("\n".join(describe(args.tree, args.out)))
             return 0
         progress = not args.no_progress
         if args.command == "features":
-            from .adapters.extractor import run_features
+            from mars_plugin.adapters.uss.extractor import run_features
 
             joined = _maybe_init_distributed()
             s = run_features(args)  # under torchrun: this rank's share; a failure on one rank fails all
@@ -606,7 +605,7 @@ def _main(argv: Optional[List[str]]) -> int:
                 jobs.barrier()
                 return 1 if s.failed else 0
         if args.command == "predict":
-            from .predict import run_predict
+            from mars_plugin.commands.predict import run_predict
 
             joined = _maybe_init_distributed()
             s, out = run_predict(args)  # under torchrun: this rank's share; a failure on one rank fails all
@@ -657,7 +656,7 @@ def _main(argv: Optional[List[str]]) -> int:
                     n, r = s.pixels[c], s.removed.get(c, 0)
                     print(f"  {_class_label(names, c)}: {r} of {n} ({100 * r / n:.1f}%)")
         elif args.command == "evaluate":
-            from .metrics import format_scores_table
+            from mars_plugin.commands.metrics import format_scores_table
 
             names = _names_for(args.class_names, args.num_classes)
             scores, s = jobs.evaluate_job(args.pred, args.gt, args.num_classes, ignore_index=args.ignore_index,
@@ -671,7 +670,7 @@ def _main(argv: Optional[List[str]]) -> int:
                 except OSError as e:
                     raise jobs.JobError(f"--json {args.json}: cannot write it ({e.strerror or e})") from None
         elif args.command == "reproduce":
-            from .reproduce import reproduce
+            from mars_plugin.commands.reproduce import reproduce
 
             joined = _maybe_init_distributed()
             res = reproduce(
@@ -690,8 +689,8 @@ def _main(argv: Optional[List[str]]) -> int:
                 print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
                       f"({p['num_images']} images); details and the paper's figures in {res['report']}")
             if args.train:
-                from .reproduce import default_domain
-                from .reproduce_train import train_after_reproduce
+                from mars_plugin.commands.reproduce import default_domain
+                from mars_plugin.commands.reproduce_train import train_after_reproduce
 
                 opts = dict(arch=args.arch, backbone=args.train_backbone, weights=args.weights,
                             iterations=args.iterations, batch_size=args.train_batch_size, crop=args.crop,
@@ -712,7 +711,7 @@ def _main(argv: Optional[List[str]]) -> int:
                 jobs.barrier()
                 return 1 if s.failed else 0
         elif args.command == "train":
-            from .train import run_train_command
+            from mars_plugin.commands.train import run_train_command
 
             joined = _maybe_init_distributed(train=args.device)
             res = run_train_command(args)

@@ -23,8 +23,8 @@ import torch
 from PIL import Image
 
 from mars_plugin import debias_labels, select_centroids
-from mars_plugin.adapters import dhr, rsepm
-from mars_plugin.files import read_label
+from mars_plugin.adapters.wsss import dhr, rsepm
+from mars_plugin.formats.files import read_label
 
 H, W = 12, 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -535,8 +535,8 @@ def test_own_loop_runs_on_dhr_files(tmp_path, monkeypatch):
 
 def test_cli_wsss_dhr_reads_tags_and_json(tmp_path):
     """``mars centroids --wsss dhr --image-labels <xml>``: tags through this adapter."""
-    from mars_plugin import cli, jobs
-
+    from mars_plugin import cli
+    from mars_plugin.commands import jobs
     rng = np.random.default_rng(10)
     L, names = _dhr_fixture(tmp_path, rng)
     assert "dhr" in jobs.WSSS_ADAPTERS

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from mars_plugin import debias_labels, select_centroids
-from mars_plugin.adapters import irnet
-from mars_plugin.files import read_label
+from mars_plugin.adapters.wsss import irnet
+from mars_plugin.formats.files import read_label
 
 IDS = ["2007_000032", "2007_000039", "2008_000123", "2011_003276"]
 H, W = 13, 18  # not multiples of 4: strided size is ceil(H/4), ceil(W/4)

@@ -15,8 +15,7 @@ import torch
 from PIL import Image
 
 from mars_plugin import debias_labels, select_centroids
-from mars_plugin.adapters import rsepm
-
+from mars_plugin.adapters.wsss import rsepm
 H, W = 12, 16
 
 

@@ -11,8 +11,7 @@ import torch
 from PIL import Image
 
 from mars_plugin import debias_labels, select_centroids
-from mars_plugin.adapters import seam
-
+from mars_plugin.adapters.wsss import seam
 H, W = 12, 16
 
 

@@ -3,7 +3,7 @@
 One table of inputs, run through image_centroids and select_centroids with backend="torch"
 and backend="compiled": the outcome must be the same, i.e. both raise the same exception type
 with the same message, or both return the same centroids (to float32 rounding, as documented
-in :mod:`mars_plugin.kmeans_compiled`). The one documented difference, ``n_init > 1``
+in :mod:`mars_plugin.engines.kmeans_compiled`). The one documented difference, ``n_init > 1``
 (the compiled kernel runs one seeding per problem), is checked to raise a clear error.
 
 Memory follows the pixels, never K: K = 10**7 on a 16-pixel image allocates no table of K

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mars_plugin.adapters.cause as cause_mod
-from mars_plugin.adapters.cause import CAUSEExtractor, CAUSESegment, quantize_cosine, resample_queries
-from mars_plugin.adapters.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale
-from mars_plugin.adapters.vit import DinoViT, normalize_imagenet
+import mars_plugin.adapters.uss.cause as cause_mod
+from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment, quantize_cosine, resample_queries
+from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale
+from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet
 
 PATCH = 14
 #: float32 against the float64 reference: PyTorch computes the linear resampling's source
@@ -371,7 +371,7 @@ def test_pickled_objects_in_heads_file_are_refused_and_never_run(tmp_path):
 def test_cli_uss_cause_writes_dhr_features(tmp_path, capsys):
     from PIL import Image
 
-    from mars_plugin.adapters.extractor import load_extractor
+    from mars_plugin.adapters.uss.extractor import load_extractor
     from mars_plugin.cli import main
 
     b, h, *_ = dhr_files(tmp_path)
@@ -412,8 +412,8 @@ def test_features_written_as_pt_feed_mars_centroids(tmp_path, uss):
     from PIL import Image
 
     from mars_plugin.cli import main
-    from mars_plugin.files import write_label
-    from mars_plugin.selection import DebiasedCentroids
+    from mars_plugin.formats.files import write_label
+    from mars_plugin.method.selection import DebiasedCentroids
 
     b, h, *_ = dhr_files(tmp_path)
     images, labels, feats = tmp_path / "images", tmp_path / "labels", tmp_path / "features"

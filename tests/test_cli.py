@@ -8,8 +8,8 @@ from PIL import Image
 
 from mars_plugin import DebiasedCentroids, debias_labels, select_centroids
 from mars_plugin.cli import build_parser, main
-from mars_plugin.files import BIASED_VALUE, read_features, read_label, voc_palette
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.formats.files import BIASED_VALUE, read_features, read_label, voc_palette
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_debias_writes_voc_pngs_equal_to_the_library_and_resumes(world_dir, tmp_
     keep = files[5]
     mtime = keep.stat().st_mtime_ns
     victim.unlink()
-    from mars_plugin.jobs import debias_job
+    from mars_plugin.commands.jobs import debias_job
 
     s = debias_job(root / "features", root / "labels", tmp_path / "V.pt", out, refine="threshold", progress=False)
     assert (s.done, s.existing, s.failed) == (1, len(files) - 1, [])
@@ -264,7 +264,7 @@ def test_report_ranks_the_problematic_classes_first(tmp_path):
 
 
 def test_tiny_demo_writes_everything_and_its_world_feeds_the_commands(tmp_path):
-    from mars_plugin.demo import run_demo
+    from mars_plugin.commands.demo import run_demo
 
     out = tmp_path / "demo"
     m = run_demo(out=str(out), num_train=16, num_val=6, size=32, epochs=1, refine="threshold", progress=False)
@@ -310,7 +310,7 @@ def test_wsss_irnet_folders_through_the_cli(world_dir, tmp_path, capsys):
 
 
 def test_debias_job_refuses_bad_batch_size_and_device(world_dir, tmp_path):
-    from mars_plugin.jobs import debias_job
+    from mars_plugin.commands.jobs import debias_job
 
     root, _ = world_dir
     _centroids(root, tmp_path / "V.pt")

@@ -16,7 +16,7 @@ from PIL import Image
 
 from mars_plugin import DebiasedCentroids
 from mars_plugin.cli import main
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 N = 8
 BAD = 2  # index of the damaged image: good files come before and after it
@@ -199,8 +199,7 @@ def test_every_skipped_file_is_listed(world, tmp_path, capsys):
 def test_report_failure_leaves_no_chart_without_report_json(world, tmp_path, capsys, monkeypatch):
     """Outputs are staged and renamed together, report.json last: a failure while writing the
     overlays leaves neither the chart nor report.json (nor temporary files)."""
-    from mars_plugin import plots
-
+    from mars_plugin.commands import plots
     root, _ = world
 
     def broken(*a, **k):

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 import mars_plugin
-from mars_plugin import jobs
+from mars_plugin.commands import jobs
 from mars_plugin.cli import build_parser, main
-from mars_plugin.files import check_stem, read_label, stem_path
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.formats.files import check_stem, read_label, stem_path
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 COMMANDS = ("demo", "features", "centroids", "debias", "evaluate", "report")
 MARS = str(Path(sys.executable).parent / "mars")
@@ -61,9 +61,8 @@ def test_threads_is_documented_for_every_command(capsys):
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypatch, capsys, cmd):
     """The job itself sees the thread counts that --threads asked for."""
-    from mars_plugin import demo
-    from mars_plugin.adapters import extractor
-
+    from mars_plugin.commands import demo
+    from mars_plugin.adapters.uss import extractor
     root, _ = world
     seen = {}
 

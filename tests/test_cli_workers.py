@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from mars_plugin.cli import main
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 # Runs `mars debias --workers 2`. Its top level also runs in each spawned worker (as
 # __mp_main__); there, MARS_TEST_IN_WORKER is set (the parent sets it just before the run),
@@ -16,8 +16,9 @@ SCRIPT = textwrap.dedent('''
     import os
     import sys
 
-    from mars_plugin import jobs, selection
+    from mars_plugin.commands import jobs
 
+    from mars_plugin.method import selection
     FAULT = os.environ["MARS_TEST_FAULT"]
     if os.environ.get("MARS_TEST_IN_WORKER") == "1":
         if FAULT == "init":  # the worker's set-up raises

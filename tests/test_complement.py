@@ -10,7 +10,7 @@ import torch
 
 from _assertions import assert_close
 from mars_plugin import complement_labels
-from mars_plugin.crf import check_crf_params
+from mars_plugin.engines.crf import check_crf_params
 
 try:  # the CRF reference (the crf extra); only the tests that compare with it need it
     import pydensecrf.densecrf as dcrf
@@ -369,7 +369,7 @@ def test_a_raw_254_in_a_pseudo_label_says_what_it_is():
     """The core's label check explains 254 wherever a label is taken (here: debias)."""
     from mars_plugin import debias_labels
     from mars_plugin._checks import BIASED_PNG_VALUE
-    from mars_plugin.files import BIASED_VALUE
+    from mars_plugin.formats.files import BIASED_VALUE
 
     assert BIASED_PNG_VALUE == BIASED_VALUE
     y = np.zeros((4, 4), np.int64)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.crf import (
+from mars_plugin.engines.crf import (
     CRF_PRESETS,
     DEFAULT_CRF_PARAMS,
     DenseCRF,
@@ -181,7 +181,7 @@ def test_channel_first_and_float_images_equal_uint8():
 
 
 def test_kept_position_lattices_give_the_fresh_result_and_stay_bounded():
-    import mars_plugin.crf as crf
+    import mars_plugin.engines.crf as crf
 
     img, probs = make_image("edges", 19, 23, 0), torch.from_numpy(make_probs(3, 19, 23, 0))
     crf.clear_lattice_cache()

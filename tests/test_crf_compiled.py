@@ -1,4 +1,4 @@
-"""The dense CRF's compiled CPU path (mars_plugin.crf_compiled) against the point-at-a-time
+"""The dense CRF's compiled CPU path (mars_plugin.engines.crf_compiled) against the point-at-a-time
 reference lattice, the torch path and pydensecrf; its results do not depend on the thread count
 (whole images per thread, or one image's labels and pixels split); without numba (or with
 MARS_NO_NUMBA=1) the torch path runs and still matches pydensecrf."""
@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("numba")
 
-import mars_plugin.crf as crf  # noqa: E402
-from mars_plugin import crf_compiled  # noqa: E402
-from mars_plugin.crf import CRF_PRESETS, dense_crf, dense_crf_from_unary, unary_from_labels  # noqa: E402
-from mars_plugin.crf_compiled import CompiledLattice  # noqa: E402
-from mars_plugin.permutohedral import PermutohedralLattice  # noqa: E402
+import mars_plugin.engines.crf as crf  # noqa: E402
+from mars_plugin.engines import crf_compiled  # noqa: E402
+from mars_plugin.engines.crf import CRF_PRESETS, dense_crf, dense_crf_from_unary, unary_from_labels  # noqa: E402
+from mars_plugin.engines.crf_compiled import CompiledLattice  # noqa: E402
+from mars_plugin.engines.permutohedral import PermutohedralLattice  # noqa: E402
 
 from test_crf import dcrf, make_image, make_probs, needs_reference, reference_probs  # noqa: E402
 from test_permutohedral import grid_features, reference_filter  # noqa: E402

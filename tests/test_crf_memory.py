@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-import mars_plugin.crf as crf
-from mars_plugin.crf import DEFAULT_MAX_BYTES, check_crf_image, crf_memory_bytes, dense_crf
+import mars_plugin.engines.crf as crf
+from mars_plugin.engines.crf import DEFAULT_MAX_BYTES, check_crf_image, crf_memory_bytes, dense_crf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +31,7 @@ import json, sys
 import numpy as np, torch
 sys.path.insert(0, {bench!r})
 from bench_crf import natural_image, smooth_probs
-from mars_plugin.crf import dense_crf, crf_memory_bytes
+from mars_plugin.engines.crf import dense_crf, crf_memory_bytes
 torch.set_num_threads(1)
 backend = sys.argv[1]
 H, W = 600, 800
@@ -169,7 +169,7 @@ def test_bad_max_bytes(bad):
 
 
 def test_local_crf_window_is_bounded_by_the_budget():
-    from mars_plugin.local_crf import local_crf
+    from mars_plugin.engines.local_crf import local_crf
 
     probs, img = _inputs(64, 80, 3)
     p = probs[None].softmax(1)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from _assertions import assert_close
 from mars_plugin import BIASED, DebiasedCentroids, DebiasResult, debias_labels, debiased_similarity
-from mars_plugin.crf import check_crf_params
+from mars_plugin.engines.crf import check_crf_params
 
 try:  # the CRF reference (the crf extra); only the tests that compare with it need it
     import pydensecrf.densecrf as pydensecrf
@@ -614,7 +614,7 @@ def test_debiased_similarity_bad_input(kw, exc, match):
 # Eq. 5 in two steps: refine_mask and mark_biased
 # --------------------------------------------------------------------------------------------
 def test_refine_mask_and_mark_biased_compose_to_debias_labels():
-    from mars_plugin.debias import mark_biased, refine_mask
+    from mars_plugin.method.debias import mark_biased, refine_mask
 
     probs = [smooth_problem(s, H=14, W=15 + s) for s in (3, 4)]
     V, valid = probs[0][1], probs[0][2]
@@ -629,7 +629,7 @@ def test_refine_mask_and_mark_biased_compose_to_debias_labels():
 
 
 def test_mark_biased_rejects_bad_input():
-    from mars_plugin.debias import mark_biased
+    from mars_plugin.method.debias import mark_biased
 
     _, V, valid, _, _, label = random_problem(0, C=4, D=3, h=5, w=6)
     cents = make_centroids(V, valid)

@@ -1,4 +1,4 @@
-"""Tests for mars_plugin.deeplab: the DeepLabv3+/DeepLabv2 networks of ``mars train``.
+"""Tests for mars_plugin.networks.deeplab: the DeepLabv3+/DeepLabv2 networks of ``mars train``.
 
 The expected layouts are written from torchvision's resnet.py (key counts, sample keys and
 shapes, parameter counts of resnet18/50/101 with fc: 11689512 / 25557032 / 44549160) and from
@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin import deeplab
-from mars_plugin.deeplab import (IMAGENET_MEAN, IMAGENET_STD, ResNet, build_model, load_backbone_weights, normalize,
+from mars_plugin.networks import deeplab
+from mars_plugin.networks.deeplab import (IMAGENET_MEAN, IMAGENET_STD, ResNet, build_model, load_backbone_weights, normalize,
                                  param_groups)
-from mars_plugin.seg_checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from mars_plugin.networks.seg_checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
 # torchvision's state dicts have 122 / 320 / 626 entries and these parameter counts, fc included
 TORCHVISION = {
@@ -399,7 +399,7 @@ def test_load_backbone_weights_into_a_wrapped_model_and_a_bare_resnet(tmp_path):
     bare = ResNet("resnet18")
     load_backbone_weights(bare, path)
     assert torch.equal(bare.layer4[1].bn2.running_var, state["layer4.1.bn2.running_var"])
-    with pytest.raises(TypeError, match="model must be a network of mars_plugin.deeplab.build_model"):
+    with pytest.raises(TypeError, match="model must be a network of mars_plugin.networks.deeplab.build_model"):
         load_backbone_weights(nn.Linear(2, 2), path)
 
 
@@ -562,7 +562,7 @@ def test_param_groups_refuse_bad_numbers(lr, wd, exc, pattern):
 
 
 def test_param_groups_refuse_other_networks():
-    with pytest.raises(TypeError, match="model must be a network of mars_plugin.deeplab.build_model"):
+    with pytest.raises(TypeError, match="model must be a network of mars_plugin.networks.deeplab.build_model"):
         param_groups(nn.Conv2d(3, 3, 1), 0.01, 0.0)
 
 

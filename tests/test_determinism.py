@@ -24,8 +24,10 @@ pytest.importorskip("numba")
 
 import numba  # noqa: E402
 
-from mars_plugin import kmeans_compiled, select_centroids  # noqa: E402
-from mars_plugin.kmeans import seeding_trials  # noqa: E402
+from mars_plugin import select_centroids  # noqa: E402
+
+from mars_plugin.engines import kmeans_compiled
+from mars_plugin.engines.kmeans import seeding_trials  # noqa: E402
 
 from test_kmeans_compiled import _blobs  # noqa: E402
 from test_select_centroids import assert_same_result  # noqa: E402

@@ -1,4 +1,4 @@
-"""DINOv2 in adapters/vit.py and the DINOv2 extractor (adapters/dinov2.py), against a reference
+"""DINOv2 in adapters/uss/vit.py and the DINOv2 extractor (adapters/uss/dinov2.py), against a reference
 written here from DINOv2's code (facebookresearch/dinov2 @ b8931f7: models/vision_transformer.py
 prepare_tokens_with_masks / interpolate_pos_encoding / get_intermediate_layers, layers/block.py,
 layers/layer_scale.py, layers/swiglu_ffn.py, hub/backbones.py) with plain float64 operations:
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.adapters.dinov2 import DINOv2Extractor
-from mars_plugin.adapters.extractor import DHR_SCALES, DHR_SETTINGS, load_extractor
-from mars_plugin.adapters.vit import (
+from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
+from mars_plugin.adapters.uss.extractor import DHR_SCALES, DHR_SETTINGS, load_extractor
+from mars_plugin.adapters.uss.vit import (
     DinoViT,
     describe_vit,
     heads_for_width,

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from mars_plugin import select_centroids
-from mars_plugin.selection import shard_indices
+from mars_plugin.method.selection import shard_indices
 
 
 def _world(n=14, seed=0):
@@ -95,7 +95,7 @@ def test_torchrun_mars_centroids_equals_one_process(tmp_path):
     import sys
 
     from mars_plugin.cli import main
-    from mars_plugin.synthetic import make_world, write_world
+    from mars_plugin.worlds.synthetic import make_world, write_world
 
     world = make_world(12, size=32, dim=16, seed=4)
     write_world(world, tmp_path / "w")

@@ -15,13 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from mars_plugin.adapters.cause import CAUSEExtractor, CAUSESegment
-from mars_plugin.adapters.code_extractor import CodeExtractor
-from mars_plugin.adapters.dinov2 import DINOv2Extractor
-from mars_plugin.adapters.leopart import LeopartExtractor
-from mars_plugin.adapters.multiscale import DHR_SETTINGS, multiscale
-from mars_plugin.adapters.stego import STEGOExtractor
-from mars_plugin.adapters.vit import MAX_TOKENS, DinoViT
+from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment
+from mars_plugin.adapters.uss.code_extractor import CodeExtractor
+from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
+from mars_plugin.adapters.uss.leopart import LeopartExtractor
+from mars_plugin.adapters.uss.multiscale import DHR_SETTINGS, multiscale
+from mars_plugin.adapters.uss.stego import STEGOExtractor
+from mars_plugin.adapters.uss.vit import MAX_TOKENS, DinoViT
 
 
 def _stego(**kw):

@@ -12,9 +12,9 @@ import torch.nn as nn
 from PIL import Image
 
 from mars_plugin import DebiasedCentroids
-from mars_plugin.adapters.extractor import ModelExtractor, add_features_arguments, features_job
+from mars_plugin.adapters.uss.extractor import ModelExtractor, add_features_arguments, features_job
 from mars_plugin.cli import build_parser, main
-from mars_plugin.files import (
+from mars_plugin.formats.files import (
     FEATURE_EXTENSIONS,
     feature_shape,
     find_features,
@@ -22,8 +22,8 @@ from mars_plugin.files import (
     read_label,
     write_features,
 )
-from mars_plugin.jobs import JobError
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.commands.jobs import JobError
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 
 class Trap:

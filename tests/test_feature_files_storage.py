@@ -22,8 +22,8 @@ import torch
 
 from mars_plugin import DebiasedCentroids
 from mars_plugin.cli import main
-from mars_plugin.files import feature_shape, read_features, write_features
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.formats.files import feature_shape, read_features, write_features
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 
 class _Storage:

@@ -1,6 +1,6 @@
 """`mars features` / features_job under torch.distributed: two gloo CPU ranks (torchrun, or spawned
 processes) write what one process writes, in .npy and .pt, resume per file, stop or skip per file on
-every rank; which stems each rank takes; the rank helpers of mars_plugin.jobs."""
+every rank; which stems each rank takes; the rank helpers of mars_plugin.commands.jobs."""
 import contextlib
 import io
 import json
@@ -20,10 +20,10 @@ import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from PIL import Image
 
-import mars_plugin.adapters.extractor as extractor_module
+import mars_plugin.adapters.uss.extractor as extractor_module
 from mars_plugin import cli
-from mars_plugin.adapters.extractor import features_job
-from mars_plugin.jobs import JobError, all_ok, barrier, share_error, sync_group
+from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.commands.jobs import JobError, all_ok, barrier, share_error, sync_group
 
 from test_distributed import _free_port
 from test_reproduce import _tiny_stego_files
@@ -108,7 +108,7 @@ def _load(path: Path) -> torch.Tensor:
 
 
 def _outputs(folder: Path):
-    """The files of an output folder but its record (.mars-run.*, see mars_plugin.run_record)."""
+    """The files of an output folder but its record (.mars-run.*, see mars_plugin.commands.run_record)."""
     return [p for p in folder.iterdir() if not p.name.startswith(".mars-run")]
 
 

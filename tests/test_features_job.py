@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from mars_plugin import select_centroids
-from mars_plugin.adapters.extractor import (
+from mars_plugin.adapters.uss.extractor import (
     FeatureExtractor,
     ModelExtractor,
     add_features_arguments,
@@ -19,9 +19,9 @@ from mars_plugin.adapters.extractor import (
     imagenet_preprocess,
     run_features,
 )
-from mars_plugin.adapters.stego import STEGOExtractor
-from mars_plugin.files import read_features
-from mars_plugin.jobs import JobError
+from mars_plugin.adapters.uss.stego import STEGOExtractor
+from mars_plugin.formats.files import read_features
+from mars_plugin.commands.jobs import JobError
 
 from test_leopart import leopart_net, prefixed
 from test_stego import FakeDictConfig, lightning_ckpt, stego_state_dict
@@ -286,7 +286,7 @@ def test_mars_features_then_mars_centroids_through_the_cli(tmp_path, images, cap
     from PIL import Image as PILImage
 
     from mars_plugin.cli import main
-    from mars_plugin.selection import DebiasedCentroids
+    from mars_plugin.method.selection import DebiasedCentroids
 
     img_dir, _ = images
     ckpt = tmp_path / "leopart_vits16.ckpt"
@@ -326,7 +326,7 @@ def test_stems_limit_the_images_and_a_missing_one_is_named(tmp_path, images, ste
 
 def test_size_batches_compute_each_item_of_a_failing_batch_alone():
     # mars features and mars predict: one bad image fails alone, the rest of its batch is written.
-    from mars_plugin.jobs import SizeBatches
+    from mars_plugin.commands.jobs import SizeBatches
 
     calls, written, failed = [], [], []
 
@@ -345,7 +345,7 @@ def test_size_batches_compute_each_item_of_a_failing_batch_alone():
 
 
 def test_size_batches_a_failing_write_is_not_retried_per_item():
-    from mars_plugin.jobs import SizeBatches
+    from mars_plugin.commands.jobs import SizeBatches
 
     calls = []
 

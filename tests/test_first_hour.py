@@ -6,7 +6,7 @@
   command, also with ``--on-error skip`` (which then leaves no empty output folder);
 * a folder of label PNGs given as ``--images`` is refused;
 * a label set (or ground truth) with no valid pixel is an error naming the folder; one such
-  label is a warning (see ``mars_plugin.jobs.no_valid_pixel`` for why);
+  label is a warning (see ``mars_plugin.commands.jobs.no_valid_pixel`` for why);
 * Ctrl-C ends every command with one line and exit 130, ``--workers`` processes included;
 * ``--wsss dhr`` prints DHR's class names and ``--class-names`` reads DHR's dataset json.
 """
@@ -28,8 +28,8 @@ import torch
 from PIL import Image
 
 from mars_plugin import cli
-from mars_plugin.files import read_label, write_label
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.formats.files import read_label, write_label
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 from test_reproduce import DATA, _tiny_stego_files, make_tree
 
@@ -93,9 +93,11 @@ def _args(world, cmd: str, **over):
 def _python_parameters():
     import inspect
 
-    from mars_plugin import demo, jobs, reproduce, select_centroids
-    from mars_plugin.adapters import extractor
-    from mars_plugin.crf import check_crf_params
+    from mars_plugin import select_centroids
+
+    from mars_plugin.commands import demo, jobs, reproduce
+    from mars_plugin.adapters.uss import extractor
+    from mars_plugin.engines.crf import check_crf_params
 
     names = set()
     for fn in (jobs.centroids_job, jobs.debias_job, jobs.evaluate_job, jobs.report_job, extractor.features_job,
@@ -359,9 +361,9 @@ AFTER = {**{c: "run it again to resume (finished files are kept)" for c in ("fea
          **{c: "nothing was written" for c in ("centroids", "evaluate", "report", "sample")},
          "demo": "run it again to start over"}
 #: command -> (module, function) its work runs in
-JOBS = {"sample": ("mars_plugin.sample_trees", "_write"), "centroids": ("mars_plugin.jobs", "centroids_job"), "debias": ("mars_plugin.jobs", "debias_job"),
-        "evaluate": ("mars_plugin.jobs", "evaluate_job"), "report": ("mars_plugin.jobs", "report_job"),
-        "features": ("mars_plugin.adapters.extractor", "features_job"), "demo": ("mars_plugin.demo", "run_demo")}
+JOBS = {"sample": ("mars_plugin.worlds.sample_trees", "_write"), "centroids": ("mars_plugin.commands.jobs", "centroids_job"), "debias": ("mars_plugin.commands.jobs", "debias_job"),
+        "evaluate": ("mars_plugin.commands.jobs", "evaluate_job"), "report": ("mars_plugin.commands.jobs", "report_job"),
+        "features": ("mars_plugin.adapters.uss.extractor", "features_job"), "demo": ("mars_plugin.commands.demo", "run_demo")}
 
 
 @pytest.mark.parametrize("cmd", list(JOBS))
@@ -381,7 +383,7 @@ def test_ctrl_c_is_one_line_and_exit_130(world, capsys, monkeypatch, cmd):
 
 def test_ctrl_c_in_reproduce_is_one_line(tmp_path, capsys, monkeypatch):
     world, root, pseudo, feats = make_tree(tmp_path, n=3, size=32)
-    monkeypatch.setattr("mars_plugin.reproduce.debias_job", _interrupt)
+    monkeypatch.setattr("mars_plugin.commands.reproduce.debias_job", _interrupt)
     argv = ["reproduce", "--root", root, "--data", DATA, "--pseudo", pseudo, "--features", feats, "--out",
             tmp_path / "out", "--no-progress"]
     code, _, lines = _run(argv, capsys)

@@ -1,4 +1,4 @@
-"""Tests of mars_plugin.centroids: per-image, per-class K-means centroids (MARS Sec. 3.2).
+"""Tests of mars_plugin.method.centroids: per-image, per-class K-means centroids (MARS Sec. 3.2).
 
 References are plain numpy: the class pixel sets are gathered by hand, the label resize uses
 exact rational arithmetic of the documented pixel-centre rule, and K-means results are checked
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.centroids import ImageCentroids, image_centroids, problem_seed, resize_label
+from mars_plugin.method.centroids import ImageCentroids, image_centroids, problem_seed, resize_label
 
 SEEDS = [0, 1, 2]
 IGNORE = 255

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     warnings.simplefilter("default")
     import numpy as np, torch
     import mars_plugin
-    from mars_plugin import kmeans_compiled
+    from mars_plugin.engines import kmeans_compiled
     assert mars_plugin.__file__.startswith(sys.argv[1]), mars_plugin.__file__
     assert kmeans_compiled.available() and kmeans_compiled._CACHE is False
     # Nothing was compiled at import: every kernel is still without a signature.
@@ -47,7 +47,7 @@ def _read_only_copy(tmp_path: Path) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     # A plain file where numba's in-tree cache folder would go: unwritable even for root,
     # for whom chmod alone does not stop writes.
-    for d in [root / "mars_plugin"]:
+    for d in [root / "mars_plugin"] + sorted(p for p in (root / "mars_plugin").rglob("*") if p.is_dir()):
         (d / "__pycache__").write_text("not a folder")
     for p in sorted(root.rglob("*"), reverse=True) + [root]:
         p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))

@@ -1,4 +1,4 @@
-"""Tests of mars_plugin.kmeans (batched K-means used by MARS Sec. 3.2).
+"""Tests of mars_plugin.engines.kmeans (batched K-means used by MARS Sec. 3.2).
 
 Every property is checked against a plain numpy recomputation or scikit-learn on fresh random
 data, for several seeds.
@@ -9,7 +9,7 @@ import torch
 from sklearn.cluster import KMeans
 from threadpoolctl import threadpool_limits
 
-from mars_plugin.kmeans import batched_kmeans, kmeans
+from mars_plugin.engines.kmeans import batched_kmeans, kmeans
 
 SEEDS = [0, 1, 2]
 

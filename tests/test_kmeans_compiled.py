@@ -14,9 +14,11 @@ import torch
 
 pytest.importorskip("numba")
 
-from mars_plugin import kmeans_compiled, select_centroids  # noqa: E402
-from mars_plugin.centroids import _cluster_groups, check_backend, image_centroids  # noqa: E402
-from mars_plugin.kmeans import seeding_trials  # noqa: E402
+from mars_plugin import select_centroids  # noqa: E402
+
+from mars_plugin.engines import kmeans_compiled
+from mars_plugin.method.centroids import _cluster_groups, check_backend, image_centroids  # noqa: E402
+from mars_plugin.engines.kmeans import seeding_trials  # noqa: E402
 
 from test_select_centroids import assert_same_result, random_pairs  # noqa: E402
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.adapters.leopart import LeopartExtractor, leopart_backbone_prefix
-from mars_plugin.adapters.vit import IMAGENET_MEAN, IMAGENET_STD, DinoViT
+from mars_plugin.adapters.uss.leopart import LeopartExtractor, leopart_backbone_prefix
+from mars_plugin.adapters.uss.vit import IMAGENET_MEAN, IMAGENET_STD, DinoViT
 
 
 def leopart_net(patch=16, width=384, depth=1, hidden=64, out=256, protos=10, seed=0):

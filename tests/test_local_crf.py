@@ -1,4 +1,4 @@
-"""Tests of mars_plugin.local_crf, the batched windowed mean-field CRF of the teacher.
+"""Tests of mars_plugin.engines.local_crf, the batched windowed mean-field CRF of the teacher.
 
 The numpy reference below is the update written out pixel by pixel and offset by offset, in
 float64, with no unfold and no vectorisation: Q_0 = softmax(log p), then
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin import complement_labels
-from mars_plugin.complement import teacher_labels
-from mars_plugin.local_crf import LOCAL_CRF_DEFAULTS, local_crf
+from mars_plugin.method.complement import teacher_labels
+from mars_plugin.engines.local_crf import LOCAL_CRF_DEFAULTS, local_crf
 
 SEEDS = [0, 1, 2]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.metrics import confusion_matrix, format_scores_table, segmentation_scores
+from mars_plugin.commands.metrics import confusion_matrix, format_scores_table, segmentation_scores
 
 
 def test_hand_computed_example():

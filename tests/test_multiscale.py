@@ -1,4 +1,4 @@
-"""DHR's multi-scale, flip-averaged inference (adapters/multiscale.py) against a plain reference
+"""DHR's multi-scale, flip-averaged inference (adapters/uss/multiscale.py) against a plain reference
 written here from DHR's ``inference`` (core/uss/__init__.py:54-74 @ 94d5189): one scale at a
 time, the flip as a separate forward call, sizes by DHR's own while loops. Plus the extractors'
 ``scales`` option (STEGO, Leopart, ModelExtractor) and ``res=None``."""
@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.adapters.extractor import DHR_SCALES, DHR_SETTINGS, ModelExtractor, imagenet_preprocess, multiscale
-from mars_plugin.adapters.leopart import LeopartExtractor
-from mars_plugin.adapters.multiscale import check_scales, nearest_patch_size, scaled_size
-from mars_plugin.adapters.stego import STEGOExtractor
-from mars_plugin.adapters.vit import DinoViT, normalize_imagenet, resize_images
+from mars_plugin.adapters.uss.extractor import DHR_SCALES, DHR_SETTINGS, ModelExtractor, imagenet_preprocess, multiscale
+from mars_plugin.adapters.uss.leopart import LeopartExtractor
+from mars_plugin.adapters.uss.multiscale import check_scales, nearest_patch_size, scaled_size
+from mars_plugin.adapters.uss.stego import STEGOExtractor
+from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet, resize_images
 
 TOL = 1e-4
 

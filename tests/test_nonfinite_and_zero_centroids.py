@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mars_plugin import DebiasedCentroids, ImageCentroids, batched_kmeans, debias_labels, debiased_similarity, kmeans
-from mars_plugin import kmeans_compiled
-from mars_plugin.centroids import image_centroids
-from mars_plugin.debias import check_pseudo_label, mark_biased
-from mars_plugin.selection import select_centroids
+from mars_plugin.engines import kmeans_compiled
+from mars_plugin.method.centroids import image_centroids
+from mars_plugin.method.debias import check_pseudo_label, mark_biased
+from mars_plugin.method.selection import select_centroids
 
 from test_debias import make_centroids, random_problem
 from test_select_centroids import assert_same_result, random_pair

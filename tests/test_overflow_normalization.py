@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin import debiased_similarity, image_centroids, kmeans_compiled
-from mars_plugin.kmeans import l2_norm, l2_normalize
-from mars_plugin.selection import background_distance, select_centroids
+from mars_plugin import debiased_similarity, image_centroids
+
+from mars_plugin.engines import kmeans_compiled
+from mars_plugin.engines.kmeans import l2_norm, l2_normalize
+from mars_plugin.method.selection import background_distance, select_centroids
 
 from test_debias import make_centroids, np_similarity
 from test_select_centroids import assert_same_result, np_eq1, random_pair

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mars_plugin import complement_labels, debias_labels, dense_crf, image_centroids, local_crf, select_centroids
-from mars_plugin import jobs
-from mars_plugin.adapters.extractor import features_job
-from mars_plugin.adapters.multiscale import check_scales
+from mars_plugin.commands import jobs
+from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.adapters.uss.multiscale import check_scales
 from mars_plugin.cli import apply_threads, main
-from mars_plugin.demo import run_demo
-from mars_plugin.reproduce import reproduce
+from mars_plugin.commands.demo import run_demo
+from mars_plugin.commands.reproduce import reproduce
 
 # (command, flag, bad value): below the range, above it, not a finite number.
 BAD_FLAGS = [
@@ -101,7 +101,7 @@ def _argv(cmd, tmp):
 
 @pytest.mark.parametrize("cmd, flag, value", BAD_FLAGS, ids=[f"{c} {f} {v[:12]}" for c, f, v in BAD_FLAGS])
 def test_a_flag_out_of_range_stops_before_any_work(cmd, flag, value, tmp_path, capsys, monkeypatch):
-    import mars_plugin.jobs as J
+    import mars_plugin.commands.jobs as J
 
     def no_work(*a, **k):  # a value that got through would reach the job: fail loudly
         raise AssertionError("the command started its work")
@@ -257,8 +257,8 @@ def test_run_demo_checks_before_it_clears_the_previous_run(tmp_path):
 def test_res_above_the_bound_is_refused_by_every_extractor():
     from test_multiscale import stego_parts, tiny_vit
 
-    from mars_plugin.adapters.leopart import LeopartExtractor
-    from mars_plugin.adapters.stego import STEGOExtractor
+    from mars_plugin.adapters.uss.leopart import LeopartExtractor
+    from mars_plugin.adapters.uss.stego import STEGOExtractor
 
     vit, c1, c2 = stego_parts()
     with pytest.raises(ValueError, match=r"res must be None .*8\.\.2048.*got 4096"):
@@ -306,8 +306,7 @@ def test_other_sizes_read_the_same_in_both_layouts():
 
 
 def test_plots_require_channels_last_and_say_so():
-    from mars_plugin import plots
-
+    from mars_plugin.commands import plots
     with pytest.raises(ValueError, match=r"channels first\?.*permute\(1, 2, 0\)"):
         plots.blend(np.zeros((3, 8, 8), np.uint8), np.zeros((8, 8), np.int64))
     with pytest.raises(ValueError, match="at least one pixel"):

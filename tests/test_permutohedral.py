@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-import mars_plugin.permutohedral as perm
-from mars_plugin.permutohedral import PermutohedralLattice
+import mars_plugin.engines.permutohedral as perm
+from mars_plugin.engines.permutohedral import PermutohedralLattice
 
 f32 = np.float32
 
@@ -237,8 +237,8 @@ def test_bad_values_and_segments_are_refused():
 def test_the_transposed_blur_equals_the_row_blur_bit_for_bit(monkeypatch):
     """CUDA blurs along dim 1 of the transposed values (30x faster gathers there); the CPU along
     rows. Forced both ways here, the filter is the same to the bit, and the dense CRF too."""
-    import mars_plugin.permutohedral as P
-    from mars_plugin.crf import CRF_PRESETS, dense_crf
+    import mars_plugin.engines.permutohedral as P
+    from mars_plugin.engines.crf import CRF_PRESETS, dense_crf
 
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(500, 5, generator=g) * 3

@@ -1,4 +1,4 @@
-"""Tests for mars_plugin.plots: label colours, overlays, panel grids and bar charts."""
+"""Tests for mars_plugin.commands.plots: label colours, overlays, panel grids and bar charts."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,8 @@ import torch
 
 PIL_Image = pytest.importorskip("PIL.Image")
 
-from mars_plugin.files import voc_palette  # noqa: E402
-from mars_plugin.plots import (  # noqa: E402
+from mars_plugin.formats.files import voc_palette  # noqa: E402
+from mars_plugin.commands.plots import (  # noqa: E402
     BIASED_COLOR,
     CAPTION_BAND,
     GRID_MARGIN,

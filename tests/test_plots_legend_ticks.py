@@ -8,8 +8,8 @@ import pytest
 
 PIL_Image = pytest.importorskip("PIL.Image")
 
-from mars_plugin.files import voc_palette  # noqa: E402
-from mars_plugin.plots import (  # noqa: E402
+from mars_plugin.formats.files import voc_palette  # noqa: E402
+from mars_plugin.commands.plots import (  # noqa: E402
     BIASED_COLOR,
     GRID_MARGIN,
     ROW_GAP,

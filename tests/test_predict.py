@@ -1,4 +1,4 @@
-"""`mars predict` (mars_plugin.predict): multi-scale + flip inference against a plain loop written
+"""`mars predict` (mars_plugin.commands.predict): multi-scale + flip inference against a plain loop written
 from the definition, the CRF step against dense_crf per image, the label files (P mode, VOC
 palette), resume, bad files, bad flags, bad checkpoints, DHR's WSS layout, `mars evaluate` on the
 output, and two torchrun ranks against one process."""
@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
-from mars_plugin.crf import dense_crf
-from mars_plugin.files import voc_palette
-from mars_plugin.predict import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_probs, multiscale_probs,
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.formats.files import voc_palette
+from mars_plugin.commands.predict import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_probs, multiscale_probs,
                                  predict_job, predict_labels)
 
 
@@ -111,7 +111,7 @@ def test_multiscale_probs_equal_a_loop_from_the_definition(scales, flip, stride)
 
 
 def test_fp16_runs_the_network_in_half_and_returns_float32():
-    from mars_plugin.predict import half_dtype
+    from mars_plugin.commands.predict import half_dtype
 
     seen = []
 
@@ -274,8 +274,8 @@ REPO = Path(__file__).resolve().parents[1]
 def _checkpoint(path: Path, num_classes: int, seed: int = 0, teacher: bool = True) -> Path:
     """A mars train checkpoint (seg_checkpoint's layout) of a random DeepLabv3+ ResNet-18 whose
     classifier is scaled up, so that its softmax is peaked and its labels vary."""
-    from mars_plugin.deeplab import build_model
-    from mars_plugin.seg_checkpoint import save_checkpoint
+    from mars_plugin.networks.deeplab import build_model
+    from mars_plugin.networks.seg_checkpoint import save_checkpoint
 
     def weights(s):
         torch.manual_seed(s)
@@ -292,7 +292,7 @@ def _checkpoint(path: Path, num_classes: int, seed: int = 0, teacher: bool = Tru
 
 class World:
     def __init__(self, root: Path):
-        from mars_plugin.files import write_label
+        from mars_plugin.formats.files import write_label
 
         self.root = root
         self.images = root / "images"
@@ -328,8 +328,8 @@ def _run(argv, capsys):
 
 
 def _reference_labels(ck: Path, which: str, image: Path, **kw) -> torch.Tensor:
-    from mars_plugin.deeplab import normalize
-    from mars_plugin.seg_checkpoint import model_from_checkpoint
+    from mars_plugin.networks.deeplab import normalize
+    from mars_plugin.networks.seg_checkpoint import model_from_checkpoint
 
     model, _ = model_from_checkpoint(ck, which)
     rgb = torch.from_numpy(np.array(Image.open(image).convert("RGB")))[None]
@@ -479,7 +479,7 @@ def dhr(tmp_path_factory, world):
 
 @pytest.mark.parametrize("domain", [None, "validation"])
 def test_root_and_method_write_dhr_wss_masks(dhr, capsys, domain):
-    from mars_plugin.adapters.dhr import DHRLayout, load_pseudo_labels
+    from mars_plugin.adapters.wsss.dhr import DHRLayout, load_pseudo_labels
 
     root, ck = dhr
     argv = ["predict", "--model", str(ck), "--root", str(root), "--method", "MARS", "--crf", "none",
@@ -541,7 +541,7 @@ def test_torchrun_two_ranks_write_what_one_process_writes(world, tmp_path, capsy
 
 
 def test_ctrl_c_is_one_line_and_exit_130(world, tmp_path, capsys, monkeypatch):
-    import mars_plugin.predict as P
+    import mars_plugin.commands.predict as P
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt

@@ -111,7 +111,7 @@ def rgb_for(i: str, size: int = 16) -> np.ndarray:
 # Probes run in the subprocess before the program: every dense CRF call's image shape, and every
 # images_rgb the hook was given, so a test sees that the CRF teacher ran on the right images.
 PROBE = '''
-import mars_plugin.complement as _complement
+import mars_plugin.method.complement as _complement
 from mars_plugin.adapters.training_hook import MARSTrainingHook as _Hook
 CRF_CALLS, RGB_SEEN = [], []
 _crf = _complement.dense_crf
@@ -391,12 +391,12 @@ def test_msc_stand_in_returns_upstreams_order():
 def test_msc_output_order_is_written_as_upstream_returns_it():
     """docs/adapters.md, the AdvCAM adapter and the hook once gave [1x, 0.75x, 0.5x, max]."""
     wrong = re.compile(r"1x,\s*0\.75x,\s*0\.5x")
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "adapters").glob("*.py")),
-             *sorted((ROOT / "mars_plugin").glob("*.py"))]
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "adapters").rglob("*.py")),
+             *sorted((ROOT / "mars_plugin").rglob("*.py"))]
     hits = [f"{f.relative_to(ROOT)}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
             if wrong.search(line)]
     assert hits == []
-    for f in (DOC, ROOT / "adapters" / "advcam.py", ROOT / "adapters" / "training_hook.py"):
+    for f in (DOC, ROOT / "adapters" / "wsss" / "advcam.py", ROOT / "adapters" / "training_hook.py"):
         assert re.search(r"1x,\s*0\.5x,\s*0\.75x", f.read_text()), f
 
 
@@ -709,8 +709,7 @@ def test_irnet_debias_snippet_runs_in_a_fresh_namespace(tmp_path, monkeypatch):
     """Executed as written, with only the reader functions it says are yours (feat, rgb)."""
     from PIL import Image
 
-    from mars_plugin.adapters import irnet
-
+    from mars_plugin.adapters.wsss import irnet
     ids = sorted(IDS)
     (tmp_path / "result" / "sem_seg").mkdir(parents=True)
     for k, i in enumerate(ids):
@@ -747,7 +746,7 @@ def _jpegs(folder: Path, ids) -> None:
 
 def _run_loop(code: str, ids, monkeypatch) -> dict:
     """Run the loop as written; the CRF must run on each step's image as read."""
-    import mars_plugin.complement as complement_module
+    import mars_plugin.method.complement as complement_module
 
     seen = []
     real = complement_module.dense_crf
@@ -769,8 +768,7 @@ def _run_loop(code: str, ids, monkeypatch) -> dict:
 
 
 def _irnet_files(tmp_path: Path):
-    from mars_plugin.adapters import irnet
-
+    from mars_plugin.adapters.wsss import irnet
     ids = sorted(IDS)
     y = labels_for(ids)
     irnet.write_debiased(zip(ids, y.masked_fill(y == 254, -1)), tmp_path / "result" / "sem_seg_mars")
@@ -825,8 +823,7 @@ def test_own_loop_killed_and_rerun_gives_the_uninterrupted_teacher(tmp_path, mon
 
 
 def test_own_loop_runs_on_rsepm_files(tmp_path, monkeypatch):
-    from mars_plugin.adapters import rsepm
-
+    from mars_plugin.adapters.wsss import rsepm
     ids = sorted(IDS)
     y = labels_for(ids)
     rsepm.write_debiased(zip(ids, y.masked_fill(y == 254, -1)), rsepm.pseudo_label_dir(tmp_path / "experiments", "t@MARS"))

@@ -10,9 +10,9 @@ import torch
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from mars_plugin.cli import main  # noqa: E402
-from mars_plugin.jobs import SHARE_DEFINITION, report_job  # noqa: E402
-from mars_plugin.files import write_image, write_label  # noqa: E402
-from mars_plugin.plots import BIASED_COLOR, SWATCH  # noqa: E402
+from mars_plugin.commands.jobs import SHARE_DEFINITION, report_job  # noqa: E402
+from mars_plugin.formats.files import write_image, write_label  # noqa: E402
+from mars_plugin.commands.plots import BIASED_COLOR, SWATCH  # noqa: E402
 
 NAMES = ["background", "boat", "a class with a rather long name", "bird"]
 
@@ -117,9 +117,8 @@ def test_photographs_make_grids_of_bounded_size_and_per_class_keeps_the_top_clas
     """Photo-sized images are shrunk to PANEL_SIDE (at 3x a 500 px photo, a VOC per-class grid
     passed PIL's decompression-bomb limit), small ones keep their 3x, and per_class.png shows the
     MAX_GRID_CLASSES classes with the largest share removed (report.json keeps them all)."""
-    import mars_plugin.plots as plots
-    from mars_plugin import jobs
-
+    import mars_plugin.commands.plots as plots
+    from mars_plugin.commands import jobs
     C = jobs.MAX_GRID_CLASSES + 6
     root = tmp_path / "w"
     g = torch.Generator().manual_seed(1)

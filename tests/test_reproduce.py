@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from mars_plugin import cli
-from mars_plugin.files import read_features, read_label, write_image, write_label
-from mars_plugin.jobs import evaluate_job
-from mars_plugin.reproduce import PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, format_report, reproduce
-from mars_plugin.synthetic import make_world
+from mars_plugin.formats.files import read_features, read_label, write_image, write_label
+from mars_plugin.commands.jobs import evaluate_job
+from mars_plugin.commands.reproduce import PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, format_report, reproduce
+from mars_plugin.worlds.synthetic import make_world
 
 DATA = "SYN"
 
@@ -117,7 +117,7 @@ def test_resume_keeps_finished_stages_and_refuses_other_settings(tree, tmp_path)
 
 def _tiny_stego_files(tmp: Path, width: int = 192, dim: int = 5, patch: int = 8):
     """A DINO-format backbone file (flat state dict) and a DHR heads file, random weights."""
-    from mars_plugin.adapters.vit import DinoViT
+    from mars_plugin.adapters.uss.vit import DinoViT
 
     torch.manual_seed(0)
     vit = DinoViT(patch_size=patch, embed_dim=width, depth=1, num_patches=16)
@@ -218,7 +218,7 @@ def test_paper_figures_are_consistent():
 
 
 def test_report_shows_paper_columns_for_voc():
-    from mars_plugin.adapters._common import VOC_CLASSES
+    from mars_plugin.adapters.wsss._common import VOC_CLASSES
 
     rng = np.random.default_rng(0)
 

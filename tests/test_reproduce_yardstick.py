@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mars_plugin import cli
-from mars_plugin.files import read_label, write_image, write_label
-from mars_plugin.references import find_references, score_references
-from mars_plugin.reproduce_report import PAPER_COCO_CLASSES, PAPER_COCO_VAL_IOU, paper_columns
+from mars_plugin.formats.files import read_label, write_image, write_label
+from mars_plugin.commands.references import find_references, score_references
+from mars_plugin.commands.reproduce_report import PAPER_COCO_CLASSES, PAPER_COCO_VAL_IOU, paper_columns
 
 from test_reproduce import DATA, make_tree
 

@@ -23,12 +23,12 @@ from mars_plugin import (
     image_centroids,
     select_centroids,
 )
-from mars_plugin import jobs
-from mars_plugin.adapters import dhr, irnet
+from mars_plugin.commands import jobs
+from mars_plugin.adapters.wsss import dhr, irnet
 from mars_plugin.cli import main
-from mars_plugin.debias import mark_biased
-from mars_plugin.metrics import confusion_matrix, format_scores_table, segmentation_scores
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.method.debias import mark_biased
+from mars_plugin.commands.metrics import confusion_matrix, format_scores_table, segmentation_scores
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 REASON = "labels are 0..C with 254 = biased and 255 = ignore, so C <= 253"
 COUNTS = (253, 254, 255, 1000)

@@ -6,7 +6,7 @@ run again, and the result equals a fresh run on the new inputs; other settings a
 one run at a time per output (a second run refused with one line naming the holder, a run
 killed with SIGKILL never blocks); the ``.tmp-*`` files a killed run leaves are removed by the
 next run that holds the lock. Trees from :func:`test_reproduce.make_tree` and
-:func:`mars_plugin.synthetic.write_world`.
+:func:`mars_plugin.worlds.synthetic.write_world`.
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin import cli
-from mars_plugin.adapters.extractor import features_job
-from mars_plugin.files import read_image, read_label, write_image, write_label
-from mars_plugin.jobs import JobError, centroids_job, debias_job
-from mars_plugin.reproduce import reproduce
-from mars_plugin.selection import DebiasedCentroids
-from mars_plugin.synthetic import make_world, write_world
+from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.formats.files import read_image, read_label, write_image, write_label
+from mars_plugin.commands.jobs import JobError, centroids_job, debias_job
+from mars_plugin.commands.reproduce import reproduce
+from mars_plugin.method.selection import DebiasedCentroids
+from mars_plugin.worlds.synthetic import make_world, write_world
 
 from test_features_distributed import _env
 from test_reproduce import DATA, _tiny_stego_files, _write_xml, make_tree
@@ -216,7 +216,7 @@ def test_reproduce_refuses_another_fp16(base, tmp_path):
     with pytest.raises(ValueError, match=r"other settings \(fp16: False -> True\)"):
         reproduce(root, pseudo, out, fp16=True, **kw)
     # the features folder has its own record: a features run into it with fp16 is refused too
-    from mars_plugin.adapters.extractor import load_extractor
+    from mars_plugin.adapters.uss.extractor import load_extractor
 
     ex = load_extractor("stego", backbone=b, heads=h, scales=[1.0], flip_average=False, dhr=True)
     with pytest.raises(JobError, match=r"--out .*features holds files made with other settings \(fp16: False -> "
@@ -384,7 +384,7 @@ def test_centroids_refuse_other_settings_and_cli_says_kept(syn, tmp_path, capsys
 # that then sleeps (the child's pid comes back on stdout), as a run in progress would hold it.
 HOLDER = r"""
 import os, signal, sys, time
-from mars_plugin.run_record import RunLock
+from mars_plugin.commands.run_record import RunLock
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children killed by the tests are reaped
 for line in sys.stdin:
     if os.fork() == 0:
@@ -487,7 +487,7 @@ def test_a_file_system_without_flock_runs_unlocked_with_one_warning(tmp_path, mo
     import errno
     import fcntl
 
-    from mars_plugin.run_record import RunLock
+    from mars_plugin.commands.run_record import RunLock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

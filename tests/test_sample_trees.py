@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mars_plugin import cli
-from mars_plugin.files import read_features, read_image, read_label
-from mars_plugin.sample_trees import LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
-from mars_plugin.synthetic import make_world
-from mars_plugin.demo import WORLD_NOISE
+from mars_plugin.formats.files import read_features, read_image, read_label
+from mars_plugin.worlds.sample_trees import LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
+from mars_plugin.worlds.synthetic import make_world
+from mars_plugin.commands.demo import WORLD_NOISE
 
 IDS = [f"2007_{i:06d}" for i in range(1, 5)]
 
@@ -63,9 +63,9 @@ def test_the_tree_is_the_codebase_layout_read_back_by_its_adapter(tree):
 
 
 def test_the_weights_load_weights_only(tree):
-    from mars_plugin.adapters.cause import CAUSEExtractor
-    from mars_plugin.adapters.dinov2 import DINOv2Extractor
-    from mars_plugin.adapters.stego import STEGOExtractor
+    from mars_plugin.adapters.uss.cause import CAUSEExtractor
+    from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
+    from mars_plugin.adapters.uss.stego import STEGOExtractor
 
     name, out = tree
     w = out / "weights"

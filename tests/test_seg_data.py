@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.files import write_image, write_label
-from mars_plugin.seg_data import (IMAGENET_MEAN, IMAGENET_STD, Augmentation, StepSampler, TrainFolder, augment,
+from mars_plugin.formats.files import write_image, write_label
+from mars_plugin.networks.seg_data import (IMAGENET_MEAN, IMAGENET_STD, Augmentation, StepSampler, TrainFolder, augment,
                                   epoch_order, normalize)
 
 

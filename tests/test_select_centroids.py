@@ -1,4 +1,4 @@
-"""Tests of mars_plugin.selection: debiased centroids, MARS Sec. 3.2 Eq. 1-3.
+"""Tests of mars_plugin.method.selection: debiased centroids, MARS Sec. 3.2 Eq. 1-3.
 
 The numpy reference below implements Eq. 1-3 literally: the pairwise mean of cosine distances
 to ALL background centroids (no mean-direction shortcut), a stable descending sort and the
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.centroids import ImageCentroids, image_centroids
-from mars_plugin.selection import DebiasedCentroids, background_distance, num_selected, select_centroids
+from mars_plugin.method.centroids import ImageCentroids, image_centroids
+from mars_plugin.method.selection import DebiasedCentroids, background_distance, num_selected, select_centroids
 
 SEEDS = [0, 1, 2, 3]
 IGNORE = 255

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin import kmeans_compiled
-from mars_plugin.centroids import ImageCentroids
-from mars_plugin.selection import select_centroids
+from mars_plugin.engines import kmeans_compiled
+from mars_plugin.method.centroids import ImageCentroids
+from mars_plugin.method.selection import select_centroids
 
 from test_select_centroids import assert_same_result, random_pair
 

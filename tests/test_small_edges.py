@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.adapters import advcam, dhr, irnet, rsepm, seam
+from mars_plugin.adapters.wsss import advcam, dhr, irnet, rsepm, seam
 from mars_plugin.cli import main
-from mars_plugin.files import read_features, read_image, read_label, write_label
+from mars_plugin.formats.files import read_features, read_image, read_label, write_label
 
 IGNORE_REASON = "DHR's train.py also treats 255 as ignore"
 
@@ -189,7 +189,7 @@ def test_an_image_file_without_pixels_is_refused_naming_it(reader, wh, tmp_path)
 
 
 def test_mars_centroids_names_an_empty_feature_file(tmp_path, capsys):
-    from mars_plugin.synthetic import make_world, write_world
+    from mars_plugin.worlds.synthetic import make_world, write_world
 
     w = make_world(3, size=24, dim=16, seed=1)
     write_world(w, tmp_path)

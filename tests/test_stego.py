@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_plugin.adapters.multiscale import DHR_SCALES, DHR_SETTINGS
-from mars_plugin.adapters.stego import STEGOExtractor, stego_input_size
-from mars_plugin.adapters.vit import IMAGENET_MEAN, IMAGENET_STD, DinoViT
+from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS
+from mars_plugin.adapters.uss.stego import STEGOExtractor, stego_input_size
+from mars_plugin.adapters.uss.vit import IMAGENET_MEAN, IMAGENET_STD, DinoViT
 
 
 def stego_state_dict(patch=8, width=384, depth=1, dim=16, nonlinear=True, seed=0):
@@ -316,7 +316,7 @@ def test_pickled_objects_in_dhr_files_are_refused_and_never_run(tmp_path, sd):
 def test_cli_backbone_heads_dhr_writes_dhr_features(tmp_path, sd, capsys):
     from PIL import Image
 
-    from mars_plugin.adapters.extractor import load_extractor
+    from mars_plugin.adapters.uss.extractor import load_extractor
     from mars_plugin.cli import main
     from test_multiscale import reference
 

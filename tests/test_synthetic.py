@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin import debias_labels, select_centroids
-from mars_plugin.files import read_features, read_image, read_label
-from mars_plugin.synthetic import (
+from mars_plugin.formats.files import read_features, read_image, read_label
+from mars_plugin.worlds.synthetic import (
     CLASS_NAMES,
     KIND_NAMES,
     OWN_CONTEXT,

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_plugin.synthetic import BIRD, PROBLEMATIC, make_world
+from mars_plugin.worlds.synthetic import BIRD, PROBLEMATIC, make_world
 
 
 def test_dilate_only_noise_never_loses_a_gt_pixel_and_erode_only_never_adds_one():
@@ -48,7 +48,7 @@ def test_birds_span_several_feature_cells():
 
 def test_persons_are_wider_than_two_feature_cells_typically():
     """Persons of 1.5-2.5 feature cells were learned one rim too small by MARS on some seeds."""
-    from mars_plugin.synthetic import PERSON
+    from mars_plugin.worlds.synthetic import PERSON
 
     w = make_world(200, seed=1)
     p = (w.gt == PERSON)[w.image_classes[:, PERSON - 1]]

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin import cli
-from mars_plugin.files import write_image, write_label
-from mars_plugin.seg_checkpoint import load_checkpoint, model_from_checkpoint
-from mars_plugin.train import CHECKPOINT_NAME, LOG_NAME, poly_lr, train
+from mars_plugin.formats.files import write_image, write_label
+from mars_plugin.networks.seg_checkpoint import load_checkpoint, model_from_checkpoint
+from mars_plugin.commands.train import CHECKPOINT_NAME, LOG_NAME, poly_lr, train
 
 from test_distributed import _free_port
 
@@ -68,10 +68,10 @@ def test_one_step_equals_a_loop_from_the_definitions(tree, tmp_path, loss):
     """The first step's weights equal those of a loop written from the paper/DHR: the same crops,
     CE (or complement with the CRF-refined EMA teacher + WCE) as the mean over non-ignored pixels,
     SGD with DHR's groups at the poly rate of step 0, and the EMA update."""
-    from mars_plugin.complement import complement_labels
-    from mars_plugin.deeplab import build_model
-    from mars_plugin.losses import weighted_cross_entropy
-    from mars_plugin.seg_data import Augmentation, TrainFolder
+    from mars_plugin.method.complement import complement_labels
+    from mars_plugin.networks.deeplab import build_model
+    from mars_plugin.method.losses import weighted_cross_entropy
+    from mars_plugin.networks.seg_data import Augmentation, TrainFolder
 
     labels = tree / ("pseudo" if loss == "ce" else "debiased")
     out = tmp_path / "run"
@@ -158,14 +158,14 @@ def test_interrupted_run_resumes_to_the_same_weights(tree, tmp_path):
 
 def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
     train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1))
-    from mars_plugin.jobs import JobError
+    from mars_plugin.commands.jobs import JobError
 
     with pytest.raises(JobError, match=r"lr: 0\.001 -> 0\.01"):
         train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1, lr=0.01))
 
 
 def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tree, tmp_path, capsys):
-    from mars_plugin.run_record import LOCK_NAME, RunLock
+    from mars_plugin.commands.run_record import LOCK_NAME, RunLock
 
     out = tmp_path / "o"
     out.mkdir()
@@ -260,7 +260,7 @@ def test_reproduce_train_runs_the_second_step_on_dhr_tree(tmp_path, capsys):
     and scored, the training split's MARS masks are written; run again, everything is kept."""
     import shutil
 
-    from mars_plugin.sample_trees import write_sample_tree
+    from mars_plugin.worlds.sample_trees import write_sample_tree
 
     root = tmp_path / "s"
     write_sample_tree("dhr", root, num_images=6, size=32, seed=0)

@@ -231,7 +231,7 @@ def test_images_rgb_layouts_and_ranges_that_are_accepted_give_the_same_loss():
 
 def test_match_logits_refines_once_at_the_labels_size_for_every_scale(monkeypatch):
     """deeplab-pytorch's case: stride-2 logits at three sizes, the CRF at the labels' size, once."""
-    import mars_plugin.complement as complement_module
+    import mars_plugin.method.complement as complement_module
 
     calls = []
     real = complement_module.dense_crf

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.adapters.vit import (
+from mars_plugin.adapters.uss.vit import (
     DinoViT,
     as_float_images,
     heads_for_width,

@@ -1,0 +1,11 @@
+"""The ``mars`` command line's work (``mars_plugin/cli.py`` parses and dispatches to these).
+
+* ``jobs.py`` -- the folder jobs of ``mars centroids``, ``debias``, ``evaluate``, ``report`` and
+  what every command shares (errors, summaries, input checks, torchrun helpers).
+* ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step).
+* ``reproduce.py`` (+ ``reproduce_plan.py``, ``reproduce_report.py``, ``reproduce_train.py``,
+  ``references.py``) -- ``mars reproduce``.
+* ``demo.py`` -- ``mars demo``; ``plots.py`` its figures and the report's.
+* ``run_record.py`` -- resumable runs: what was made from what, and the run lock.
+* ``metrics.py`` -- mIoU as VOC computes it (``mars evaluate``); ``cli_types.py`` -- flag types.
+"""

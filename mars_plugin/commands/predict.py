@@ -1,0 +1,593 @@
+"""``mars predict``: a trained segmentation network's labels for a folder of images.
+
+The paper evaluates its network "with multi-scale inference and CRF with conventional settings"
+(Sec. 4.1), and its MARS masks (what DHR trains on) are those predictions on train_aug. MARS's
+own code is not released (shjo-april/MARS: README only, "heavily borrowed from RS+EPM"), so each
+step follows the authors' released evaluators: RS+EPM (shjo-april/RecurSeed_and_EdgePredictMix
+at df538e2: ``infer_seg.py`` writes the averaged softmax, ``convert_seed_to_pseudo_masks.py``
+applies the CRF) and DHR (shjo-april/DHR at 94d5189: ``produce_wss_masks.py``, the
+``apply_ms`` of ``core/networks.py``). Where the two differ, RS+EPM's is taken (the MARS code
+base); the difference is named below.
+
+Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_probs`):
+
+1. **Scales** (default ``1.0, 0.5, 1.5, 2.0``: RS+EPM ``infer_seg.py:75``, DHR
+   ``core/networks.py:94`` ``apply_ms(scales=[1.0, 0.5, 1.5, 2.0])``). The normalised image is
+   resized to ``(int(H * s), int(W * s))`` (truncated, ``tools/ai/torch_utils.py:37-38``) with
+   bilinear interpolation, ``align_corners=False`` (RS+EPM ``torch_utils.resize``, ``:28``;
+   DHR's ``resize`` defaults to ``align_corners=True``, ``tools/torch_utils.py:45``); a size
+   equal to the input is not resampled (``:44``).
+2. **Flip** (default on: ``hflip=True``, ``infer_seg.py:107``, DHR ``apply_ms(hflip=True)``):
+   the scaled image and its mirror go through the network as one batch
+   (``core/networks.py:244``), the mirror's output is flipped back (``:258``).
+3. **Softmax, then mean**: logits at the scaled input's size (RS+EPM's ``forward(same=True)``
+   upsamples them bilinearly, ``align_corners=False``, ``core/networks.py:223-224``; a network
+   whose logits are smaller is upsampled the same way here) -> softmax over the classes
+   (``:254``) -> bilinear resize to the image's size (``:255``) -> the **mean of the
+   probabilities** over every scale and flip (``torch.mean(torch.stack(pred_masks))``,
+   ``:262``; DHR the same, ``core/networks.py:127``). Not logits, not a sum, not a max.
+   RS+EPM averages at the size of the first scale's output and resizes that to H x W
+   (``infer_seg.py:111``); here every map is resized to H x W before the mean, which is the
+   same computation whenever the first scale is 1.0 (the default). DHR averages at the
+   network's own output grid (stride 4 for DeepLabv3+) and upsamples the mean with
+   ``align_corners=True`` (``core/networks.py:109-127``): not what is done here.
+4. **CRF** (``crf="mars"``, the default): the dense CRF of :func:`mars_plugin.engines.crf.dense_crf`
+   with RS+EPM's ``crf_dict['deeplab']`` (``convert_seed_to_pseudo_masks.py:77-84``: 10
+   iterations, Gaussian sxy 1 compat 3, bilateral sxy 67 srgb 3 compat 4; DHR's
+   ``DenseCRF(for_seg=True)`` defaults, ``core/refinements/densecrf.py:10``,
+   ``produce_wss_masks.py:115``), on the unary ``-log(p)`` of the mean probabilities
+   (``unary_from_softmax``, ``core/refinements/densecrf.py:33``) and the image's RGB bytes,
+   **over the classes whose probability reaches** ``class_threshold`` = 0.05 somewhere in the
+   image (``infer_seg.py:114`` ``>= 0.05``; DHR ``> 0.05``, ``produce_wss_masks.py:42,136``):
+   the other classes are not labels of that image's CRF at all (``seed = pred_mask[0,
+   class_mask]``, ``infer_seg.py:119``); the probabilities are not renormalised. The label is
+   the argmax of the CRF's marginals mapped back to its class id (``:130-131``). ``"psa"``:
+   PSA/SEAM's setting (:data:`mars_plugin.engines.crf.CRF_PRESETS`); ``"none"``: the argmax of the mean
+   probabilities over every class. Two edge cases where upstream is not followed: RS+EPM writes
+   background when at most one class reaches the threshold (``:111,133``), which turns an image
+   that one foreground class fills into background; here a single class is that class (DHR's
+   ``apply_crf`` does the same). When no class reaches it (possible beyond 20 classes), every
+   class takes part (upstream would fail on an empty CRF).
+
+Two differences that change no label on ordinary images: upstream gives the CRF the image
+denormalised back to bytes with truncation (``(x * std + mean) * 255`` then ``astype(uint8)``,
+``tools/ai/augment_utils.py:382-383``), which can be one below the file's byte; here the file's
+bytes themselves. DHR stores the kept probabilities as float16 before its CRF
+(``produce_wss_masks.py:45``); RS+EPM (and here) keep float32.
+
+Labels are written as P-mode PNGs with the VOC palette (:func:`mars_plugin.formats.files.write_label`,
+what both write: ``convert_seed_to_pseudo_masks.py:135-137``, ``produce_wss_masks.py:73-75``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, describe
+from mars_plugin.engines.crf import CRF_PRESETS, DEFAULT_MAX_BYTES, check_crf_image, check_crf_params, dense_crf
+from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
+from mars_plugin.commands.jobs import (
+    ON_ERROR,
+    JobError,
+    JobSummary,
+    SizeBatches,
+    _check_out_dir,
+    _label_like,
+    _rank_world,
+    one_line,
+    resolve_device,
+    share_error,
+    sync_group,
+)
+
+__all__ = [
+    "DEFAULT_SCALES",
+    "CLASS_THRESHOLD",
+    "CRF_CHOICES",
+    "multiscale_probs",
+    "half_dtype",
+    "labels_from_probs",
+    "predict_labels",
+    "predict_job",
+    "run_predict",
+]
+
+#: RS+EPM ``infer_seg.py:75`` and DHR ``core/networks.py:94``: the order matters only for
+#: RS+EPM's grid (see the module docstring, step 3).
+DEFAULT_SCALES: Tuple[float, ...] = (1.0, 0.5, 1.5, 2.0)
+#: A class takes part in an image's CRF when its mean probability reaches this somewhere
+#: (RS+EPM ``infer_seg.py:114``; DHR ``produce_wss_masks.py:136``).
+CLASS_THRESHOLD = 0.05
+#: ``--crf``: a preset of :data:`mars_plugin.engines.crf.CRF_PRESETS`, or none.
+CRF_CHOICES = ("mars", "psa", "none")
+
+PathLike = Union[str, os.PathLike]
+
+
+def _resize(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+    """Bilinear, ``align_corners=False``; no resampling at the same size (RS+EPM
+    ``tools/ai/torch_utils.py:28-47``)."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+def _scaled_size(height: int, width: int, scale: float) -> Tuple[int, int]:
+    """``(int(H * s), int(W * s))`` (RS+EPM truncates, ``tools/ai/torch_utils.py:37-38``); a side
+    that truncates to 0 is a ValueError naming it."""
+    h, w = int(height * scale), int(width * scale)
+    if h < 1 or w < 1:
+        raise ValueError(f"a {height}x{width} image at scale {scale:g} is {h}x{w} pixels: too small for this "
+                         f"scale (scales must keep at least one pixel per side)")
+    return h, w
+
+
+def _check_scales(scales: Any) -> Tuple[float, ...]:
+    from mars_plugin.adapters.uss.multiscale import check_scales
+
+    return check_scales(scales, "scales")
+
+
+@torch.no_grad()
+def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                     scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, *,
+                     fp16: bool = False) -> torch.Tensor:
+    """The mean softmax of ``model`` over ``scales`` and (``flip``) horizontal flips: steps 1-3
+    of the module docstring.
+
+    Shapes:
+        images: (B, 3, H, W) float, as the network takes them (normalised).
+        model(x): (B', L, h, w) logits for (B', 3, h', w') inputs; logits of another size than
+            the input are upsampled to it (bilinear, ``align_corners=False``) before the softmax.
+        returns: (B, L, H, W) float32 probabilities on ``images``' device (each pixel sums to 1).
+
+    Args:
+        fp16: run ``model`` under half-precision autocast (:func:`half_dtype`: bfloat16, or
+            float16 on a GPU without bfloat16); the softmax and the mean are float32.
+
+    Probabilities that are not finite (a network whose float16 activations overflowed, as a
+    randomly initialised ResNet-101 does: measured on an H200) are a ValueError.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+    scales = _check_scales(scales)
+    B, _, H, W = images.shape
+    half = half_dtype(images.device)
+    total: Optional[torch.Tensor] = None
+    for s in scales:
+        size = _scaled_size(H, W, s)
+        x = _resize(images, size)
+        if flip:  # the image and its mirror in one batch (RS+EPM core/networks.py:244)
+            x = torch.cat([x, x.flip(-1)])
+        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
+            logits = model(x)
+        if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
+            raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
+                             f"{describe(logits)}")
+        p = _resize(torch.softmax(_resize(logits.float(), size), dim=1), (H, W))
+        if flip:
+            p = p[:B] + p[B:].flip(-1)
+        total = p if total is None else total.add_(p)
+    assert total is not None
+    if not bool(torch.isfinite(total).all()):  # one check (one GPU sync) for every scale
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
+    return total.div_(len(scales) * (2 if flip else 1))
+
+
+def half_dtype(device: torch.device) -> torch.dtype:
+    """The autocast type of ``fp16=True``: bfloat16 (float32's range: no overflow where float16
+    gives Inf, as ``mars train`` uses it), float16 on a GPU without bfloat16 (before Ampere)."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def _crf_params(crf: Optional[str]) -> Optional[Dict[str, float]]:
+    if crf is None or crf == "none":
+        return None
+    if crf not in CRF_PRESETS:
+        raise ValueError(f"crf must be one of {CRF_CHOICES}, got {crf!r}")
+    return check_crf_params(crf)
+
+
+def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[str] = "mars",
+                      class_threshold: float = CLASS_THRESHOLD) -> torch.Tensor:
+    """Labels from mean probabilities: step 4 of the module docstring.
+
+    Shapes:
+        probs: (B, L, H, W) probabilities (:func:`multiscale_probs`).
+        images: (B, H, W, 3) uint8 RGB (the CRF's colours; unused with ``crf="none"``).
+        returns: (B, H, W) int64 class ids 0..L-1 on ``probs``' device.
+
+    Args:
+        crf: ``"mars"`` (RS+EPM's DeepLab setting), ``"psa"``, or ``"none"`` / None (argmax).
+        class_threshold: a class takes part in an image's CRF when its probability reaches
+            this somewhere in the image (0: every class).
+    """
+    params = _crf_params(crf)
+    class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
+    if not isinstance(probs, torch.Tensor) or probs.ndim != 4:
+        raise ValueError(f"probs must be a (B, L, H, W) tensor, got {describe(probs)}")
+    if params is None:
+        return probs.argmax(1)
+    keys = probs.amax(dim=(2, 3)) >= class_threshold  # (B, L): the labels of each image's CRF
+    keys[~keys.any(1)] = True  # no class reaches it: all take part (upstream fails here)
+    q = dense_crf(probs, images, params, valid=keys)
+    # Labels left out have Q = 0 and the kept ones sum to 1: the argmax is a kept class.
+    return q.argmax(1)
+
+
+def predict_labels(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, rgb: torch.Tensor,
+                   scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, crf: Optional[str] = "mars",
+                   class_threshold: float = CLASS_THRESHOLD, *, fp16: bool = False) -> torch.Tensor:
+    """:func:`multiscale_probs` then :func:`labels_from_probs`: (B, H, W) int64 labels of
+    (B, 3, H, W) normalised ``images`` whose RGB bytes are ``rgb`` (B, H, W, 3) uint8."""
+    probs = multiscale_probs(model, images, scales, flip, fp16=fp16)
+    return labels_from_probs(probs, rgb.to(probs.device), crf, class_threshold)
+
+
+# --------------------------------------------------------------------------------------------
+# the folder job
+# --------------------------------------------------------------------------------------------
+
+
+def _default_preprocess(rgb: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, 3) uint8 RGB -> (B, 3, H, W), what :func:`mars_plugin.networks.deeplab.build_model`'s
+    networks take (:func:`mars_plugin.networks.deeplab.normalize`)."""
+    from mars_plugin.networks.deeplab import normalize
+
+    return normalize(rgb)
+
+
+def _image_paths(images_dir: Path, flag: str) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
+    """(stem, path) of every image of ``images_dir`` sorted by stem, and the stems of several
+    files (``a.jpg`` and ``a.png``); a missing, empty or label-map folder is a JobError naming
+    ``flag``."""
+    if not images_dir.exists():
+        raise JobError(f"{flag} {images_dir}: no such folder")
+    if not images_dir.is_dir():
+        raise JobError(f"{flag} {images_dir}: not a folder")
+    by_stem: Dict[str, List[Path]] = {}
+    for p in images_dir.iterdir():
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
+            by_stem.setdefault(p.stem, []).append(p)
+    if not by_stem:
+        raise JobError(f"{flag} {images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
+    items = [(s, ps[0]) for s, ps in sorted(by_stem.items()) if len(ps) == 1]
+    clashes = {s: sorted(p.name for p in ps) for s, ps in by_stem.items() if len(ps) > 1}
+    # The masks or pseudo labels given as the images would be "predicted" without complaint.
+    looked = [_label_like(p, None) for _, p in items[:8]]
+    if looked and all(looked):
+        raise JobError(f"{flag} {images_dir}: holds label maps, not RGB images ({len(looked)} of {len(looked)} "
+                       f"looked at are class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
+    return items, clashes
+
+
+def predict_job(
+    model: nn.Module,
+    images_dir: PathLike,
+    out_dir: PathLike,
+    *,
+    scales: Sequence[float] = DEFAULT_SCALES,
+    flip: bool = True,
+    crf: Optional[str] = "mars",
+    class_threshold: float = CLASS_THRESHOLD,
+    batch_size: int = 4,
+    device: Union[str, torch.device] = "cpu",
+    fp16: bool = False,
+    preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    num_classes: Optional[int] = None,
+    on_error: str = "stop",
+    progress: bool = True,
+    settings: Optional[Mapping[str, Any]] = None,
+    images_flag: str = "--images",
+) -> JobSummary:
+    """Write ``<out_dir>/<stem>.png``, the predicted labels of every image of ``images_dir``
+    (:func:`predict_labels`), P mode with the VOC palette, atomically.
+
+    Args:
+        model: the network ((B, 3, h, w) -> (B, L, h, w) logits); moved to ``device``, eval mode.
+        batch_size: images per forward pass (each with its flip); only images of one size share
+            a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
+            network and the CRF run there.
+        preprocess: (B, H, W, 3) uint8 RGB -> the network's (B, 3, H, W) input (default:
+            :func:`mars_plugin.networks.deeplab.normalize`, ImageNet's mean and std).
+        num_classes: C, when known (``L = C + 1`` outputs are then checked, and each image's CRF
+            memory before any work).
+        on_error: a file that cannot be read or predicted: ``"stop"`` raises a
+            :class:`~mars_plugin.commands.jobs.JobError` naming it, ``"skip"`` records it and goes on.
+        settings: what made ``model`` (its file, which weights), part of the folder's record.
+        images_flag: the flag that named ``images_dir``, for messages.
+
+    Resume (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings
+    (the model, scales, flip, CRF, class threshold, fp16; other settings are refused) and each
+    rank's journal the image each label was made from: a label whose image is unchanged is
+    kept. Under torch.distributed (``torchrun``) every rank lists the same sorted images and
+    takes ``rank, rank + W, ...``; a failure on one rank is raised on all once they meet
+    (:func:`~mars_plugin.commands.jobs.share_error`); only rank 0 shows a progress bar.
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    scales = _check_scales(scales)
+    params = _crf_params(crf)
+    class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
+    batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
+    if not callable(model):
+        raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
+    device = resolve_device(device) if isinstance(device, str) else device
+    preprocess = preprocess or _default_preprocess
+    images_dir, out_dir = Path(images_dir), Path(out_dir)
+    rank, world = _rank_world()
+    from mars_plugin.commands.run_record import FolderRecord
+
+    record = FolderRecord(out_dir, "predict", {
+        "model": dict(settings or {"model": type(model).__name__}), "scales": list(scales), "flip": bool(flip),
+        "crf": "none" if params is None else crf, "crf_params": params,
+        "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16)}, rank=rank)
+    group = sync_group()  # before anything that can fail on one rank only: every rank reaches it
+    try:
+        error: Optional[BaseException] = None
+        items: List[Tuple[str, Path]] = []
+        clashes: Dict[str, List[str]] = {}
+        try:
+            items, clashes = _image_paths(images_dir, images_flag)
+            if rank == 0:
+                _check_out_dir(out_dir, "--out")
+                record.open()
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        share_error(error, group)
+        everything = sorted({s for s, _ in items} | set(clashes))
+        from mars_plugin.adapters.uss.extractor import _check_same_work
+
+        _check_same_work(everything, images_dir, group)
+        if rank == 0:
+            record.write_settings()
+        record.load()
+        mine = set(everything[rank::world])
+        summary = JobSummary()
+        error = None
+        try:
+            _predict_shard(model, [(s, p) for s, p in items if s in mine],
+                           {s: n for s, n in clashes.items() if s in mine}, out_dir, summary, record,
+                           scales=scales, flip=flip, crf=crf, params=params, class_threshold=class_threshold,
+                           batch_size=batch_size, device=device, fp16=fp16, preprocess=preprocess,
+                           num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
+                           desc="predict" if world == 1 else f"predict rank 0/{world}")
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        share_error(error, group)  # every rank meets here, also one that failed
+        return summary
+    finally:
+        record.close()
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+
+
+def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dict[str, List[str]], out_dir: Path,
+                   summary: JobSummary, record: Any, *, scales: Tuple[float, ...], flip: bool, crf: Optional[str],
+                   params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
+                   fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
+                   on_error: str, progress: bool, desc: str) -> None:
+    """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
+    from mars_plugin.commands.run_record import array_digest, file_id
+
+    out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
+    if isinstance(model, nn.Module):
+        model.to(device).eval()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(items) + len(clashes), desc=desc, unit="img")
+
+    def tick() -> None:
+        if bar is not None:
+            bar.update(1)
+
+    def fail(stem: str, why: str) -> None:
+        if on_error == "stop":
+            raise JobError(f"{stem}: {why}")
+        summary.failed.append((stem, why))
+        tick()
+
+    where = dict(items)
+    again = set()  # stems whose existing label is computed again (its image changed, or no record)
+    Batch = List[Tuple[str, Dict[str, Any], torch.Tensor]]
+
+    def labels_of(batch: Batch) -> torch.Tensor:
+        rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, H, W, 3) uint8
+        x = preprocess(rgb)
+        probs = multiscale_probs(model, x, scales, flip, fp16=fp16)
+        if num_classes is not None and probs.shape[1] != num_classes + 1:
+            raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
+                             "background")
+        return labels_from_probs(probs, rgb, crf, class_threshold).cpu()
+
+    def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
+        stem, _, img = item
+        fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
+
+    def write(batch: Batch, labels: torch.Tensor) -> None:
+        for (stem, inputs, _), y in zip(batch, labels):
+            path = out_dir / f"{stem}.png"
+            y8 = y.to(torch.uint8)
+            write_label(path, y8, mode="P")
+            record.add(stem, path, inputs, array_digest(y8))
+            summary.done += 1
+            summary.redone += stem in again
+            tick()
+
+    try:
+        for stem, names in sorted(clashes.items()):
+            fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
+        batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
+        for stem, path in items:
+            inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
+            kept, exists = record.current(stem, out_dir / f"{stem}.png", inputs)
+            if kept:
+                summary.existing += 1
+                tick()
+                continue
+            if exists:
+                again.add(stem)
+            try:
+                rgb = read_image(path)
+                H, W = rgb.shape[:2]
+                for s in scales:
+                    _scaled_size(H, W, s)
+                if params is not None and num_classes is not None:  # before any work: its CRF's memory
+                    check_crf_image(params, H, W, num_classes + 1, max_bytes=DEFAULT_MAX_BYTES, name="--crf")
+            except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+                fail(stem, one_line(e))
+                continue
+            img = torch.from_numpy(rgb)
+            key = (H, W)
+            batches.add(key, (stem, inputs, img))
+        batches.flush()
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+# --------------------------------------------------------------------------------------------
+# command line: mars predict
+# --------------------------------------------------------------------------------------------
+
+
+def load_model(path: PathLike, which: str = "student") -> Tuple[nn.Module, Dict[str, Any]]:
+    """:func:`mars_plugin.networks.seg_checkpoint.model_from_checkpoint` with one-line errors naming
+    ``--model`` (and ``--which`` for a checkpoint without a teacher)."""
+    from mars_plugin.networks.seg_checkpoint import model_from_checkpoint
+
+    try:
+        return model_from_checkpoint(path, which)
+    except (ValueError, OSError) as e:
+        msg = one_line(e)
+        if which == "teacher" and "holds no teacher" in msg:
+            msg += "; use --which student"
+        raise JobError(f"--model {msg}") from None
+
+
+def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
+    """``mars predict``: check the flags, load ``--model``, run :func:`predict_job` into
+    ``--out`` or DHR's ``<root>/WSS/<data>/<method>/<domain>/``. Returns the summary and the
+    output folder."""
+    if (args.images is None) == (args.root is None):
+        raise ValueError("give either --images DIR (a folder of images) or --root ROOT (DHR's tree, with --data "
+                         "and --domain)" + (", not both" if args.images is not None else ""))
+    if args.root is None:
+        given = [f for f, v in (("--data", args.data), ("--domain", args.domain), ("--method", args.method)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --root (DHR's tree); with --images give --out DIR")
+        if args.out is None:
+            raise ValueError("--images needs --out DIR, the folder for the predicted labels")
+    elif (args.out is None) == (args.method is None):
+        raise ValueError("with --root give either --method NAME (writes <root>/WSS/<data>/<NAME>/<domain>/, where "
+                         "DHR's train.py --wss NAME reads) or --out DIR" + (", not both" if args.out else ""))
+    model, meta = load_model(args.model, args.which)
+    num_classes = int(meta["model"]["num_classes"])
+    flag = "--images"
+    if args.root is not None:
+        from mars_plugin.adapters.wsss.dhr import DHRLayout
+        from mars_plugin.commands.reproduce import default_domain
+
+        data = args.data or "VOC2012"
+        domain = args.domain or default_domain(data, args.root)
+        try:
+            layout = DHRLayout(args.root, data)
+            images_dir = layout.image_dir(domain)
+        except ValueError as e:
+            raise ValueError(f"--data/--domain: {one_line(e)}") from None
+        if not images_dir.is_dir():
+            raise JobError(f"--root {args.root}: {images_dir} is not a folder; expected <root>/{data}/{domain}/image "
+                           "(DHR's layout)")
+        flag = "--root"
+        if args.method is not None:
+            try:
+                out = layout.wss_dir(args.method, domain)
+            except ValueError as e:
+                raise ValueError(f"--method {args.method!r}: {one_line(e)}") from None
+            # DHR trains on these with its dataset json's classes: the network must have as many.
+            try:
+                layout.class_names(num_classes)
+            except ValueError as e:
+                raise JobError(f"--model {args.model}: a network of {num_classes} classes for {data}: "
+                               f"{one_line(e)}") from None
+        else:
+            out = Path(args.out)
+    else:
+        images_dir, out = Path(args.images), Path(args.out)
+    from mars_plugin.commands.run_record import weight_file_id
+
+    settings = {"file": weight_file_id(args.model), "which": args.which, "network": meta["model"]}
+    s = predict_job(model, images_dir, out, scales=args.scales, flip=args.flip, crf=args.crf,
+                    class_threshold=args.class_threshold, batch_size=args.batch_size, device=args.device,
+                    fp16=args.fp16, num_classes=num_classes, on_error=args.on_error,
+                    progress=not args.no_progress, settings=settings, images_flag=flag)
+    return s, out
+
+
+def add_predict_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``mars predict`` (defaults shown by an ``ArgumentDefaultsHelpFormatter``)."""
+    from mars_plugin.commands import cli_types as T
+    _OWN_DEFAULT = "%(default).0s"  # no "(default: None)" where the help says what None means
+
+    p.add_argument("--model", required=True, metavar="FILE",
+                   help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)"
+                   + _OWN_DEFAULT)
+    p.add_argument("--which", choices=("student", "teacher"), default="student",
+                   help="the trained network or its EMA teacher (MARS runs only; --loss ce has none)")
+    p.add_argument("--images", default=None, metavar="DIR",
+                   help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
+    p.add_argument("--root", default=None, metavar="ROOT",
+                   help="DHR's --root: predict <root>/<data>/<domain>/image/ (with --method: into DHR's WSS tree)"
+                   + _OWN_DEFAULT)
+    p.add_argument("--data", default=None,
+                   help="dataset folder under --root (DHR's --data); default VOC2012" + _OWN_DEFAULT)
+    p.add_argument("--domain", default=None,
+                   help="split folder under <data> (DHR's --domain); default train_aug for VOC2012, else train"
+                   + _OWN_DEFAULT)
+    p.add_argument("--method", default=None, metavar="NAME",
+                   help="with --root: write <root>/WSS/<data>/<NAME>/<domain>/<id>.png, where DHR's train.py --wss "
+                        "NAME reads its masks (MARS masks: --method MARS)" + _OWN_DEFAULT)
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method"
+                   + _OWN_DEFAULT)
+    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
+                   metavar="S,S,...",
+                   help="inference scales, comma-separated (RS+EPM's and DHR's evaluators: 1,0.5,1.5,2); the mean "
+                        "softmax over scales (and flips) is taken")
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,
+                   help="also predict each scale's mirror image and average it in")
+    p.add_argument("--crf", choices=CRF_CHOICES, default="mars",
+                   help="dense CRF on the mean softmax and the RGB image: mars (RS+EPM's DeepLab setting, Gaussian "
+                        "1/3, bilateral 67/3/4, 10 iterations), psa (PSA/SEAM's 3/3, 80/13/10), or none (argmax)")
+    p.add_argument("--class-threshold", type=T.class_threshold, default=CLASS_THRESHOLD, metavar="P",
+                   help="classes whose probability reaches this somewhere in an image are that image's CRF labels "
+                        "(RS+EPM/DHR: 0.05; 0: every class)")
+    p.add_argument("--batch-size", type=T.batch_size, default=4, metavar="N",
+                   help="images of one size per forward pass (each with its mirror); 16 suits a GPU")
+    p.add_argument("--device", default="cpu",
+                   help="where the network and the CRF run: cpu, cuda, cuda:1, or auto (under torchrun: GPU "
+                        "LOCAL_RANK)")
+    p.add_argument("--fp16", action="store_true",
+                   help="the network under half-precision autocast: bfloat16 (float16 on GPUs without it); softmax, "
+                        "mean and CRF stay float32")
+    p.add_argument("--on-error", choices=ON_ERROR, default="stop",
+                   help="an unreadable image: stop at the first with one line naming it (exit 2), or skip it, go "
+                        "on, list every skipped file on stderr at the end and exit 1")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+

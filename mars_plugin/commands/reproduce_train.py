@@ -1,0 +1,93 @@
+"""``mars reproduce --train``: the paper's second step after the debiased labels.
+
+On the folder ``mars reproduce`` wrote (``<out>/debiased``, ``<out>/image_labels.json``):
+
+1. ``<out>/train/``: :func:`mars_plugin.commands.train.train` on the training domain's images and the
+   debiased labels, with the image tags the teacher may fill biased pixels with (resumes from
+   its checkpoint);
+2. ``<out>/val_pred/``: the trained network's labels on the validation domain
+   (``<root>/<data>/<val domain>/image``) with multi-scale + flip inference and the CRF
+   (:func:`mars_plugin.commands.predict.predict_job`), scored against its masks (the paper's VOC val
+   77.7 for RS+EPM + MARS with DeepLabv3+ ResNet-101) into ``<out>/scores_trained.json``;
+3. ``<out>/masks/``: its labels on the training domain, the "MARS masks" DHR trains on
+   (``--method NAME`` of ``mars predict --root`` writes them into DHR's tree instead).
+
+Each stage resumes: the training from its checkpoint, the predictions file by file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from mars_plugin.formats.files import atomic_write
+
+__all__ = ["train_after_reproduce", "DEFAULT_VAL_DOMAIN"]
+
+#: DHR's name of VOC's and COCO's validation split folder (adapters/wsss/dhr.py, DHR README).
+DEFAULT_VAL_DOMAIN = "validation"
+
+
+def train_after_reproduce(
+    root: os.PathLike,
+    out_dir: os.PathLike,
+    *,
+    data: str = "VOC2012",
+    domain: str = "train_aug",
+    val_domain: str = DEFAULT_VAL_DOMAIN,
+    train_options: Optional[Mapping[str, Any]] = None,
+    device: str = "auto",
+    predict_batch_size: int = 4,
+    masks: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Dict[str, Any]:
+    """Train, predict the validation split and score it, predict the training split (see the
+    module docstring). Returns {"checkpoint", "val": scores or None, "masks": folder or None}."""
+    from mars_plugin.adapters.wsss.dhr import DHRLayout
+    from mars_plugin.commands.jobs import _rank_world, evaluate_job
+    from mars_plugin.commands.predict import load_model, predict_job
+    from mars_plugin.commands.run_record import weight_file_id
+    from mars_plugin.commands.train import train
+
+    out = Path(out_dir)
+    debiased = out / "debiased"
+    tags_path = out / "image_labels.json"
+    if not debiased.is_dir() or not tags_path.is_file():
+        raise ValueError(f"--out {out}: no debiased labels or image_labels.json there; the debias stages of mars "
+                         "reproduce run first")
+    layout = DHRLayout(root, data)
+    names = list(layout.class_names())
+    C = len(names) - 1
+    tags = {str(k): [int(c) for c in v] for k, v in json.loads(tags_path.read_text()).items()}
+    opts = dict(train_options or {})
+    rank, _ = _rank_world()
+    log(f"[train] {opts.get('arch', 'deeplabv3+')} {opts.get('backbone', 'resnet101')}, "
+        f"{opts.get('iterations', 30000)} steps on {len(tags)} debiased labels -> {out / 'train'}")
+    res = train(layout.image_dir(domain), debiased, out / "train", C, image_labels=tags, class_names=names,
+                device=device, progress=progress, stems=sorted(tags), **opts)
+    ck = res["checkpoint"]
+    model, meta = load_model(ck)
+    settings = {"file": weight_file_id(ck), "which": "student", "network": meta["model"]}
+    result: Dict[str, Any] = {"checkpoint": ck, "val": None, "masks": None}
+    val_images, val_masks = layout.image_dir(val_domain), layout.mask_dir(val_domain)
+    if val_images.is_dir() and val_masks.is_dir():
+        log(f"[predict {val_domain}] multi-scale + flip + CRF -> {out / 'val_pred'}")
+        predict_job(model, val_images, out / "val_pred", batch_size=predict_batch_size, device=device,
+                    num_classes=C, progress=progress, settings=settings)
+        if rank == 0:
+            scores, _ = evaluate_job(out / "val_pred", val_masks, C, progress=False)
+            payload = dict(scores, class_names=names, checkpoint=str(ck), iterations=res["iterations"])
+            atomic_write(out / "scores_trained.json", lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2)))
+            result["val"] = scores
+            log(f"[evaluate {val_domain}] mIoU of the trained network {100 * scores['miou']:.1f} "
+                f"-> {out / 'scores_trained.json'}")
+    else:
+        log(f"[predict {val_domain}] skipped: no {val_images} and {val_masks}")
+    if masks:
+        log(f"[masks {domain}] -> {out / 'masks'}")
+        predict_job(model, layout.image_dir(domain), out / "masks", batch_size=predict_batch_size, device=device,
+                    num_classes=C, progress=progress, settings=settings)
+        result["masks"] = out / "masks"
+    return result

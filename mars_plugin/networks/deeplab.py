@@ -1,0 +1,584 @@
+"""The segmentation networks of ``mars train``: DeepLabv3+ and DeepLabv2 on ResNet-18/50/101.
+
+Torch only (torchvision does not import beside the pinned CPU wheel). Every number below is
+read from the upstream code the paper's rows were trained with:
+
+Backbone -- torchvision's ResNet (pytorch/vision, torchvision/models/resnet.py, read at
+054e54c573ba46e5b9c63f1eea3ad4d103afbea2; the layout is unchanged in later releases):
+  * state-dict keys and shapes exactly torchvision's (``conv1.weight``, ``bn1.*``,
+    ``layer1.0.conv1.weight``, ..., ``layerN.0.downsample.0/1.*``) minus ``fc.*``, so its
+    ImageNet files (``resnet101-63fe2227.pth``, ``resnet50-0676ba61.pth``,
+    ``resnet18-f37072fd.pth`` and the older ``-5d3b4d8f``/``-19c8e357``/``-5c106cde``) load
+    strictly; blocks [2, 2, 2, 2] (BasicBlock) for ResNet-18, [3, 4, 6, 3] and [3, 4, 23, 3]
+    (Bottleneck, stride on the 3x3 conv2: "ResNet v1.5") for ResNet-50/101;
+  * stem 7x7/2 conv, BN, ReLU, 3x3/2 max pool (padding 1, floor mode);
+  * output stride: ``replace_stride_with_dilation`` = [False, False, True] for 16 and
+    [False, True, True] for 8. A dilated layer's first block keeps the previous dilation (on
+    the conv that would have carried the stride) and its other blocks use the doubled one, so
+    at OS 8 layer3 is 1, 2, 2, ... and layer4 is 2, 4, 4; the 1x1 downsample loses its stride.
+    torchvision refuses dilation in BasicBlock; for ResNet-18 we apply the same rule to its
+    two 3x3 convs (conv1, which would carry the stride, at the previous dilation in a layer's
+    first block; conv2 and later blocks at the new one), which keeps each conv's receptive
+    field on the image what it is at output stride 32;
+  * random init (no ``--weights``): torchvision's, kaiming-normal fan_out convs, BN 1 and 0.
+  Upstream differences, kept out on purpose: RS+EPM's own ResNet (core/backbones/resnet,
+  df538e2) builds OS 16 with layer4 at stride 1 and *no* dilation, and gives every first block
+  dilation 1; deeplab-pytorch dilates all blocks of a layer (2 and 4) and uses caffe-converted
+  MSRA weights with other key names. We follow torchvision, as the task and the ImageNet files
+  do.
+
+DeepLabv3+ -- RS+EPM (shjo-april/RecurSeed_and_EdgePredictMix, core/layers.py and
+core/networks.py ``DeepLabv3_Plus``, read at df538e2a2b7b0cd2a01e6a8c3e1ea37421167100):
+  * ASPP on layer4 (2048 channels; 512 for ResNet-18): 1x1 conv plus three 3x3 convs at rates
+    6, 12, 18 for OS 16 and 12, 24, 36 for OS 8, each conv (no bias) + BN + ReLU to 256
+    channels; image pooling = global average pool, 1x1 conv + BN + ReLU, bilinear up-sampling;
+    concatenation (5 x 256) -> 1x1 conv + BN + ReLU to 256 -> Dropout(0.5);
+  * decoder on layer1 (256 channels; 64 for ResNet-18): 1x1 conv + BN + ReLU to 48 channels;
+    ASPP output up-sampled to layer1's size, concatenated (304) -> 3x3 conv + BN + ReLU (256)
+    -> Dropout(0.5) -> 3x3 conv + BN + ReLU (256) -> Dropout(0.1) -> 3x3 conv to C + 1, no
+    bias;
+  * every resize is bilinear with ``align_corners=False`` (tools/ai/torch_utils.py ``resize``),
+    the logits too, up-sampled to the input size (``same=True``);
+  * norm layer: ``nn.BatchNorm2d``, trained (``norm_fn='bn'``; FixedBatchNorm is only used by
+    RS+EPM's AffinityNet); ``nn.SyncBatchNorm.convert_sync_batchnorm`` gives SyncBN;
+  * head init: PyTorch's default (RS+EPM never calls its ``initialize`` on these layers).
+  The head's module names are RS+EPM's (``aspp.aspp1.conv``, ``aspp.global_avg_pool.1``,
+  ``aspp.block.0``, ``decoder.low_block``, ``decoder.classifier.{0,2,4}``); RS+EPM's released
+  DeepLabv3+ weights differ from ours only in the backbone prefix (``model.`` for ``backbone.``).
+  (PuzzleCAM's older core/deeplab_utils.py, same author, ends with a 1x1 conv with bias and
+  resizes with ``align_corners=True``; RS+EPM, the paper's row, is what we follow.)
+
+DeepLabv2 -- the IRNet/AdvCAM rows' trainer (kazuto1011/deeplab-pytorch,
+libs/models/deeplabv2.py ``_ASPP`` and configs/voc12.yaml, read at
+4219467fa5de07985f834f1bd8c04c186dc8f6d8; RS+EPM's ``ASPP_For_DeepLabv2`` is the same):
+  * four 3x3 convs with bias from layer4 straight to C + 1 classes, rates 6, 12, 18, 24,
+    padding = rate, outputs summed; weights N(0, 0.01), biases 0;
+  * output stride 8 (the default here for this arch); logits up-sampled bilinearly
+    (``align_corners=False``, as main.py does) to the input size.
+
+Training groups (:func:`param_groups`): RS+EPM's ``get_parameter_groups`` (core/abc_modules.py)
+splits parameters into backbone weights, backbone biases, new weights, new biases by name
+("weight" in the name: conv *and* BN weights), and the lr/decay of each group come from the
+same author's released segmentation trainer, PuzzleCAM's train_segmentation.py
+(shjo-april/PuzzleCAM @ 16a920c): lr x1 with decay, x2 without, x10 with, x20 without. RS+EPM's
+own segmentation trainer is unreleased ("under review"). deeplab-pytorch's main.py gives the
+same x1 / x10 / x20-no-decay multipliers to its conv weights and ASPP biases (it freezes BN).
+
+Normalization: ImageNet mean/std on [0, 1] RGB (RS+EPM tools/ai/augment_utils.py
+``Normalize``), see :func:`normalize`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mars_plugin._checks import check_num_classes, check_real_param, describe
+
+__all__ = [
+    "ARCHS",
+    "BACKBONES",
+    "OUTPUT_STRIDES",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "ResNet",
+    "DeepLabV3Plus",
+    "DeepLabV2",
+    "build_model",
+    "load_backbone_weights",
+    "param_groups",
+    "normalize",
+]
+
+ARCHS = ("deeplabv3+", "deeplabv2")
+BACKBONES = ("resnet18", "resnet50", "resnet101")
+OUTPUT_STRIDES = (8, 16)
+#: The output stride each arch is trained with upstream (RS+EPM: 16; deeplab-pytorch: 8).
+DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8}
+
+#: ImageNet statistics of RGB in [0, 1] (torchvision's, used by RS+EPM's ``Normalize``).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+PathLike = Union[str, os.PathLike]
+
+# block type and blocks per layer (torchvision's resnet18/50/101)
+_RESNETS = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+    "resnet101": ("bottleneck", (3, 4, 23, 3)),
+}
+
+
+def _conv3x3(cin: int, cout: int, stride: int = 1, dilation: int = 1) -> nn.Conv2d:
+    # padding = dilation keeps the size (at stride 1) for every dilation
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=dilation, dilation=dilation, bias=False)
+
+
+class _BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int, downsample: Optional[nn.Module],
+                 first_dilation: int, dilation: int) -> None:
+        super().__init__()
+        self.conv1 = _conv3x3(inplanes, planes, stride, first_dilation)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(planes, planes, 1, dilation)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + identity)
+
+
+class _Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int, downsample: Optional[nn.Module],
+                 first_dilation: int, dilation: int) -> None:
+        super().__init__()
+        # v1.5: the stride (or, dilated, the previous dilation) sits on the 3x3 conv2; a
+        # bottleneck has one 3x3 conv, so only first_dilation is used (dilation is the same
+        # number for every block but a dilated layer's first)
+        del dilation
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = _conv3x3(planes, planes, stride, first_dilation)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    """A torchvision-layout ResNet without ``avgpool``/``fc``, dilated to an output stride.
+
+    ``forward(x)`` with x (B, 3, H, W) returns the outputs of layer1..layer4, of strides
+    4, 8, min(16, os) and os (sizes as torchvision's convs give them: ceil of each halving).
+
+    Args:
+        name: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"``.
+        output_stride: 8, 16 or 32 (32: torchvision's classifier, no dilation).
+    """
+
+    def __init__(self, name: str, output_stride: int = 32) -> None:
+        super().__init__()
+        if name not in _RESNETS:
+            raise ValueError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {name!r}")
+        if output_stride not in (8, 16, 32):
+            raise ValueError(f"output_stride must be 8, 16 or 32, got {output_stride!r}")
+        kind, blocks = _RESNETS[name]
+        block = _BasicBlock if kind == "basic" else _Bottleneck
+        self.name = name
+        self.output_stride = output_stride
+        # torchvision's replace_stride_with_dilation for layer2, layer3, layer4
+        dilate = {32: (False, False, False), 16: (False, False, True), 8: (False, True, True)}[output_stride]
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self._inplanes, self._dilation = 64, 1
+        self.layer1 = self._make_layer(block, 64, blocks[0], 1, False)
+        self.layer2 = self._make_layer(block, 128, blocks[1], 2, dilate[0])
+        self.layer3 = self._make_layer(block, 256, blocks[2], 2, dilate[1])
+        self.layer4 = self._make_layer(block, 512, blocks[3], 2, dilate[2])
+        del self._inplanes, self._dilation
+        #: channels of layer1..layer4
+        self.channels = tuple(p * block.expansion for p in (64, 128, 256, 512))
+        for m in self.modules():  # torchvision's init
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _make_layer(self, block: type, planes: int, blocks: int, stride: int, dilate: bool) -> nn.Sequential:
+        previous = self._dilation
+        if dilate:  # trade the stride for dilation from this layer on
+            self._dilation *= stride
+            stride = 1
+        downsample = None
+        if stride != 1 or self._inplanes != planes * block.expansion:
+            downsample = nn.Sequential(
+                nn.Conv2d(self._inplanes, planes * block.expansion, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * block.expansion),
+            )
+        layers = [block(self._inplanes, planes, stride, downsample, previous, self._dilation)]
+        self._inplanes = planes * block.expansion
+        for _ in range(1, blocks):
+            layers.append(block(self._inplanes, planes, 1, None, self._dilation, self._dilation))
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        c1 = self.layer1(x)
+        c2 = self.layer2(c1)
+        c3 = self.layer3(c2)
+        c4 = self.layer4(c3)
+        return c1, c2, c3, c4
+
+
+class _ConvBNReLU(nn.Module):
+    """conv (no bias) + BN + ReLU; the names are RS+EPM's ``ConvBlock`` (conv, bn, relu)."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int, padding: int = 0, dilation: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel_size, padding=padding, dilation=dilation, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn(self.conv(x)))
+
+
+def _resize(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    # RS+EPM's torch_utils.resize: bilinear, align_corners=False, skipped when the size is equal
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=tuple(size), mode="bilinear", align_corners=False)
+
+
+class _ASPPv3(nn.Module):
+    def __init__(self, cin: int, cout: int, rates: Sequence[int]) -> None:
+        super().__init__()
+        self.aspp1 = _ConvBNReLU(cin, cout, 1)
+        self.aspp2 = _ConvBNReLU(cin, cout, 3, padding=rates[0], dilation=rates[0])
+        self.aspp3 = _ConvBNReLU(cin, cout, 3, padding=rates[1], dilation=rates[1])
+        self.aspp4 = _ConvBNReLU(cin, cout, 3, padding=rates[2], dilation=rates[2])
+        self.global_avg_pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), _ConvBNReLU(cin, cout, 1))
+        self.block = nn.Sequential(_ConvBNReLU(5 * cout, cout, 1), nn.Dropout(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = _resize(self.global_avg_pool(x), x.shape[-2:])
+        return self.block(torch.cat([self.aspp1(x), self.aspp2(x), self.aspp3(x), self.aspp4(x), pooled], 1))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, low_channels: int, channels: int, num_outputs: int, projected: int = 48) -> None:
+        super().__init__()
+        self.low_block = _ConvBNReLU(low_channels, projected, 1)
+        self.classifier = nn.Sequential(
+            _ConvBNReLU(channels + projected, channels, 3, padding=1),
+            nn.Dropout(0.5),
+            _ConvBNReLU(channels, channels, 3, padding=1),
+            nn.Dropout(0.1),
+            nn.Conv2d(channels, num_outputs, 3, padding=1, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        low = self.low_block(low)
+        return self.classifier(torch.cat([_resize(x, low.shape[-2:]), low], 1))
+
+
+class _ASPPv2(nn.Module):
+    def __init__(self, cin: int, num_outputs: int, rates: Sequence[int]) -> None:
+        super().__init__()
+        for i, r in enumerate(rates, 1):
+            conv = nn.Conv2d(cin, num_outputs, 3, padding=r, dilation=r, bias=True)
+            nn.init.normal_(conv.weight, mean=0.0, std=0.01)  # deeplab-pytorch's _ASPP init
+            nn.init.zeros_(conv.bias)
+            self.add_module(f"aspp{i}", conv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = None
+        for conv in self.children():
+            y = conv(x)
+            out = y if out is None else out + y
+        return out
+
+
+class _SegNet(nn.Module):
+    """What both archs share: the backbone, the description, the input check and the resize."""
+
+    arch = ""
+
+    def __init__(self, backbone: str, num_classes: int, output_stride: int) -> None:
+        super().__init__()
+        _, backbone, num_classes, output_stride = _check_model_args(self.arch, backbone, num_classes, output_stride)
+        self.backbone = ResNet(backbone, output_stride)
+        self.num_classes = num_classes
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The arguments of :func:`build_model` that rebuild this network (a checkpoint's
+        ``"model"`` entry, :data:`mars_plugin.networks.seg_checkpoint.MODEL_KEYS`)."""
+        return {"arch": self.arch, "backbone": self.backbone.name,
+                "output_stride": self.backbone.output_stride, "num_classes": self.num_classes}
+
+    def _check_input(self, x: Any) -> None:
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be a float tensor (B, 3, H, W) of normalized RGB images, got {describe(x)}")
+
+    def _head(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, num_classes + 1, H, W) (background first) for images x (B, 3, H, W)."""
+        self._check_input(x)
+        return _resize(self._head(self.backbone(x)), x.shape[-2:])
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+
+
+class DeepLabV3Plus(_SegNet):
+    """DeepLabv3+ as RS+EPM builds it (see the module docstring for every number)."""
+
+    arch = "deeplabv3+"
+
+    def __init__(self, backbone: str, num_classes: int, output_stride: int = 16) -> None:
+        super().__init__(backbone, num_classes, output_stride)
+        rates = {16: (6, 12, 18), 8: (12, 24, 36)}[output_stride]
+        c = self.backbone.channels
+        self.aspp = _ASPPv3(c[3], 256, rates)
+        self.decoder = _Decoder(c[0], 256, num_classes + 1)
+
+    def _head(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        pool_bn = self.aspp.global_avg_pool[1].bn
+        if self.training and feats[3].shape[0] < 2 and type(pool_bn) is nn.BatchNorm2d:
+            # BatchNorm on the pooled 1x1 map sees one value per channel per image
+            raise ValueError("deeplabv3+ trains on at least 2 images per batch (its image-pooling BatchNorm "
+                             f"needs 2 values per channel), got a batch of {feats[3].shape[0]}; "
+                             "use a larger batch, SyncBatchNorm across processes, or eval mode")
+        return self.decoder(self.aspp(feats[3]), feats[0])
+
+
+class DeepLabV2(_SegNet):
+    """DeepLabv2 (ASPP of four summed dilated 3x3 convs) as deeplab-pytorch builds it."""
+
+    arch = "deeplabv2"
+
+    def __init__(self, backbone: str, num_classes: int, output_stride: int = 8) -> None:
+        super().__init__(backbone, num_classes, output_stride)
+        self.aspp = _ASPPv2(self.backbone.channels[3], num_classes + 1, (6, 12, 18, 24))
+
+    def _head(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.aspp(feats[3])
+
+
+def _check_model_args(arch: Any, backbone: Any, num_classes: Any, output_stride: Any) -> Tuple[str, str, int, int]:
+    """The arguments of :func:`build_model`, checked (None output stride: the arch's own)."""
+    if not isinstance(arch, str):
+        raise TypeError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {describe(arch)}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
+    if not isinstance(backbone, str):
+        raise TypeError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {describe(backbone)}")
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {backbone!r}")
+    num_classes = check_num_classes(num_classes)
+    if output_stride is None:
+        output_stride = DEFAULT_OUTPUT_STRIDE[arch]
+    if isinstance(output_stride, bool) or not isinstance(output_stride, (int, np.integer)):
+        raise TypeError(f"output_stride must be 8 or 16, got {describe(output_stride)}")
+    if int(output_stride) not in OUTPUT_STRIDES:
+        raise ValueError(f"output_stride must be 8 or 16, got {output_stride}")
+    return arch, backbone, num_classes, int(output_stride)
+
+
+def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optional[int] = None) -> nn.Module:
+    """The segmentation network of ``mars train``, randomly initialised.
+
+    Args:
+        arch: ``"deeplabv3+"`` (RS+EPM's row) or ``"deeplabv2"`` (the IRNet/AdvCAM rows).
+        backbone: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"`` (torchvision layout; load
+            ImageNet weights with :func:`load_backbone_weights`).
+        num_classes: C, the number of foreground classes (1..253); the network outputs C + 1
+            channels, background first.
+        output_stride: 8 or 16; None takes the arch's upstream value (16 for deeplabv3+, 8 for
+            deeplabv2).
+
+    Returns:
+        A module whose ``forward(x)``, x (B, 3, H, W) float normalized with :func:`normalize`,
+        gives logits (B, C + 1, H, W); ``model.config`` is the dict of these arguments.
+    """
+    arch, backbone, num_classes, output_stride = _check_model_args(arch, backbone, num_classes, output_stride)
+    cls = DeepLabV3Plus if arch == "deeplabv3+" else DeepLabV2
+    return cls(backbone, num_classes, output_stride)
+
+
+def _unwrap(model: Any) -> nn.Module:
+    # DistributedDataParallel / DataParallel / EMATeacher keep the network in .module
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _backbone_of(model: Any, name: str = "model") -> ResNet:
+    net = _unwrap(model)
+    if isinstance(net, ResNet):
+        return net
+    if isinstance(net, _SegNet):
+        return net.backbone
+    raise TypeError(f"{name} must be a network of mars_plugin.networks.deeplab.build_model (or its ResNet), "
+                    f"got {describe(net)}")
+
+
+def _layout(name: str) -> Dict[str, Tuple[int, ...]]:
+    # key -> shape of a backbone, built on the meta device (no memory, no init cost)
+    with torch.device("meta"):
+        net = ResNet(name)
+    return {k: tuple(v.shape) for k, v in net.state_dict().items()}
+
+
+def _some(keys: List[str], n: int = 4) -> str:
+    return ", ".join(keys[:n]) + (f", ... {len(keys) - n} more" if len(keys) > n else "")
+
+
+def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
+    """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone.
+
+    The file is read with ``torch.load(weights_only=True)``; its ``fc.*`` entries are ignored
+    and every other key must match the backbone's name and shape (BatchNorm's
+    ``num_batches_tracked``, absent from torchvision's older files, may be missing). Keys with a
+    ``module.``/``backbone.``/``model.`` prefix are refused with a hint: torchvision's files and
+    the upstream recipes (RS+EPM and deeplab-pytorch download those URLs) have none, and a
+    prefixed file is a training checkpoint of some other network. Nothing is loaded unless all
+    of it fits.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: one line naming the file and what does not fit (missing, unexpected and
+            shape-mismatched keys; the backbone the file would fit, if any).
+    """
+    backbone = _backbone_of(model)
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file (ImageNet weights in torchvision layout, e.g. "
+                                f"{backbone.name}-*.pth from download.pytorch.org/models)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt, truncated, not a torch file, or pickled Python objects
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"{path}: not a readable torch file of ImageNet weights ({type(e).__name__}: "
+                         f"{first[:200]})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        hint = ""
+        if isinstance(state, dict) and "format" in state and "student" in state:
+            hint = "; it is a mars train checkpoint (give it to mars predict --model or mars train --resume)"
+        elif isinstance(state, dict) and any(k in state for k in ("state_dict", "model")):
+            hint = "; it is a training checkpoint holding a state dict, not a torchvision weight file"
+        got = "a dict with other entries" if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path}: not a state dict of tensors (a torchvision ImageNet file), got {got}{hint}")
+    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+    expected = backbone.state_dict()
+    missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [f"{k} {tuple(state[k].shape)} != {tuple(expected[k].shape)}"
+                  for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({_some(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({_some(unexpected)})")
+        if mismatched:
+            parts.append(f"{len(mismatched)} of another shape ({_some(mismatched, 3)})")
+        hint = ""
+        prefixes = [p for p in ("module.", "backbone.", "model.") if state and all(k.startswith(p) for k in state)]
+        if prefixes:
+            hint = (f"; its keys start with {prefixes[0]!r}: a training checkpoint of another network, "
+                    "not torchvision's ImageNet file (keys conv1.weight, bn1.*, layer1.0...)")
+        else:
+            file_layout = {k: tuple(v.shape) for k, v in state.items() if not k.endswith("num_batches_tracked")}
+            for other in BACKBONES:
+                lay = {k: s for k, s in _layout(other).items() if not k.endswith("num_batches_tracked")}
+                if other != backbone.name and lay == file_layout:
+                    hint = f"; the file fits {other} (choose that backbone, or the {backbone.name} file)"
+        raise ValueError(f"{path}: does not fit the {backbone.name} backbone (torchvision layout): "
+                         f"{'; '.join(parts)}{hint}")
+    for k, v in state.items():
+        if k.endswith("num_batches_tracked"):
+            continue
+        if not v.is_floating_point():
+            raise ValueError(f"{path}: {k} has dtype {v.dtype}, expected floating weights")
+        if not torch.isfinite(v).all():
+            raise ValueError(f"{path}: {k} holds non-finite values (a damaged weight file)")
+    full = dict(state)
+    for k in expected:
+        if k not in full:  # num_batches_tracked of older files: start counting from 0
+            full[k] = torch.zeros_like(expected[k])
+    backbone.load_state_dict(full, strict=True)
+
+
+_GROUPS = (  # name, lr multiplier, decay?  (RS+EPM's grouping, PuzzleCAM's multipliers)
+    ("backbone_weight", 1.0, True),
+    ("backbone_bias", 2.0, False),
+    ("head_weight", 10.0, True),
+    ("head_bias", 20.0, False),
+)
+
+
+def param_groups(model: nn.Module, lr: float, weight_decay: float) -> List[Dict[str, Any]]:
+    """SGD parameter groups: the pretrained backbone at ``lr``, the new layers at 10x.
+
+    Four groups, in this order (RS+EPM's ``get_parameter_groups`` split, PuzzleCAM's
+    train_segmentation.py multipliers):
+
+    ==================  =========  ============  ====================================
+    name                lr         weight decay  parameters
+    ==================  =========  ============  ====================================
+    ``backbone_weight`` lr         weight_decay  backbone conv and BN weights
+    ``backbone_bias``   2 lr       0             backbone BN biases
+    ``head_weight``     10 lr      weight_decay  ASPP/decoder/classifier conv and BN weights
+    ``head_bias``       20 lr      0             their BN and conv biases
+    ==================  =========  ============  ====================================
+
+    BN weights count as weights and are decayed, as upstream. Each group carries ``name`` and
+    ``lr_mult`` (lr = base lr x lr_mult) so a poly schedule can rescale it; frozen parameters
+    (``requires_grad=False``) are left out. ``model`` may be wrapped in DDP.
+    """
+    lr = check_real_param(lr, "lr", 0.0, float("inf"), low_open=True)
+    weight_decay = check_real_param(weight_decay, "weight_decay", 0.0, float("inf"))
+    net = _unwrap(model)
+    if not isinstance(net, _SegNet):
+        raise TypeError(f"model must be a network of mars_plugin.networks.deeplab.build_model, got {describe(net)}")
+    buckets: Dict[str, List[nn.Parameter]] = {g[0]: [] for g in _GROUPS}
+    for name, p in net.named_parameters():
+        if not p.requires_grad:
+            continue
+        part = "backbone" if name.startswith("backbone.") else "head"
+        kind = "weight" if name.rsplit(".", 1)[-1] == "weight" else "bias"
+        buckets[f"{part}_{kind}"].append(p)
+    return [{"params": buckets[n], "name": n, "lr_mult": m, "lr": lr * m,
+             "weight_decay": weight_decay if decay else 0.0}
+            for n, m, decay in _GROUPS if buckets[n]]
+
+
+def normalize(images: Any) -> torch.Tensor:
+    """uint8 RGB images (B, H, W, 3) -> float32 (B, 3, H, W), ``(x / 255 - mean) / std``.
+
+    Accepts a tensor (kept on its device) or a numpy array; the arithmetic is RS+EPM's
+    ``Normalize`` in float32 with :data:`IMAGENET_MEAN` and :data:`IMAGENET_STD`.
+    """
+    if isinstance(images, np.ndarray):
+        if images.dtype != np.uint8:
+            raise TypeError(f"images must be uint8 RGB (B, H, W, 3), got {describe(images)}")
+        images = torch.from_numpy(np.ascontiguousarray(images))
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a uint8 tensor or array (B, H, W, 3), got {describe(images)}")
+    if images.dtype != torch.uint8:
+        raise TypeError(f"images must be uint8 RGB (B, H, W, 3), got {describe(images)}")
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"images must be (B, H, W, 3) RGB, got {describe(images)}")
+    x = images.permute(0, 3, 1, 2).to(torch.float32)
+    mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
+    return ((x / 255.0 - mean) / std).contiguous()

@@ -1,0 +1,91 @@
+"""Checkpoints of ``mars train``: student, EMA teacher, optimizer, AMP scaler and iteration.
+
+One file holds everything a resumed run needs to continue bit for bit, and everything
+``mars predict`` needs to rebuild the network without the training command line:
+
+    {"format": "mars-train/1",
+     "model": {"arch": "deeplabv3+", "backbone": "resnet101", "output_stride": 16, "num_classes": 20},
+     "iteration": 1000,                 # optimizer steps done
+     "student": state_dict, "teacher": state_dict or None (--loss ce has none),
+     "optimizer": state_dict, "scaler": state_dict,
+     "rng": {"torch": uint8 tensor, "loader": uint8 tensor},   # where the data order stands
+     "settings": {...},                 # the run's flags (JSON-able), for the record
+     "class_names": [...] or None}
+
+Everything in it is tensors, numbers, strings, lists and dicts, so it is written with
+``torch.save`` and read back with ``torch.load(weights_only=True)``: no Python object is ever
+unpickled. Files are written atomically (temporary file, then rename).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from mars_plugin.formats.files import atomic_write
+
+__all__ = ["CHECKPOINT_FORMAT", "MODEL_KEYS", "save_checkpoint", "load_checkpoint", "model_from_checkpoint"]
+
+CHECKPOINT_FORMAT = "mars-train/1"
+#: The keys of ``checkpoint["model"]``, the arguments of :func:`mars_plugin.networks.deeplab.build_model`.
+MODEL_KEYS = ("arch", "backbone", "output_stride", "num_classes")
+
+PathLike = Union[str, os.PathLike]
+
+
+def save_checkpoint(path: PathLike, checkpoint: Dict[str, Any]) -> None:
+    """Write ``checkpoint`` (the layout of the module docstring) atomically."""
+    missing = [k for k in ("model", "iteration", "student") if k not in checkpoint]
+    if missing:
+        raise ValueError(f"checkpoint: missing keys {missing}")
+    atomic_write(path, lambda tmp: torch.save(dict(checkpoint, format=CHECKPOINT_FORMAT), tmp))
+
+
+def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
+    """Read a ``mars train`` checkpoint with ``weights_only=True`` (tensors and plain containers
+    only; nothing is unpickled), checking its format and model description."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file (a checkpoint written by mars train)")
+    try:
+        ck = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # corrupt, truncated, or pickled Python objects
+        raise ValueError(f"{path}: not a readable mars train checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
+        got = ck.get("format") if isinstance(ck, dict) else type(ck).__name__
+        raise ValueError(f"{path}: not a mars train checkpoint (format {got!r}, expected {CHECKPOINT_FORMAT!r}); "
+                         "ImageNet backbone weights go to mars train --weights")
+    model = ck.get("model")
+    if not isinstance(model, dict) or any(k not in model for k in MODEL_KEYS):
+        raise ValueError(f"{path}: checkpoint's 'model' must hold {list(MODEL_KEYS)}, got {model!r}")
+    return ck
+
+
+def model_from_checkpoint(
+    path: PathLike, which: str = "student", map_location: Union[str, torch.device] = "cpu"
+) -> Tuple[nn.Module, Dict[str, Any]]:
+    """The network of a checkpoint, in eval mode, and the checkpoint (without the weights).
+
+    Args:
+        which: ``"student"`` (the trained network) or ``"teacher"`` (its EMA; MARS runs only).
+    """
+    from mars_plugin.networks.deeplab import build_model
+
+    if which not in ("student", "teacher"):
+        raise ValueError(f"which must be 'student' or 'teacher', got {which!r}")
+    ck = load_checkpoint(path, map_location=map_location)
+    state: Optional[Dict[str, torch.Tensor]] = ck.get(which)
+    if state is None:
+        raise ValueError(f"{os.fspath(path)}: holds no {which} (a --loss ce run has no teacher)")
+    model = build_model(**{k: ck["model"][k] for k in MODEL_KEYS})
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{os.fspath(path)}: the {which} weights do not fit {ck['model']}: "
+                         f"{str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else e}") from None
+    model.eval()
+    meta = {k: v for k, v in ck.items() if k not in ("student", "teacher", "optimizer", "scaler", "rng")}
+    return model, meta

@@ -1,0 +1,237 @@
+"""``mars sample``: a small sample tree in a WSSS codebase's own layout, to try every command offline.
+
+The images, ground truth, pseudo labels and USS-like features are the built-in synthetic world
+(:mod:`mars_plugin.worlds.synthetic`: boat pseudo labels leak into the sea, train into the rail), with
+its six classes written as their PASCAL VOC ids (boat 4, train 19, dog 12, car 7, person 15,
+bird 3: the trees are VOC-shaped, ``--num-classes 20``). The labels and tag files are written
+by the adapters' own writers in the codebase's layout (:data:`LAYOUTS`). ``weights/`` holds
+random-weight models in the files ``mars features`` reads: a tiny STEGO (DINO ViT-Ti/8 +
+heads) as DHR's two files and as a Lightning-like ``.ckpt`` that loads with
+``weights_only=True``, and a tiny DINOv2 (ViT-Ti/14) with DHR's CAUSE heads. Random weights:
+the features they give mean nothing, the commands run exactly as on real files. Everything
+takes a few seconds and a few MB.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Dict, List, Tuple, Union
+
+import numpy as np
+import torch
+
+from mars_plugin.formats.files import atomic_write, write_features, write_image, write_label
+
+__all__ = ["TREES", "LAYOUTS", "VOC_IDS", "write_sample_tree", "sample_commands", "describe"]
+
+TREES = ("dhr", "irnet", "advcam", "seam", "rsepm")
+#: Where each tree keeps what (relative to ``--out``): images, ground truth, pseudo labels,
+#: image-level tags (a file or an xml folder) and the synthetic world's features.
+LAYOUTS: Dict[str, Dict[str, str]] = {
+    "dhr": dict(images="VOC2012/train_aug/image", gt="VOC2012/train_aug/mask", pseudo="WSS/VOC2012/RSEPM/train_aug",
+                tags="VOC2012/train_aug/xml", features="VOC2012/train_aug/SYNTHETIC"),
+    "irnet": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="result/sem_seg",
+                  tags="voc12/cls_labels.npy", features="features"),
+    "advcam": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="result/sem_seg",
+                   tags="voc12/cls_labels.npy", features="features"),
+    "seam": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="out_rw", tags="voc12/cls_labels.npy",
+                 features="features"),
+    "rsepm": dict(images="VOC2012/train_aug/image", gt="VOC2012/train_aug/mask",
+                  pseudo="experiments/pseudo-labels/sample/train", tags="VOC2012/train_aug/xml", features="features"),
+}
+#: The synthetic world's class ids (boat, train, dog, car, person, bird) as VOC's.
+VOC_IDS = (0, 4, 19, 12, 7, 15, 3)
+_WIDTH, _DIM = 192, 16  # ViT-Ti; STEGO's code dimension
+
+
+def _voc(label: torch.Tensor) -> torch.Tensor:
+    lut = torch.arange(256)
+    lut[: len(VOC_IDS)] = torch.tensor(VOC_IDS)
+    return lut[label.long()]
+
+
+def _random_vit(patch: int, seed: int, dinov2: bool = False) -> Dict[str, torch.Tensor]:
+    from mars_plugin.adapters.uss.vit import DinoViT
+
+    g = torch.Generator().manual_seed(seed)
+    vit = DinoViT(patch, _WIDTH, 1, num_patches=16, layer_scale=dinov2, mask_token=dinov2)
+    sd = {}
+    for k, v in vit.state_dict().items():
+        base = 1.0 if k.endswith(("norm1.weight", "norm2.weight", "norm.weight")) else 0.0
+        sd[k] = base + 0.1 * torch.randn(v.shape, generator=g)
+    return sd
+
+
+def _save(obj, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def _write_weights(folder: Path, seed: int) -> None:
+    """Random STEGO (DHR's two files and a Lightning-like .ckpt) and DINOv2 + DHR's CAUSE heads."""
+    from mars_plugin.adapters.uss.cause import CAUSESegment
+
+    g = torch.Generator().manual_seed(seed + 1)
+    dino = _random_vit(8, seed)
+    heads = {"cluster1": {"0.weight": torch.randn(_DIM, _WIDTH, 1, 1, generator=g) / 14,
+                          "0.bias": torch.zeros(_DIM)},
+             "cluster2": {"0.weight": torch.randn(_WIDTH, _WIDTH, 1, 1, generator=g) / 14,
+                          "0.bias": torch.zeros(_WIDTH),
+                          "2.weight": torch.randn(_DIM, _WIDTH, 1, 1, generator=g) / 14, "2.bias": torch.zeros(_DIM)}}
+    _save(dino, folder / "dino_tiny_random.pth")
+    _save(heads, folder / "STEGO_VOC2012.pt")
+    state = {"net.model." + k: v for k, v in dino.items()}
+    state.update({f"net.{h}.{k}": v for h, sd in heads.items() for k, v in sd.items()})
+    # A Lightning checkpoint of plain values only: it loads with torch.load(weights_only=True)
+    _save({"epoch": 0, "global_step": 0, "pytorch-lightning_version": "1.4.9", "state_dict": state,
+           "hyper_parameters": {"dim": _DIM}}, folder / "stego_tiny_random.ckpt")
+    torch.manual_seed(seed + 2)
+    segment = CAUSESegment(_WIDTH)
+    with torch.no_grad():
+        segment.head_ema.query_pos.normal_(0, 0.1)  # zeros in a fresh module
+    _save(_random_vit(14, seed + 3, dinov2=True), folder / "dinov2_tiny_random.pth")
+    _save({"decoder": segment.state_dict(), "codebook": torch.randn(16, _WIDTH, generator=g)},
+          folder / "CAUSE_VOC2012.pt")
+
+
+def _xml(path: Path, gt: torch.Tensor, names) -> None:
+    """A VOC annotation: the image size and one object (name, box) per class of ``gt``."""
+    root = ET.Element("annotation")
+    size = ET.SubElement(root, "size")
+    for k, v in (("width", gt.shape[1]), ("height", gt.shape[0]), ("depth", 3)):
+        ET.SubElement(size, k).text = str(v)
+    for c in sorted(set(gt.unique().tolist()) - {0, 255}):
+        ys, xs = torch.nonzero(gt == c, as_tuple=True)
+        obj = ET.SubElement(root, "object")
+        ET.SubElement(obj, "name").text = names[c]
+        box = ET.SubElement(obj, "bndbox")
+        for k, v in (("xmin", xs.min()), ("ymin", ys.min()), ("xmax", xs.max()), ("ymax", ys.max())):
+            ET.SubElement(box, k).text = str(int(v) + 1)
+    atomic_write(path, lambda tmp: ET.ElementTree(root).write(tmp))
+
+
+def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: int = 8, size: int = 64,
+                      seed: int = 0) -> Dict[str, Path]:
+    """Write the sample tree ``tree`` (one of :data:`TREES`) into ``out``, a new or empty folder.
+
+    Returns the paths of :data:`LAYOUTS` (absolute) plus ``root`` and ``weights``.
+    """
+    import shutil
+    import tempfile
+
+    if tree not in TREES:
+        raise ValueError(f"--tree must be one of {', '.join(TREES)}, got {tree!r}")
+    final = Path(out)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise ValueError(f"--out {final}: exists and is not an empty folder; give a new one")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Written in a temporary folder beside --out and renamed at the end: an interrupted run
+    # leaves no half tree (which a second run would refuse as a used folder).
+    root = Path(tempfile.mkdtemp(prefix=".tmp-sample-", dir=final.parent))
+    try:
+        _write(tree, root, num_images, size, seed)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(root, 0o777 & ~umask)  # mkdtemp's folder is private (0700)
+        if final.is_dir():
+            final.rmdir()
+        os.replace(root, final)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return {"root": final, "weights": final / "weights", **{k: final / v for k, v in LAYOUTS[tree].items()}}
+
+
+def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None:
+    """The files of :func:`write_sample_tree` under ``root``."""
+    import importlib
+
+    from mars_plugin.adapters.wsss._common import VOC_CLASSES
+    from mars_plugin.commands.demo import WORLD_NOISE
+    from mars_plugin.worlds.synthetic import make_world
+
+    world = make_world(num_images, size=size, seed=seed, **WORLD_NOISE)
+    ids = [f"2007_{i + 1:06d}" for i in range(num_images)]  # VOC's form: IRNet stores them as 2007000001
+    gt = [_voc(y) for y in world.gt]
+    pseudo = [(i, _voc(y)) for i, y in zip(ids, world.pseudo)]
+    paths = {k: root / v for k, v in LAYOUTS[tree].items()}
+    for i, stem in enumerate(ids):
+        write_image(paths["images"] / f"{stem}.jpg", world.images[i])
+        write_label(paths["gt"] / f"{stem}.png", gt[i])
+        if tree == "dhr":  # DHR's own dataset stores its features as fp16 .pt tensors
+            _save(world.features[i].half().clone(), paths["features"] / f"{stem}.pt")
+        else:
+            write_features(paths["features"] / f"{stem}.npy", world.features[i])
+        if paths["tags"].suffix != ".npy":
+            _xml(paths["tags"] / f"{stem}.xml", gt[i], VOC_CLASSES)
+    adapter = importlib.import_module(f"mars_plugin.adapters.{tree}")
+    if tree == "dhr":
+        layout = adapter.DHRLayout(root)
+        text = json.dumps({"names": list(VOC_CLASSES), "ignore": 255})  # DHR's <data>.json
+        atomic_write(layout.dataset_json, lambda tmp: Path(tmp).write_text(text))
+        adapter.write_masks(pseudo, layout, "RSEPM", "train_aug")
+    else:  # the codebase's PNG mode (IRNet, AdvCAM, SEAM grayscale, RS+EPM palette)
+        adapter.write_debiased(pseudo, paths["pseudo"])
+    if paths["tags"].suffix == ".npy":  # voc12/cls_labels.npy: IRNet/AdvCAM int ids, SEAM's strings
+        hot = {}
+        for stem, y in zip(ids, gt):
+            v = np.zeros(20, np.float32)
+            v[[c - 1 for c in set(y.unique().tolist()) - {0, 255}]] = 1
+            hot[stem if tree == "seam" else np.int32(int(stem.replace("_", "")))] = v
+        atomic_write(paths["tags"], lambda tmp: np.save(tmp, hot, allow_pickle=True))
+        atomic_write(paths["tags"].parent / "train_aug.txt", lambda tmp: Path(tmp).write_text("\n".join(ids) + "\n"))
+    _write_weights(root / "weights", seed)
+
+
+def sample_commands(tree: str, out: Union[str, os.PathLike]) -> List[str]:
+    """The commands to try next on the sample tree ``tree`` written into ``out``, in order."""
+    r = Path(out)
+    p = {k: str(r / v) for k, v in LAYOUTS[tree].items()}
+    w = r / "weights"
+    q = shlex.quote
+    pickle = " --trust-pickle" if p["tags"].endswith(".npy") else ""  # cls_labels.npy is a pickle
+    feats = r / "VOC2012/train_aug/STEGO" if tree == "dhr" else r / "features_stego"
+    debiased = {"dhr": r / "MARS/VOC2012/debiased/train_aug", "irnet": r / "result/sem_seg_mars",
+                "advcam": r / "result/sem_seg_mars", "seam": r / "out_rw_mars",
+                "rsepm": r / "experiments/pseudo-labels/sample@MARS/train"}[tree]
+    # DHR's dataset json names the classes; the other codebases keep VOC's names in their code
+    names = f" --class-names {q(str(r / 'VOC2012/VOC2012.json'))}" if tree == "dhr" else ""
+    cmds = []
+    if tree == "dhr":
+        cmds.append(f"mars features --uss stego --backbone {q(str(w / 'dino_tiny_random.pth'))} --heads "
+                    f"{q(str(w / 'STEGO_VOC2012.pt'))} --dhr --format pt --images {q(p['images'])} --out {q(str(feats))}")
+    else:
+        cmds.append(f"mars features --uss stego --checkpoint {q(str(w / 'stego_tiny_random.ckpt'))} --images "
+                    f"{q(p['images'])} --out {q(str(feats))}")
+    common = f"--labels {q(p['pseudo'])} --wsss {tree} --image-labels {q(p['tags'])}{pickle}"
+    cmds += [
+        f"mars centroids --features {q(p['features'])} {common} --num-classes 20 --out {q(str(r / 'centroids.pt'))}",
+        f"mars debias --features {q(p['features'])} {common} --centroids {q(str(r / 'centroids.pt'))} "
+        f"--images {q(p['images'])} --out {q(str(debiased))}",
+        f"mars evaluate --pred {q(str(debiased))} --gt {q(p['gt'])} --num-classes 20{names}",
+        f"mars report --labels {q(p['pseudo'])} --debiased {q(str(debiased))} --images {q(p['images'])} "
+        f"--out {q(str(r / 'report'))}{names}",
+    ]
+    if tree == "dhr":
+        base = f"mars reproduce --root {q(str(r))} --pseudo {q(p['pseudo'])}"
+        cmds += [f"{base} --backbone {q(str(w / 'dino_tiny_random.pth'))} --heads {q(str(w / 'STEGO_VOC2012.pt'))} "
+                 f"--out {q(str(r / 'reproduce_stego'))}",
+                 f"{base} --uss cause --backbone {q(str(w / 'dinov2_tiny_random.pth'))} --heads "
+                 f"{q(str(w / 'CAUSE_VOC2012.pt'))} --out {q(str(r / 'reproduce_cause'))}"]
+    return cmds
+
+
+def describe(tree: str, out: Union[str, os.PathLike]) -> Tuple[str, ...]:
+    """What ``mars sample`` prints: where things are, then the commands to try."""
+    r = Path(out)
+    lay = LAYOUTS[tree]
+    lines = [f"sample {tree} tree -> {r}: the synthetic world (boat and train pseudo labels leak into sea and rail) "
+             "with VOC's class ids, in that codebase's layout:"]
+    lines += [f"  {k:<9}{r / v}" for k, v in lay.items()]
+    lines.append(f"  {'weights':<9}{r / 'weights'} (random weights: tiny STEGO as DHR's two files and as a "
+                 "weights-only .ckpt, tiny DINOv2 + DHR's CAUSE heads)")
+    lines.append("try next:")
+    lines += [f"  {c}" for c in sample_commands(tree, out)]
+    return tuple(lines)
