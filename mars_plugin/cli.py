@@ -569,7 +569,7 @@ def _print_skipped(s) -> None:
 
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
-    from mars_plugin.commands import jobs
+    from mars_plugin.commands import distributed, errors, jobs
     apply_threads(args.threads)
 
     s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
@@ -594,7 +594,7 @@ def _main(argv: Optional[List[str]]) -> int:
 
             joined = _maybe_init_distributed()
             s = run_features(args)  # under torchrun: this rank's share; a failure on one rank fails all
-            rank, world = jobs._rank_world()
+            rank, world = distributed._rank_world()
             if world == 1:
                 print(f"features -> {args.out}: {s.line()}")
             else:
@@ -602,20 +602,20 @@ def _main(argv: Optional[List[str]]) -> int:
                 _print_skipped(s)
                 # torchrun stops every rank as soon as one exits non-zero (1: skipped files): no
                 # rank leaves before every rank has printed its lines.
-                jobs.barrier()
+                distributed.barrier()
                 return 1 if s.failed else 0
         if args.command == "predict":
             from mars_plugin.commands.predict import run_predict
 
             joined = _maybe_init_distributed()
             s, out = run_predict(args)  # under torchrun: this rank's share; a failure on one rank fails all
-            rank, world = jobs._rank_world()
+            rank, world = distributed._rank_world()
             if world == 1:
                 print(f"predictions -> {out}: {s.line()}")
             else:
                 print(f"predict rank {rank}/{world}: {s.line()} -> {out}", flush=True)
                 _print_skipped(s)
-                jobs.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
+                distributed.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
                 return 1 if s.failed else 0
         if args.command in ("centroids", "debias"):
             joined = _maybe_init_distributed()
@@ -668,7 +668,7 @@ def _main(argv: Optional[List[str]]) -> int:
                 try:
                     atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
                 except OSError as e:
-                    raise jobs.JobError(f"--json {args.json}: cannot write it ({e.strerror or e})") from None
+                    raise errors.JobError(f"--json {args.json}: cannot write it ({e.strerror or e})") from None
         elif args.command == "reproduce":
             from mars_plugin.commands.reproduce import reproduce
 
@@ -708,7 +708,7 @@ def _main(argv: Optional[List[str]]) -> int:
                 # rank names its skipped files, then they leave together.
                 _print_skipped(s)
                 sys.stdout.flush()
-                jobs.barrier()
+                distributed.barrier()
                 return 1 if s.failed else 0
         elif args.command == "train":
             from mars_plugin.commands.train import run_train_command
@@ -733,13 +733,13 @@ def _main(argv: Optional[List[str]]) -> int:
             print(f"report -> {args.out}; {s.line('read')}")
     except BrokenPipeError:
         raise  # the reader is gone: main() ends quietly
-    except jobs.JobError as e:
+    except errors.JobError as e:
         _print_skipped(s)
-        print(f"mars {args.command}: error: {jobs.one_line(e)}", file=sys.stderr)
+        print(f"mars {args.command}: error: {errors.one_line(e)}", file=sys.stderr)
         return 2
     except (ValueError, TypeError, OSError) as e:  # PermissionError is an OSError
         _print_skipped(s)
-        msg = jobs.one_line(e)
+        msg = errors.one_line(e)
         print(f"mars {args.command}: error: {msg if isinstance(e, OSError) else _flag_names(msg)}", file=sys.stderr)
         return 2
     finally:

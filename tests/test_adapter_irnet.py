@@ -307,7 +307,7 @@ def test_write_debiased_refuses_ids_that_are_not_file_names(tmp_path, module, st
     in a dry run either."""
     import importlib
 
-    mod = importlib.import_module(f"mars_plugin.adapters.{module}")
+    mod = importlib.import_module(f"mars_plugin.adapters.wsss.{module}")
     out = tmp_path / "out" / "deeper"
     for dry_run in (True, False):
         with pytest.raises(ValueError, match="not a plain file name"):

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import mars_plugin
-from mars_plugin.commands import jobs
+from mars_plugin.commands import errors, jobs
 from mars_plugin.cli import build_parser, main
 from mars_plugin.formats.files import check_stem, read_label, stem_path
 from mars_plugin.worlds.synthetic import make_world, write_world
@@ -74,7 +74,7 @@ def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypat
             pass
         else:
             seen["numba"] = numba.get_num_threads()
-        raise jobs.JobError("stopped by the test")
+        raise errors.JobError("stopped by the test")
 
     for mod, name in ((demo, "run_demo"), (extractor, "run_features"), (jobs, "centroids_job"),
                       (jobs, "debias_job"), (jobs, "evaluate_job"), (jobs, "report_job")):

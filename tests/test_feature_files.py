@@ -22,7 +22,7 @@ from mars_plugin.formats.files import (
     read_label,
     write_features,
 )
-from mars_plugin.commands.jobs import JobError
+from mars_plugin.commands.errors import JobError
 from mars_plugin.worlds.synthetic import make_world, write_world
 
 

@@ -23,7 +23,8 @@ from PIL import Image
 import mars_plugin.adapters.uss.extractor as extractor_module
 from mars_plugin import cli
 from mars_plugin.adapters.uss.extractor import features_job
-from mars_plugin.commands.jobs import JobError, all_ok, barrier, share_error, sync_group
+from mars_plugin.commands.errors import JobError
+from mars_plugin.commands.distributed import all_ok, barrier, share_error, sync_group
 
 from test_distributed import _free_port
 from test_reproduce import _tiny_stego_files

@@ -95,14 +95,14 @@ def _python_parameters():
 
     from mars_plugin import select_centroids
 
-    from mars_plugin.commands import demo, jobs, reproduce
+    from mars_plugin.commands import demo, distributed, jobs, reproduce
     from mars_plugin.adapters.uss import extractor
     from mars_plugin.engines.crf import check_crf_params
 
     names = set()
     for fn in (jobs.centroids_job, jobs.debias_job, jobs.evaluate_job, jobs.report_job, extractor.features_job,
                extractor.load_extractor, reproduce.reproduce, demo.run_demo, select_centroids, check_crf_params,
-               jobs.resolve_device):
+               distributed.resolve_device):
         names |= set(inspect.signature(fn).parameters)
     return names
 

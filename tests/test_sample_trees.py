@@ -33,7 +33,7 @@ def test_the_tree_is_the_codebase_layout_read_back_by_its_adapter(tree):
     import importlib
 
     name, out = tree
-    adapter = importlib.import_module(f"mars_plugin.adapters.{name}")
+    adapter = importlib.import_module(f"mars_plugin.adapters.wsss.{name}")
     lay = {k: out / v for k, v in LAYOUTS[name].items()}
     world = make_world(4, size=48, seed=0, **WORLD_NOISE)
     lut = torch.tensor(VOC_IDS)

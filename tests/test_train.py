@@ -158,7 +158,7 @@ def test_interrupted_run_resumes_to_the_same_weights(tree, tmp_path):
 
 def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
     train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1))
-    from mars_plugin.commands.jobs import JobError
+    from mars_plugin.commands.errors import JobError
 
     with pytest.raises(JobError, match=r"lr: 0\.001 -> 0\.01"):
         train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1, lr=0.01))

@@ -43,8 +43,10 @@ import torch.nn.functional as F
 from mars_plugin.commands import cli_types as T
 from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.commands.jobs import (JobError, JobSummary, SizeBatches, _dist_ready, _label_like, _rank_world, one_line,
-                              resolve_device, share_error, sync_group)
+from mars_plugin.commands.jobs import _label_like
+from mars_plugin.commands.errors import JobError, JobSummary, one_line
+from mars_plugin.commands.size_batches import SizeBatches
+from mars_plugin.commands.distributed import _dist_ready, _rank_world, resolve_device, share_error, sync_group
 from mars_plugin.commands.run_record import array_digest, file_id
 
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
@@ -233,7 +235,7 @@ def features_job(
             or an (h, w) pair.
         stride: instead of ``output_size``: ``(ceil(H / stride), ceil(W / stride))``.
         on_error: a file that cannot be read (or clashes with another of the same stem):
-            ``"stop"`` raises :class:`~mars_plugin.commands.jobs.JobError` naming it; ``"skip"`` records
+            ``"stop"`` raises :class:`~mars_plugin.commands.errors.JobError` naming it; ``"skip"`` records
             it in the summary and goes on.
         progress: show a progress bar (under torch.distributed, rank 0's only: see below).
         file_format: ``"npy"`` (a numpy array) or ``"pt"`` (an fp16 torch tensor, the file
@@ -253,15 +255,15 @@ def features_job(
     written atomically, so an interrupted run never leaves a half-written file. A stem whose
     file of the *other* format is already there is a per-file failure (``on_error``): the
     folder would hold two feature files for it, which the readers refuse. Returns a
-    :class:`~mars_plugin.commands.jobs.JobSummary`.
+    :class:`~mars_plugin.commands.errors.JobSummary`.
 
     Under an initialised torch.distributed (``torchrun``), every rank lists the same work (every
     stem asked for, sorted) and takes stems ``rank, rank + W, ...`` of it: the ranks write
     disjoint files, and resume stays per file, so a run killed under one world size resumes
     under another. Each rank returns the summary of its own share. All ranks meet at the end;
     a failure on one rank (``on_error="stop"``) is raised on every rank once they meet
-    (:func:`~mars_plugin.commands.jobs.share_error`): the failed rank raises its own error, the others
-    a :class:`~mars_plugin.commands.jobs.JobError` naming that rank and its message. Only rank 0 shows
+    (:func:`~mars_plugin.commands.distributed.share_error`): the failed rank raises its own error, the others
+    a :class:`~mars_plugin.commands.errors.JobError` naming that rank and its message. Only rank 0 shows
     a progress bar, over its share: bars of several processes on one terminal overwrite each
     other's lines, and the strided shares progress at about the same pace.
     """

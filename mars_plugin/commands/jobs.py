@@ -6,8 +6,8 @@ progress bar, writes every output atomically, and treats a bad input file accord
 goes on (the summary lists every skipped file).
 
 Under torch.distributed (``torchrun``) each job works on its strided shard of the images;
-:func:`barrier`, :func:`all_ok`, :func:`share_error` and :func:`sync_group` let the ranks meet
-and learn that one of them failed (no-ops in one process).
+:mod:`mars_plugin.commands.distributed` lets the ranks meet and learn that one of them failed
+(no-ops in one process). Errors and summaries: :mod:`mars_plugin.commands.errors`.
 """
 from __future__ import annotations
 
@@ -18,11 +18,9 @@ import pickle
 import re
 import tempfile
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -58,12 +56,12 @@ from mars_plugin.formats.files import (
     stem_path,
     write_label,
 )
+from mars_plugin.commands.distributed import _dist_ready, _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
 from mars_plugin.commands.metrics import confusion_matrix, segmentation_scores
 from mars_plugin.method.selection import DebiasedCentroids, select_centroids
 
 __all__ = [
-    "JobError",
-    "JobSummary",
     "LabelFormat",
     "label_format",
     "read_image_labels",
@@ -73,61 +71,7 @@ __all__ = [
     "report_job",
     "load_centroids",
     "check_job_params",
-    "sync_group",
-    "barrier",
-    "all_ok",
-    "share_error",
 ]
-
-ON_ERROR = ("stop", "skip")
-
-
-class JobError(RuntimeError):
-    """A file could not be processed and ``on_error="stop"``, or the run cannot go on (a
-    worker process died, an input named by a flag is unreadable). The message is one line
-    that names the file or the flag."""
-
-
-@dataclass
-class JobSummary:
-    """What a folder job did: files written, files already there (resume), files skipped.
-
-    ``pixels`` / ``removed`` (debias only): per class id, pseudo-label pixels of the images
-    written by this run, and those of them marked biased. ``redone``: of the ``done``, files
-    that existed and were computed again because their inputs changed or were not recorded
-    (:mod:`mars_plugin.commands.run_record`)."""
-
-    done: int = 0
-    existing: int = 0
-    failed: List[Tuple[str, str]] = field(default_factory=list)
-    pixels: Dict[int, int] = field(default_factory=dict)
-    removed: Dict[int, int] = field(default_factory=dict)
-    redone: int = 0
-    #: files that were used but add nothing (a label with no valid pixel), with the reason
-    warnings: List[Tuple[str, str]] = field(default_factory=list)
-
-    def line(self, verb: str = "written") -> str:
-        """Counts on one line; the skipped files are listed by :meth:`skipped_lines`."""
-        s = f"{self.done} {verb}"
-        if self.redone:
-            s += f" ({self.redone} again: inputs changed or not recorded)"
-        if self.existing:
-            s += f", {self.existing} already done"
-        s += f", {len(self.failed)} skipped"
-        return s
-
-    def skipped_lines(self) -> List[str]:
-        """Every skipped file with its reason, one line each (empty when none)."""
-        if not self.failed:
-            return []
-        return [f"skipped {len(self.failed)} file(s):"] + [f"  {stem}: {why}" for stem, why in self.failed]
-
-    def warning_lines(self) -> List[str]:
-        """Every file that was read but adds nothing, one line each (empty when none)."""
-        if not self.warnings:
-            return []
-        return [f"warning: {len(self.warnings)} file(s) add nothing:"] + [f"  {s}: {why}" for s, why in self.warnings]
-
 
 def no_valid_pixel(label: torch.Tensor, path: os.PathLike, ignore_index: int) -> Optional[str]:
     """The warning for a label map of which every pixel is ``ignore_index`` (None otherwise).
@@ -157,28 +101,6 @@ def check_any_valid(folder: os.PathLike, stems: Sequence[str], flag: str, ignore
     if read:
         raise JobError(f"{flag} {folder}: no label has a valid pixel (every pixel of all {read} read is "
                        f"--ignore-index {ignore_index}); is it the right folder and --ignore-index?")
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (what the command line prints)."""
-    msg = " ".join(str(e).split())
-    return msg or type(e).__name__
-
-
-#: What reading and checking one image's files may raise: a per-file failure, which
-#: ``on_error`` stops on or skips. (Numpy raises EOFError on a 0-byte .npy, PIL a
-#: DecompressionBombError, an Exception subclass, on a huge declared size.)
-FILE_ERRORS = (Exception,)
-
-
-def _fail(stem: str, e: BaseException, on_error: str, summary: JobSummary) -> None:
-    """Apply ``on_error`` to a per-file failure of ``stem``."""
-    if isinstance(e, JobError):
-        raise e
-    msg = one_line(e)
-    if on_error == "stop":
-        raise JobError(f"{stem}: {msg}") from None
-    summary.failed.append((stem, msg))
 
 
 def check_label_values(label: torch.Tensor, path: os.PathLike, num_classes: int, ignore_index: int,
@@ -289,97 +211,6 @@ def load_centroids(path: os.PathLike, flag: str = "--centroids") -> DebiasedCent
     return V
 
 
-def _rank_world() -> Tuple[int, int]:
-    """(rank, world size) under an initialised torch.distributed, else (0, 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-# Ranks that share a job meet at its end. The helpers below are no-ops (or return their local
-# answer) without an initialised torch.distributed, so a job calls them unconditionally.
-
-#: How long :func:`sync_group`'s collectives wait for the slowest rank. torchrun's default group
-#: waits 30 minutes and then raises; a rank whose shard was mostly done by an earlier run (resume)
-#: may wait longer than that for the others at the end of a feature extraction of hours.
-SYNC_TIMEOUT = timedelta(hours=24)
-
-
-def _dist_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def sync_group(timeout: timedelta = SYNC_TIMEOUT) -> Optional[Any]:
-    """A gloo process group of every rank whose collectives wait up to ``timeout``, for
-    :func:`barrier`, :func:`all_ok` and :func:`share_error` at the end of a long job (None
-    without torch.distributed: the helpers then use no group). A collective itself: every rank
-    calls it at the same point, best at the start of the job, where the ranks are together.
-    Free it with ``torch.distributed.destroy_process_group(group)``. Gloo also works beside a
-    NCCL default group (the helpers exchange small CPU objects)."""
-    if not _dist_ready():
-        return None
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=timeout)
-
-
-def _free(group: Optional[Any]) -> None:
-    """Destroy a group made by :func:`sync_group` (None: nothing to do)."""
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(group)
-
-
-def barrier(group: Optional[Any] = None) -> None:
-    """Wait until every rank (of ``group``, default: all) gets here; a no-op without
-    torch.distributed."""
-    if _dist_ready():
-        import torch.distributed as dist
-
-        dist.barrier(group=group)
-
-
-def _gather_errors(error: Optional[str], group: Optional[Any]) -> List[Tuple[int, str]]:
-    """(rank, message) of every rank that passed a message; every rank gets the same list."""
-    import torch.distributed as dist
-
-    got: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(got, error, group=group)
-    return [(r, e) for r, e in enumerate(got) if e is not None]
-
-
-def all_ok(ok: bool, group: Optional[Any] = None) -> bool:
-    """True when ``ok`` is true on every rank (without torch.distributed: ``ok``).
-
-    A barrier that carries one bit: every rank calls it at the same point, a rank that failed
-    with ``ok=False`` instead of returning early and leaving the others waiting for it."""
-    if not _dist_ready():
-        return bool(ok)
-    return not _gather_errors(None if ok else "failed", group)
-
-
-def share_error(error: Optional[BaseException], group: Optional[Any] = None) -> None:
-    """Make a failure on one rank a failure on every rank.
-
-    Every rank calls it at the same point with the exception it caught (None: it succeeded);
-    it returns on every rank when none failed. Otherwise every rank raises: a rank that failed
-    raises its own ``error``, the others a :class:`JobError` ``"rank R stopped: <its message>"``
-    naming the lowest failed rank. Without torch.distributed it raises ``error`` if any.
-    """
-    failed = _gather_errors(None if error is None else one_line(error), group) if _dist_ready() else []
-    if error is not None:
-        raise error
-    if failed:
-        r, msg = failed[0]
-        more = f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""
-        raise JobError(f"rank {r} stopped: {msg}{more}")
-
-
 #: The numeric parameters of the jobs (and of ``mars reproduce``), each with its check: the
 #: bounds of their flags (:mod:`mars_plugin.commands.cli_types`), for callers of the Python functions.
 _PARAM_CHECKS = {
@@ -404,11 +235,6 @@ def check_job_params(**params: Any) -> Dict[str, Any]:
     ``threshold``, ``num_classes``) checked against its bounds, scikit-learn style (the error
     names the parameter, its value and the range); returns them converted."""
     return {name: _PARAM_CHECKS[name](value, name) for name, value in params.items()}
-
-
-def _check_on_error(on_error: str) -> None:
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
 
 
 def _progress(it, total: int, desc: str, enabled: bool):
@@ -552,7 +378,7 @@ WSSS_ADAPTERS = ("irnet", "advcam", "seam", "rsepm", "dhr")
 @dataclass
 class LabelFormat:
     """How a WSSS repository stores labels: PNG mode of its outputs, sibling files to skip,
-    and how its image-level label file is read (through ``mars_plugin.adapters.<name>``)."""
+    and how its image-level label file is read (through ``mars_plugin.adapters.wsss.<name>``)."""
 
     name: Optional[str] = None
     mode: str = "P"
@@ -580,7 +406,7 @@ def _adapter(name: str):
 
     if name not in WSSS_ADAPTERS:
         raise ValueError(f"wsss must be one of {WSSS_ADAPTERS}, got {name!r}")
-    return importlib.import_module(f"mars_plugin.adapters.{name}")
+    return importlib.import_module(f"mars_plugin.adapters.wsss.{name}")
 
 
 def label_format(wsss: Optional[str] = None, *, dataset: str = "voc", trust_pickle: bool = False) -> LabelFormat:
@@ -644,70 +470,6 @@ def _translate_samples_error(e: Exception, yielded: Sequence[str], summary: JobS
     if msg.startswith("samples: "):
         return JobError(msg[len("samples: "):].replace("pseudo_label", "pseudo label"))
     return JobError(msg)
-
-
-class SizeBatches:
-    """Items grouped by image size into batches of ``batch_size``: ``compute(batch)`` runs on each
-    and ``write(batch, result)`` takes its result; a few sizes are buffered at once (at most
-    ``4 * batch_size`` items): when the buffer is full the fullest size runs, so a folder of many
-    sizes never holds more than that in memory. When ``compute`` raises on a batch, each of its
-    items is computed alone, so that one bad image (too small for a scale, say) fails alone:
-    ``failed(item, error)`` is called for it and the others are written. Call :meth:`flush` at
-    the end for the partial batches. (``mars features`` and ``mars predict``.)"""
-
-    def __init__(self, batch_size: int, compute: Callable[[List[Any]], Any],
-                 write: Callable[[List[Any], Any], None], failed: Callable[[Any, Exception], None]) -> None:
-        self.batch_size = int(batch_size)
-        self.compute, self.write, self.failed = compute, write, failed
-        self.buckets: "OrderedDict[Any, List[Any]]" = OrderedDict()
-        self.buffered = 0
-
-    def add(self, key: Any, item: Any) -> None:
-        self.buckets.setdefault(key, []).append(item)
-        self.buffered += 1
-        if len(self.buckets[key]) >= self.batch_size:
-            self.buffered -= self.batch_size
-            self.run(self.buckets.pop(key))
-        elif self.buffered >= 4 * self.batch_size:  # many sizes: run the fullest bucket
-            b = self.buckets.pop(max(self.buckets, key=lambda k: len(self.buckets[k])))
-            self.buffered -= len(b)
-            self.run(b)
-
-    def flush(self) -> None:
-        while self.buckets:
-            b = self.buckets.pop(next(iter(self.buckets)))
-            self.buffered -= len(b)
-            self.run(b)
-
-    def run(self, batch: List[Any]) -> None:
-        try:
-            result = self.compute(batch)
-        except Exception as e:  # noqa: BLE001 -- a per-image failure, found by computing each alone
-            if len(batch) > 1:
-                for item in batch:
-                    self.run([item])
-                return
-            self.failed(batch[0], e)
-            return
-        # Outside the try: a failure to write is not an image's fault, and stops or is reported
-        # by the caller's write.
-        self.write(batch, result)
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"``: under torchrun, GPU ``LOCAL_RANK`` (mod the GPU count) when CUDA is available,
-    else the CPU; anything else is passed to ``torch.device``."""
-    if device == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available here; use cpu or auto")
-    return dev
 
 
 def centroids_job(

@@ -72,19 +72,10 @@ import torch.nn.functional as F
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, describe
 from mars_plugin.engines.crf import CRF_PRESETS, DEFAULT_MAX_BYTES, check_crf_image, check_crf_params, dense_crf
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
-from mars_plugin.commands.jobs import (
-    ON_ERROR,
-    JobError,
-    JobSummary,
-    SizeBatches,
-    _check_out_dir,
-    _label_like,
-    _rank_world,
-    one_line,
-    resolve_device,
-    share_error,
-    sync_group,
-)
+from mars_plugin.commands.jobs import _check_out_dir, _label_like
+from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
+from mars_plugin.commands.size_batches import SizeBatches
+from mars_plugin.commands.distributed import _rank_world, resolve_device, share_error, sync_group
 
 __all__ = [
     "DEFAULT_SCALES",
@@ -305,7 +296,7 @@ def predict_job(
         num_classes: C, when known (``L = C + 1`` outputs are then checked, and each image's CRF
             memory before any work).
         on_error: a file that cannot be read or predicted: ``"stop"`` raises a
-            :class:`~mars_plugin.commands.jobs.JobError` naming it, ``"skip"`` records it and goes on.
+            :class:`~mars_plugin.commands.errors.JobError` naming it, ``"skip"`` records it and goes on.
         settings: what made ``model`` (its file, which weights), part of the folder's record.
         images_flag: the flag that named ``images_dir``, for messages.
 
@@ -314,7 +305,7 @@ def predict_job(
     rank's journal the image each label was made from: a label whose image is unchanged is
     kept. Under torch.distributed (``torchrun``) every rank lists the same sorted images and
     takes ``rank, rank + W, ...``; a failure on one rank is raised on all once they meet
-    (:func:`~mars_plugin.commands.jobs.share_error`); only rank 0 shows a progress bar.
+    (:func:`~mars_plugin.commands.distributed.share_error`); only rank 0 shows a progress bar.
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")

@@ -67,7 +67,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from mars_plugin.formats.files import atomic_write, list_stems
-from mars_plugin.commands.jobs import JobError, JobSummary, LabelFormat, centroids_job, debias_job, evaluate_job, one_line, report_job
+from mars_plugin.commands.jobs import LabelFormat, centroids_job, debias_job, evaluate_job, report_job
+from mars_plugin.commands.errors import JobError, JobSummary, one_line
 from mars_plugin.commands.run_record import (LOCK_NAME, OutputIds, RunLock, broadcast_object, file_id, json_digest, model_files_id,
                          remove_stale_tmp, roles_digest, settings_diff, weight_file_id)
 from mars_plugin.commands.references import find_references, reference_summary, score_references, scores_key
@@ -270,11 +271,12 @@ def reproduce(
     tags come from ``<domain>/xml`` read as DHR reads them (:mod:`mars_plugin.adapters.wsss.dhr`).
 
     Returns a dict with the score sets (``pseudo``, ``debiased``, ``references``,
-    ``agreement``), the paths written and the run's :class:`~mars_plugin.commands.jobs.JobSummary`.
+    ``agreement``), the paths written and the run's :class:`~mars_plugin.commands.errors.JobSummary`.
     """
     from mars_plugin.adapters.wsss.dhr import DHRLayout, load_image_labels
     from mars_plugin.adapters.uss.multiscale import DHR_SCALES, check_scales
-    from mars_plugin.commands.jobs import _rank_world, check_job_params, share_error, sync_group
+    from mars_plugin.commands.jobs import check_job_params
+    from mars_plugin.commands.distributed import _rank_world, share_error, sync_group
 
     t_all = time.perf_counter()
     # Before anything is read or computed: a bad value must not stop the run after its features.

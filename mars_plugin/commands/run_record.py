@@ -70,7 +70,7 @@ releases it when the process ends, however it ends, so a lock left by a killed r
 and there is no stale-lock logic. A second run is refused with one line naming the lock and the
 process holding it (pid, host, start time). The lock file is removed when the run ends. Under
 torchrun, rank 0 takes the lock and writes the shared records; a refusal on rank 0 stops every
-rank (:func:`~mars_plugin.commands.jobs.share_error`). On a network file system the lock is as good as
+rank (:func:`~mars_plugin.commands.distributed.share_error`). On a network file system the lock is as good as
 the file system's locking: Linux NFS clients pass ``flock`` to the server as a whole-file lock
 that other machines see; a mount with ``nolock`` or ``local_lock=flock`` (or a cluster file
 system mounted with local locks only) keeps it on each machine, and two runs on two machines
@@ -94,7 +94,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mars_plugin.commands.jobs import JobError, one_line
+from mars_plugin.commands.errors import JobError, one_line
 
 __all__ = [
     "RECORD_NAME",

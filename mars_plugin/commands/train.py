@@ -160,7 +160,8 @@ def train(
     """
     from mars_plugin.adapters.training_hook import MARSTrainingHook
     from mars_plugin.networks.deeplab import build_model, load_backbone_weights, param_groups
-    from mars_plugin.commands.jobs import JobError, _rank_world, resolve_device
+    from mars_plugin.commands.errors import JobError
+    from mars_plugin.commands.distributed import _rank_world, resolve_device
 
     num_classes = check_num_classes(num_classes)
     if loss not in ("mars", "ce"):
@@ -424,7 +425,8 @@ def _trim_log(path: Path, step: int) -> None:
 def run_train_command(args: Any) -> Dict[str, Any]:
     """``mars train``'s arguments -> :func:`train`; resolves ``--root``'s folders, tags and names."""
     from mars_plugin.cli import _class_names
-    from mars_plugin.commands.jobs import _rank_world, read_image_labels
+    from mars_plugin.commands.jobs import read_image_labels
+    from mars_plugin.commands.distributed import _rank_world
 
     names = _class_names(args.class_names)
     images = args.images

@@ -166,7 +166,7 @@ def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None
             write_features(paths["features"] / f"{stem}.npy", world.features[i])
         if paths["tags"].suffix != ".npy":
             _xml(paths["tags"] / f"{stem}.xml", gt[i], VOC_CLASSES)
-    adapter = importlib.import_module(f"mars_plugin.adapters.{tree}")
+    adapter = importlib.import_module(f"mars_plugin.adapters.wsss.{tree}")
     if tree == "dhr":
         layout = adapter.DHRLayout(root)
         text = json.dumps({"names": list(VOC_CLASSES), "ignore": 255})  # DHR's <data>.json

@@ -1,0 +1,82 @@
+"""What every folder job reports: :class:`JobError` (a one-line message naming the file or the
+flag), :class:`JobSummary` (written, already there, skipped), and ``on_error``'s two policies."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+ON_ERROR = ("stop", "skip")
+
+
+class JobError(RuntimeError):
+    """A file could not be processed and ``on_error="stop"``, or the run cannot go on (a
+    worker process died, an input named by a flag is unreadable). The message is one line
+    that names the file or the flag."""
+
+
+@dataclass
+class JobSummary:
+    """What a folder job did: files written, files already there (resume), files skipped.
+
+    ``pixels`` / ``removed`` (debias only): per class id, pseudo-label pixels of the images
+    written by this run, and those of them marked biased. ``redone``: of the ``done``, files
+    that existed and were computed again because their inputs changed or were not recorded
+    (:mod:`mars_plugin.commands.run_record`)."""
+
+    done: int = 0
+    existing: int = 0
+    failed: List[Tuple[str, str]] = field(default_factory=list)
+    pixels: Dict[int, int] = field(default_factory=dict)
+    removed: Dict[int, int] = field(default_factory=dict)
+    redone: int = 0
+    #: files that were used but add nothing (a label with no valid pixel), with the reason
+    warnings: List[Tuple[str, str]] = field(default_factory=list)
+
+    def line(self, verb: str = "written") -> str:
+        """Counts on one line; the skipped files are listed by :meth:`skipped_lines`."""
+        s = f"{self.done} {verb}"
+        if self.redone:
+            s += f" ({self.redone} again: inputs changed or not recorded)"
+        if self.existing:
+            s += f", {self.existing} already done"
+        s += f", {len(self.failed)} skipped"
+        return s
+
+    def skipped_lines(self) -> List[str]:
+        """Every skipped file with its reason, one line each (empty when none)."""
+        if not self.failed:
+            return []
+        return [f"skipped {len(self.failed)} file(s):"] + [f"  {stem}: {why}" for stem, why in self.failed]
+
+    def warning_lines(self) -> List[str]:
+        """Every file that was read but adds nothing, one line each (empty when none)."""
+        if not self.warnings:
+            return []
+        return [f"warning: {len(self.warnings)} file(s) add nothing:"] + [f"  {s}: {why}" for s, why in self.warnings]
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (what the command line prints)."""
+    msg = " ".join(str(e).split())
+    return msg or type(e).__name__
+
+
+#: What reading and checking one image's files may raise: a per-file failure, which
+#: ``on_error`` stops on or skips. (Numpy raises EOFError on a 0-byte .npy, PIL a
+#: DecompressionBombError, an Exception subclass, on a huge declared size.)
+FILE_ERRORS = (Exception,)
+
+
+def _fail(stem: str, e: BaseException, on_error: str, summary: JobSummary) -> None:
+    """Apply ``on_error`` to a per-file failure of ``stem``."""
+    if isinstance(e, JobError):
+        raise e
+    msg = one_line(e)
+    if on_error == "stop":
+        raise JobError(f"{stem}: {msg}") from None
+    summary.failed.append((stem, msg))
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
