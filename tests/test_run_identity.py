@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin import cli
-from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.commands.features import features_job
 from mars_plugin.formats.files import read_image, read_label, write_image, write_label
 from mars_plugin.commands.jobs import centroids_job, debias_job
 from mars_plugin.commands.errors import JobError

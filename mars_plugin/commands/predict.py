@@ -339,7 +339,7 @@ def predict_job(
             error = e
         share_error(error, group)
         everything = sorted({s for s, _ in items} | set(clashes))
-        from mars_plugin.adapters.uss.extractor import _check_same_work
+        from mars_plugin.commands.features import _check_same_work
 
         _check_same_work(everything, images_dir, group)
         if rank == 0:

@@ -425,7 +425,7 @@ def reproduce(
                                        scales=tuple(scales), flip_average=flip, dhr=True)
 
         def run_features() -> Dict[str, Any]:
-            from mars_plugin.adapters.uss.extractor import features_job
+            from mars_plugin.commands.features import features_job
 
             if rank == 0:
                 log(f"  {extractor.describe()}")
