@@ -6,6 +6,7 @@
 * ``reproduce.py`` (+ ``reproduce_plan.py``, ``reproduce_report.py``, ``reproduce_train.py``,
   ``references.py``) -- ``mars reproduce``.
 * ``demo.py`` -- ``mars demo``; ``plots.py`` its figures and the report's.
-* ``run_record.py`` -- resumable runs: what was made from what, and the run lock.
+* ``run_record.py`` -- resumable runs: what was made from what (``identities.py``: what identifies
+  an input), and ``run_lock.py``, one run at a time.
 * ``metrics.py`` -- mIoU as VOC computes it (``mars evaluate``); ``cli_types.py`` -- flag types.
 """

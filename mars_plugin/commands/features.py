@@ -35,7 +35,7 @@ from mars_plugin.commands.jobs import _label_like
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
 from mars_plugin.commands.distributed import _dist_ready, _rank_world, resolve_device, share_error, sync_group
-from mars_plugin.commands.run_record import array_digest, file_id
+from mars_plugin.commands.identities import array_digest, file_id
 
 from mars_plugin.adapters.uss.multiscale import check_scales
 from mars_plugin.adapters.uss.vit import check_output_size
@@ -467,7 +467,7 @@ def run_features(args: argparse.Namespace) -> JobSummary:
     )
     if _rank_world()[0] == 0:  # once per launch, not once per rank
         print(f"{extractor.describe()} -> {args.out}", flush=True)
-    from mars_plugin.commands.run_record import model_files_id
+    from mars_plugin.commands.identities import model_files_id
 
     # The folder's record: the model files (size and hash of their ends) and every option that
     # shapes the embeddings, as given (None: the model's default).

@@ -373,7 +373,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
                    on_error: str, progress: bool, desc: str) -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
-    from mars_plugin.commands.run_record import array_digest, file_id
+    from mars_plugin.commands.identities import array_digest, file_id
 
     out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(model, nn.Module):
@@ -521,7 +521,7 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
             out = Path(args.out)
     else:
         images_dir, out = Path(args.images), Path(args.out)
-    from mars_plugin.commands.run_record import weight_file_id
+    from mars_plugin.commands.identities import weight_file_id
 
     settings = {"file": weight_file_id(args.model), "which": args.which, "network": meta["model"]}
     s = predict_job(model, images_dir, out, scales=args.scales, flip=args.flip, crf=args.crf,

@@ -69,8 +69,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from mars_plugin.formats.files import atomic_write, list_stems
 from mars_plugin.commands.jobs import LabelFormat, centroids_job, debias_job, evaluate_job, report_job
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
-from mars_plugin.commands.run_record import (LOCK_NAME, OutputIds, RunLock, broadcast_object, file_id, json_digest, model_files_id,
-                         remove_stale_tmp, roles_digest, settings_diff, weight_file_id)
+from mars_plugin.commands.identities import file_id, json_digest, model_files_id, roles_digest, weight_file_id
+from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.commands.run_record import OutputIds, broadcast_object, settings_diff
 from mars_plugin.commands.references import find_references, reference_summary, score_references, scores_key
 from mars_plugin.commands.reproduce_report import PAPER_SOURCES, PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, PICTURES, format_report
 
@@ -115,7 +116,7 @@ _ROLE_NAMES = {"ids": "the set of ids", "images": "images", "pseudo": "pseudo la
 def _input_ids(stems: Sequence[str], image_dir: Path, pseudo_dir: Path, mask_dir: Path, tags_text: str,
                features: Optional[Path], refs: Mapping[str, Path]) -> Dict[str, str]:
     """One digest per input role of the run: the ids, and per id the identity (name, size,
-    mtime: :func:`~mars_plugin.commands.run_record.file_id`) of its image, pseudo label, mask and given
+    mtime: :func:`~mars_plugin.commands.identities.file_id`) of its image, pseudo label, mask and given
     features; the tags JSON; each reference folder and its masks. A stat per file, no read."""
     from mars_plugin.formats.files import find_features, find_image
 
