@@ -488,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the dense CRF, as the authors' evaluators",
                         description="One P-mode PNG (VOC palette) per image: the mean softmax over --scales and "
                                     "flips, then the dense CRF over the classes reaching --class-threshold (RS+EPM's "
-                                    "and DHR's evaluators; sources in mars_plugin/commands/predict.py). --root/--method write "
+                                    "and DHR's evaluators; sources in mars_plugin/networks/inference.py). --root/--method write "
                                     "DHR's WSS/<data>/<method>/<domain>/ (MARS masks, for train.py --wss). "
                                     "Resumable, atomic writes; under torchrun the ranks share the images.")
     add_predict_arguments(pr)
