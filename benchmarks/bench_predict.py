@@ -1,8 +1,8 @@
 """Images per second of ``mars predict``'s computation: multi-scale + flip inference of a DeepLab
 network (random weights, :func:`mars_plugin.networks.deeplab.build_model`) and the dense CRF.
 
-Times :func:`mars_plugin.commands.predict.multiscale_probs` (the network over ``--scales`` and flips) and
-:func:`mars_plugin.commands.predict.labels_from_probs` (the CRF over the classes reaching 0.05) on
+Times :func:`mars_plugin.networks.inference.multiscale_probs` (the network over ``--scales`` and flips) and
+:func:`mars_plugin.networks.inference.labels_from_probs` (the CRF over the classes reaching 0.05) on
 ``--images`` generated photographs of ``--size`` (HxW or one side), ``--batch`` at a time; the
 median of ``--repeats`` runs after a warm-up. File reading and PNG writing are not timed (a few
 ms per VOC image). A randomly initialised network gives an almost uniform softmax (no class
@@ -30,7 +30,7 @@ from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
 from mars_plugin.networks.deeplab import build_model, normalize  # noqa: E402
-from mars_plugin.commands.predict import CLASS_THRESHOLD, labels_from_probs, multiscale_probs  # noqa: E402
+from mars_plugin.networks.inference import CLASS_THRESHOLD, labels_from_probs, multiscale_probs  # noqa: E402
 
 
 def _size(text: str):

@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(e)
     add_threads(e)
 
-    from mars_plugin.adapters.uss.extractor import _OWN_DEFAULT, DHR_SCALES, scales_argument, add_features_arguments
+    from mars_plugin.adapters.uss.multiscale import DHR_SCALES
+    from mars_plugin.commands.features import _OWN_DEFAULT, scales_argument, add_features_arguments
     from mars_plugin.commands.reproduce import USS_CHOICES
 
     f = sub.add_parser("features", formatter_class=_Formatter,
@@ -487,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the dense CRF, as the authors' evaluators",
                         description="One P-mode PNG (VOC palette) per image: the mean softmax over --scales and "
                                     "flips, then the dense CRF over the classes reaching --class-threshold (RS+EPM's "
-                                    "and DHR's evaluators; sources in mars_plugin/commands/predict.py). --root/--method write "
+                                    "and DHR's evaluators; sources in mars_plugin/networks/inference.py). --root/--method write "
                                     "DHR's WSS/<data>/<method>/<domain>/ (MARS masks, for train.py --wss). "
                                     "Resumable, atomic writes; under torchrun the ranks share the images.")
     add_predict_arguments(pr)
@@ -590,7 +591,7 @@ def _main(argv: Optional[List[str]]) -> int:
             return 0
         progress = not args.no_progress
         if args.command == "features":
-            from mars_plugin.adapters.uss.extractor import run_features
+            from mars_plugin.commands.features import run_features
 
             joined = _maybe_init_distributed()
             s = run_features(args)  # under torchrun: this rank's share; a failure on one rank fails all

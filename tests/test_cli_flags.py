@@ -62,7 +62,7 @@ def test_threads_is_documented_for_every_command(capsys):
 def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypatch, capsys, cmd):
     """The job itself sees the thread counts that --threads asked for."""
     from mars_plugin.commands import demo
-    from mars_plugin.adapters.uss import extractor
+    from mars_plugin.commands import features
     root, _ = world
     seen = {}
 
@@ -76,7 +76,7 @@ def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypat
             seen["numba"] = numba.get_num_threads()
         raise errors.JobError("stopped by the test")
 
-    for mod, name in ((demo, "run_demo"), (extractor, "run_features"), (jobs, "centroids_job"),
+    for mod, name in ((demo, "run_demo"), (features, "run_features"), (jobs, "centroids_job"),
                       (jobs, "debias_job"), (jobs, "evaluate_job"), (jobs, "report_job")):
         monkeypatch.setattr(mod, name, job)
     before = torch.get_num_threads()

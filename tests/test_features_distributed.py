@@ -20,9 +20,9 @@ import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from PIL import Image
 
-import mars_plugin.adapters.uss.extractor as extractor_module
+import mars_plugin.commands.features as features_module
 from mars_plugin import cli
-from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.commands.features import features_job
 from mars_plugin.commands.errors import JobError
 from mars_plugin.commands.distributed import all_ok, barrier, share_error, sync_group
 
@@ -277,7 +277,7 @@ def test_each_rank_takes_its_strided_share_of_the_sorted_work(tmp_path, monkeypa
     written = {}
     for rank in range(world_size):
         before = {p.name for p in out.iterdir()} if out.exists() else set()
-        monkeypatch.setattr(extractor_module, "_rank_world", lambda rank=rank: (rank, world_size))
+        monkeypatch.setattr(features_module, "_rank_world", lambda rank=rank: (rank, world_size))
         s = features_job(_pool, images, out, stems=asked, on_error="skip", progress=False, device="auto")
         written[rank] = sorted(p.stem for p in _outputs(out) if p.name not in before)
         mine = work[rank::world_size]

@@ -11,14 +11,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from mars_plugin import select_centroids
-from mars_plugin.adapters.uss.extractor import (
-    FeatureExtractor,
-    ModelExtractor,
-    add_features_arguments,
-    features_job,
-    imagenet_preprocess,
-    run_features,
-)
+from mars_plugin.adapters.uss.extractor import FeatureExtractor, ModelExtractor, imagenet_preprocess
+from mars_plugin.commands.features import add_features_arguments, features_job, run_features
 from mars_plugin.adapters.uss.stego import STEGOExtractor
 from mars_plugin.formats.files import read_features
 from mars_plugin.commands.errors import JobError

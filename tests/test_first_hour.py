@@ -97,10 +97,11 @@ def _python_parameters():
 
     from mars_plugin.commands import demo, distributed, jobs, reproduce
     from mars_plugin.adapters.uss import extractor
+    from mars_plugin.commands import features
     from mars_plugin.engines.crf import check_crf_params
 
     names = set()
-    for fn in (jobs.centroids_job, jobs.debias_job, jobs.evaluate_job, jobs.report_job, extractor.features_job,
+    for fn in (jobs.centroids_job, jobs.debias_job, jobs.evaluate_job, jobs.report_job, features.features_job,
                extractor.load_extractor, reproduce.reproduce, demo.run_demo, select_centroids, check_crf_params,
                distributed.resolve_device):
         names |= set(inspect.signature(fn).parameters)
@@ -363,7 +364,7 @@ AFTER = {**{c: "run it again to resume (finished files are kept)" for c in ("fea
 #: command -> (module, function) its work runs in
 JOBS = {"sample": ("mars_plugin.worlds.sample_trees", "_write"), "centroids": ("mars_plugin.commands.jobs", "centroids_job"), "debias": ("mars_plugin.commands.jobs", "debias_job"),
         "evaluate": ("mars_plugin.commands.jobs", "evaluate_job"), "report": ("mars_plugin.commands.jobs", "report_job"),
-        "features": ("mars_plugin.adapters.uss.extractor", "features_job"), "demo": ("mars_plugin.commands.demo", "run_demo")}
+        "features": ("mars_plugin.commands.features", "features_job"), "demo": ("mars_plugin.commands.demo", "run_demo")}
 
 
 @pytest.mark.parametrize("cmd", list(JOBS))

@@ -16,7 +16,7 @@ import torch
 
 from mars_plugin import complement_labels, debias_labels, dense_crf, image_centroids, local_crf, select_centroids
 from mars_plugin.commands import jobs
-from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.commands.features import features_job
 from mars_plugin.adapters.uss.multiscale import check_scales
 from mars_plugin.cli import apply_threads, main
 from mars_plugin.commands.demo import run_demo

@@ -17,8 +17,9 @@ from PIL import Image
 
 from mars_plugin.engines.crf import dense_crf
 from mars_plugin.formats.files import voc_palette
-from mars_plugin.commands.predict import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_probs, multiscale_probs,
-                                 predict_job, predict_labels)
+from mars_plugin.commands.predict import predict_job
+from mars_plugin.networks.inference import (CLASS_THRESHOLD, DEFAULT_SCALES, labels_from_probs, multiscale_probs,
+                                            predict_labels)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -111,7 +112,7 @@ def test_multiscale_probs_equal_a_loop_from_the_definition(scales, flip, stride)
 
 
 def test_fp16_runs_the_network_in_half_and_returns_float32():
-    from mars_plugin.commands.predict import half_dtype
+    from mars_plugin.networks.inference import half_dtype
 
     seen = []
 

@@ -132,7 +132,7 @@ def test_a_failure_on_one_rank_stops_both(setup, tmp_path):
 
 
 #: A process holding mars's lock on argv[1] (as a run in progress would) until it is killed.
-HOLD = ("import sys, time\nfrom mars_plugin.commands.run_record import RunLock\n"
+HOLD = ("import sys, time\nfrom mars_plugin.commands.run_lock import RunLock\n"
         "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin import cli
-from mars_plugin.adapters.uss.extractor import features_job
+from mars_plugin.commands.features import features_job
 from mars_plugin.formats.files import read_image, read_label, write_image, write_label
 from mars_plugin.commands.jobs import centroids_job, debias_job
 from mars_plugin.commands.errors import JobError
@@ -385,7 +385,7 @@ def test_centroids_refuse_other_settings_and_cli_says_kept(syn, tmp_path, capsys
 # that then sleeps (the child's pid comes back on stdout), as a run in progress would hold it.
 HOLDER = r"""
 import os, signal, sys, time
-from mars_plugin.commands.run_record import RunLock
+from mars_plugin.commands.run_lock import RunLock
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children killed by the tests are reaped
 for line in sys.stdin:
     if os.fork() == 0:
@@ -488,7 +488,7 @@ def test_a_file_system_without_flock_runs_unlocked_with_one_warning(tmp_path, mo
     import errno
     import fcntl
 
-    from mars_plugin.commands.run_record import RunLock
+    from mars_plugin.commands.run_lock import RunLock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -165,7 +165,7 @@ def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
 
 
 def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tree, tmp_path, capsys):
-    from mars_plugin.commands.run_record import LOCK_NAME, RunLock
+    from mars_plugin.commands.run_lock import LOCK_NAME, RunLock
 
     out = tmp_path / "o"
     out.mkdir()

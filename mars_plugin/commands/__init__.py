@@ -3,9 +3,11 @@
 * ``jobs.py`` -- the folder jobs of ``mars centroids``, ``debias``, ``evaluate``, ``report`` and
   what every command shares (errors, summaries, input checks, torchrun helpers).
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step).
-* ``reproduce.py`` (+ ``reproduce_plan.py``, ``reproduce_report.py``, ``reproduce_train.py``,
-  ``references.py``) -- ``mars reproduce``.
+* ``features.py`` -- ``mars features`` (the folder job around a USS extractor).
+* ``reproduce.py`` (+ ``reproduce_state.py``, ``reproduce_plan.py``, ``reproduce_report.py``,
+  ``reproduce_train.py``, ``references.py``) -- ``mars reproduce``.
 * ``demo.py`` -- ``mars demo``; ``plots.py`` its figures and the report's.
-* ``run_record.py`` -- resumable runs: what was made from what, and the run lock.
+* ``run_record.py`` -- resumable runs: what was made from what (``identities.py``: what identifies
+  an input), and ``run_lock.py``, one run at a time.
 * ``metrics.py`` -- mIoU as VOC computes it (``mars evaluate``); ``cli_types.py`` -- flag types.
 """

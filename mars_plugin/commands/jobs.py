@@ -672,7 +672,7 @@ def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], D
     """Debias a batch of images (one CRF call on the job's device), every one of ``stems``
     (the caller left out those whose output is current); returns (stem, "done"|"failed", error
     message, {class: (pixels, removed)}, digest of the label written) for each."""
-    from mars_plugin.commands.run_record import array_digest
+    from mars_plugin.commands.identities import array_digest
 
     _debias_check_init()
     cfg = _WORKER
@@ -811,7 +811,8 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
                    on_error: str, progress: bool, rank: int) -> JobSummary:
     """:func:`debias_job` once the folder's record is open: which labels are current, then the
     others, each recorded as it is written."""
-    from mars_plugin.commands.run_record import OutputIds, centroids_digest, file_id
+    from mars_plugin.commands.identities import centroids_digest, file_id
+    from mars_plugin.commands.run_record import OutputIds
 
     summary = JobSummary()
     if rank == 0:
@@ -1008,7 +1009,7 @@ def report_job(
 
     Both overlay grids carry a colour legend (class name -> colour, removed, ignore); their
     panels are at most :data:`PANEL_SIDE` pixels on the longer side. One run at a time writes
-    into ``out_dir`` (a lock, :class:`~mars_plugin.commands.run_record.RunLock`); holding it, the run
+    into ``out_dir`` (a lock, :class:`~mars_plugin.commands.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
     """
     from mars_plugin.commands import plots
@@ -1068,7 +1069,7 @@ def report_job(
 
     out = Path(out_dir)
     _check_out_dir(out, "--out")
-    from mars_plugin.commands.run_record import LOCK_NAME, RunLock, remove_stale_tmp
+    from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
     # One run at a time writes here; holding the lock, the .tmp-* files a killed run left are
     # stale: remove them.

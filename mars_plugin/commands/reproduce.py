@@ -24,9 +24,10 @@ masks. This module runs, on that tree (VOC2012 with ``train_aug``, COCO2014 with
    (:mod:`mars_plugin.commands.reproduce_report`), which puts the paper's published figures and the
    reference folders beside the measured ones.
 
-Every stage resumes (:mod:`mars_plugin.commands.run_record`): ``reproduce.json`` records the settings,
-the finished stages and, per stage, a digest of the inputs it read (the ids; each image, pseudo
-label, mask and given feature file by name, size and mtime; the tags; the reference folders). A
+Every stage resumes (:mod:`mars_plugin.commands.run_record`): ``reproduce.json``
+(:mod:`mars_plugin.commands.reproduce_state`) records the settings, the finished stages and, per
+stage, a digest of the inputs it read (the ids; each image, pseudo label, mask and given feature
+file by name, size and mtime; the tags; the reference folders). A
 run into a folder whose recorded settings differ is refused rather than mixing two settings. A
 stage whose inputs changed since it finished runs again, and so does every stage after it:
 
@@ -69,8 +70,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from mars_plugin.formats.files import atomic_write, list_stems
 from mars_plugin.commands.jobs import LabelFormat, centroids_job, debias_job, evaluate_job, report_job
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
-from mars_plugin.commands.run_record import (LOCK_NAME, OutputIds, RunLock, broadcast_object, file_id, json_digest, model_files_id,
-                         remove_stale_tmp, roles_digest, settings_diff, weight_file_id)
+from mars_plugin.commands.identities import model_files_id
+from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.commands.run_record import broadcast_object
+from mars_plugin.commands.reproduce_state import _input_ids, _stage_inputs, _State
 from mars_plugin.commands.references import find_references, reference_summary, score_references, scores_key
 from mars_plugin.commands.reproduce_report import PAPER_SOURCES, PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, PICTURES, format_report
 
@@ -91,107 +94,6 @@ def default_domain(data: str, root: Optional[PathLike] = None) -> str:
     if data == "VOC2012" or (root is not None and (Path(root) / data / "train_aug").is_dir()):
         return "train_aug"
     return "train"
-
-
-#: The identity of a model file (name, size, hash of its first and last MiB).
-_file_id = weight_file_id
-
-
-_same_settings = settings_diff
-
-
-#: The input roles each stage reads (digests of :func:`_input_ids`); a stage whose recorded
-#: digests differ runs again, and so does every stage after it. The report always runs.
-STAGE_INPUTS = {
-    "features": ("ids", "images"),
-    "centroids": ("ids", "pseudo", "tags", "features"),
-    "debias": ("ids", "pseudo", "tags", "features", "images"),
-    "evaluate": ("ids", "pseudo", "masks", "references"),
-}
-_ROLE_NAMES = {"ids": "the set of ids", "images": "images", "pseudo": "pseudo labels", "tags": "tags (xml)",
-               "features": "features", "masks": "masks", "references": "reference folders"}
-
-
-def _input_ids(stems: Sequence[str], image_dir: Path, pseudo_dir: Path, mask_dir: Path, tags_text: str,
-               features: Optional[Path], refs: Mapping[str, Path]) -> Dict[str, str]:
-    """One digest per input role of the run: the ids, and per id the identity (name, size,
-    mtime: :func:`~mars_plugin.commands.run_record.file_id`) of its image, pseudo label, mask and given
-    features; the tags JSON; each reference folder and its masks. A stat per file, no read."""
-    from mars_plugin.formats.files import find_features, find_image
-
-    def found(find, folder, s):
-        try:
-            return find(folder, s)
-        except (ValueError, OSError):  # missing: the stage that reads it names it
-            return None
-
-    ids = {
-        "ids": json_digest(list(stems)),
-        "images": roles_digest({s: file_id(found(find_image, image_dir, s) or image_dir / s) for s in stems}),
-        "pseudo": roles_digest({s: file_id(pseudo_dir / f"{s}.png") for s in stems}),
-        "tags": json_digest(tags_text),
-        "masks": roles_digest({s: file_id(mask_dir / f"{s}.png") for s in stems}),
-        "references": json_digest({name: [os.fspath(Path(folder).resolve()),
-                                          roles_digest({p.name: file_id(p) for p in Path(folder).glob("*.png")})]
-                                   for name, folder in refs.items()}),
-    }
-    if features is not None:  # given: files of another tool, or of a mars features run
-        feature_id = OutputIds(features)
-        ids["features"] = roles_digest({s: feature_id(found(find_features, features, s)) for s in stems})
-    return ids
-
-
-def _stage_inputs(stage: str, inputs: Mapping[str, str]) -> Dict[str, str]:
-    return {k: inputs[k] for k in STAGE_INPUTS.get(stage, ()) if k in inputs}
-
-
-class _State:
-    """``reproduce.json``: the settings of the run in this folder, the finished stages and the
-    digests of the inputs each was made from. ``write=False`` (ranks other than 0 under
-    torchrun) keeps the record in memory only; ``data``: rank 0's reading of the file."""
-
-    def __init__(self, path: Path, settings: Dict[str, Any], write: bool = True,
-                 data: Optional[Dict[str, Any]] = None):
-        self.path = path
-        self.write = write
-        self.data: Dict[str, Any] = {"settings": settings, "stages": {}}
-        if data is not None:
-            self.data = data
-        elif path.is_file():
-            try:
-                old = json.loads(path.read_text())
-                old_settings, stages = old["settings"], old["stages"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}: not a reproduce.json this command wrote ({e}); use another --out") from None
-            diff = _same_settings(old_settings, settings)
-            if diff:
-                raise ValueError(
-                    f"--out {path.parent} holds a run with other settings ({'; '.join(diff[:4])}); use another "
-                    "--out, or delete that folder to start over"
-                )
-            self.data["stages"] = dict(stages)
-
-    def done(self, stage: str) -> bool:
-        return stage in self.data["stages"]
-
-    def stale(self, stage: str, inputs: Mapping[str, str]) -> Optional[str]:
-        """None when ``stage`` finished from these ``inputs``, else why it must run ("": never
-        finished here)."""
-        rec = self.data["stages"].get(stage)
-        if rec is None:
-            return ""
-        if "inputs" not in rec:
-            return "its inputs were not recorded (an earlier mars)"
-        changed = [_ROLE_NAMES.get(k, k) for k in sorted(set(inputs) | set(rec["inputs"]))
-                   if rec["inputs"].get(k) != inputs.get(k)]
-        return f"changed since the last run: {', '.join(changed)}" if changed else None
-
-    def finish(self, stage: str, **info: Any) -> None:
-        self.data["stages"][stage] = info
-        if not self.write:
-            return
-        text = json.dumps(self.data, indent=2)
-        atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
 
 
 def _model_settings(uss: str, checkpoint, backbone, heads, trust_pickle: bool) -> Dict[str, Any]:
@@ -425,7 +327,7 @@ def reproduce(
                                        scales=tuple(scales), flip_average=flip, dhr=True)
 
         def run_features() -> Dict[str, Any]:
-            from mars_plugin.adapters.uss.extractor import features_job
+            from mars_plugin.commands.features import features_job
 
             if rank == 0:
                 log(f"  {extractor.describe()}")

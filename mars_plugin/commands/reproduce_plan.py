@@ -153,8 +153,8 @@ def dry_run(
     n = len(stems)
 
     # A recorded stage is kept when its inputs are those it was made from and no stage before it
-    # runs (the rule of the run, mars_plugin.commands.reproduce.STAGE_INPUTS).
-    from mars_plugin.commands.reproduce import _input_ids, _stage_inputs, _State
+    # runs (the rule of the run, mars_plugin.commands.reproduce_state.STAGE_INPUTS).
+    from mars_plugin.commands.reproduce_state import _input_ids, _stage_inputs, _State
 
     inputs = _input_ids(stems, image_dir, pseudo_dir, mask_dir, json.dumps(tags, indent=0, sort_keys=True),
                         None if compute_features else feats, references)

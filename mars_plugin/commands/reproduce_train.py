@@ -49,7 +49,7 @@ def train_after_reproduce(
     from mars_plugin.commands.jobs import evaluate_job
     from mars_plugin.commands.distributed import _rank_world
     from mars_plugin.commands.predict import load_model, predict_job
-    from mars_plugin.commands.run_record import weight_file_id
+    from mars_plugin.commands.identities import weight_file_id
     from mars_plugin.commands.train import train
 
     out = Path(out_dir)

@@ -1,9 +1,9 @@
-"""A run's identity: what made the outputs of a resumable ``mars`` command, and one run at a time.
+"""A run's identity: what made the outputs of a resumable ``mars`` command.
 
 ``mars features``, ``mars centroids``, ``mars debias`` and ``mars reproduce`` resume: an output
 already written is kept. This module makes "kept" mean "made from the same inputs": every input
 that shapes a result is recorded beside the result, compared on the next run, and a second run
-into the same output while one is running is refused.
+into the same output while one is running is refused (the lock: :mod:`mars_plugin.commands.run_lock`).
 
 **The record.** Settings (the flags that shape a result, the model files; for ``mars reproduce``
 also its ``--root`` and ``--pseudo`` folders, as before) are refused when they differ: the output
@@ -27,18 +27,7 @@ its outputs:
   per finished stage the digests it was made from), and the records of ``O/features``,
   ``O/centroids.pt`` and ``O/debiased`` above.
 
-**A file's identity** is its name, size and modification time in nanoseconds, not a hash of its
-content: a resume must cost a ``stat`` per file (microseconds), not a read of every input (COCO's
-82,783 feature files of DHR's inference are about 300 GB: minutes of hashing on every resume). What
-this misses: an edit that keeps the size within the file system's timestamp granularity
-(milliseconds on ext4/xfs, whose clock ticks coarser than their nanosecond field; 2 s on FAT),
-or a copy that restores another file's size and mtime
-(``cp -p``/``rsync -a`` of other content): touch such a file. Copying a whole tree with
-``cp -a``/``rsync -a`` keeps every identity. Files ``mars`` writes itself (features, debiased
-labels) carry a digest of their content in their journal: a deleted feature file computed again
-to the same values keeps its identity, so nothing made from it is redone. Small files whose
-content is the input are hashed (the image-label JSON, the centroids' tensors). Model weights
-keep :func:`weight_file_id`: size and a hash of the first and last MiB.
+**A file's identity**: see :mod:`mars_plugin.commands.identities`.
 
 **What a resumed run does** (a changed file: another size or mtime; a new or removed id: a file
 added to or removed from the pseudo-label folder):
@@ -63,58 +52,25 @@ nothing                                  every output kept (``already done``)
 ``mars reproduce`` reruns a stage whose recorded inputs differ and every stage after it (the
 report always); each job it calls then keeps the outputs whose own inputs did not change. A
 debiased label of an id whose pseudo label is gone is removed.
-
-**One run at a time.** Each output (a folder, or ``V.pt``) has a lock file, ``.mars-run.lock``
-in the folder (``.V.pt.lock`` beside a centroid file), taken with ``fcntl.flock``: the kernel
-releases it when the process ends, however it ends, so a lock left by a killed run never blocks
-and there is no stale-lock logic. A second run is refused with one line naming the lock and the
-process holding it (pid, host, start time). The lock file is removed when the run ends. Under
-torchrun, rank 0 takes the lock and writes the shared records; a refusal on rank 0 stops every
-rank (:func:`~mars_plugin.commands.distributed.share_error`). On a network file system the lock is as good as
-the file system's locking: Linux NFS clients pass ``flock`` to the server as a whole-file lock
-that other machines see; a mount with ``nolock`` or ``local_lock=flock`` (or a cluster file
-system mounted with local locks only) keeps it on each machine, and two runs on two machines
-into one folder are then not detected (a lock held by a machine that died is the server's to
-release); where the call fails (``ENOLCK``, not supported) the run goes on unlocked with a
-warning on stderr. Holding the lock, a run removes the ``.tmp-*`` files a killed run left in its
-output folder (the temporary files of atomic writes, only names ``tempfile.mkstemp`` makes).
 """
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
-import re
-import socket
-import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.commands.identities import _stat_key, file_id, json_digest, roles_digest
+from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
 __all__ = [
     "RECORD_NAME",
-    "LOCK_NAME",
-    "RunLock",
     "FolderRecord",
     "CentroidsRecord",
     "read_centroids_run",
     "OutputIds",
-    "file_id",
-    "content_id",
-    "digest",
-    "array_digest",
-    "json_digest",
-    "roles_digest",
-    "weight_file_id",
-    "model_files_id",
     "settings_diff",
-    "centroids_digest",
-    "remove_stale_tmp",
     "broadcast_object",
 ]
 
@@ -122,120 +78,13 @@ PathLike = Union[str, os.PathLike]
 
 #: The settings record of a per-file job's output folder.
 RECORD_NAME = ".mars-run.json"
-#: The lock file of an output folder (removed when the run ends).
-LOCK_NAME = ".mars-run.lock"
 #: The journal of the files one rank wrote into the folder.
 JOURNAL_NAME = ".mars-run.files.{rank}.jsonl"
-#: The names :func:`tempfile.mkstemp` gives the temporary files of atomic writes
-#: (:func:`~mars_plugin.formats.files.atomic_write`, ``report_job``): ``.tmp-`` and 8 random characters.
-_TMP_NAME = re.compile(r"^\.tmp-[a-z0-9_]{8}(\.[A-Za-z0-9]+)?$")
 
 
 # --------------------------------------------------------------------------------------------
-# identities
+# settings and journals
 # --------------------------------------------------------------------------------------------
-
-
-def digest(*parts: Union[bytes, str]) -> str:
-    """A 128-bit BLAKE2b hex digest of ``parts`` (each length-prefixed: ``("ab", "c")`` and
-    ``("a", "bc")`` differ)."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else bytes(p)
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.hexdigest()
-
-
-def json_digest(obj: Any) -> str:
-    """Digest of a JSON-able object (keys sorted: the same dict gives the same digest)."""
-    return digest(json.dumps(obj, sort_keys=True, separators=(",", ":")))
-
-
-def array_digest(a: Any) -> str:
-    """Digest of an array's or tensor's dtype, shape and values (what a file holds, whatever
-    the container around it: ``torch.save`` writes the temporary file's name into the file)."""
-    try:
-        import torch
-
-        if isinstance(a, torch.Tensor):
-            a = a.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    a = np.ascontiguousarray(a)
-    return digest(str(a.dtype), str(a.shape), a.tobytes())
-
-
-def _stat_key(path: Optional[PathLike]) -> Optional[Tuple[str, int, int]]:
-    """(name, size, mtime_ns) of a file, or None when it does not exist (or ``path`` is None)."""
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return Path(path).name, st.st_size, st.st_mtime_ns
-
-
-def file_id(path: Optional[PathLike]) -> Optional[str]:
-    """``name:size:mtime_ns`` of a file (None when it does not exist, or ``path`` is None): see
-    the module docstring for why not a content hash."""
-    key = _stat_key(path)
-    return None if key is None else f"{key[0]}:{key[1]}:{key[2]}"
-
-
-def content_id(path: PathLike) -> Optional[str]:
-    """``b2:<digest of the bytes>`` of a small file (None when it does not exist)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError:
-        return None
-    return "b2:" + digest(data)
-
-
-def weight_file_id(path: PathLike) -> Dict[str, Any]:
-    """Name, size and a hash of the first and last MiB: enough to tell two weight files apart
-    without reading gigabytes on every resume. A folder (CAUSE's release folder) is the ids of
-    the files under it, sorted by relative path."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(q for q in p.rglob("*") if q.is_file() and not q.name.startswith("."))
-        return {"path": os.fspath(p.resolve()),
-                "files": {os.fspath(q.relative_to(p)): weight_file_id(q)["sha256_ends"] + f":{q.stat().st_size}"
-                          for q in files}}
-    st = p.stat()
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        h.update(fh.read(1 << 20))
-        if st.st_size > 2 << 20:
-            fh.seek(-(1 << 20), os.SEEK_END)
-            h.update(fh.read(1 << 20))
-    return {"path": os.fspath(p.resolve()), "bytes": st.st_size, "sha256_ends": h.hexdigest()[:16]}
-
-
-def model_files_id(uss: str, checkpoint: Optional[PathLike] = None, backbone: Optional[PathLike] = None,
-                   heads: Optional[PathLike] = None) -> Dict[str, Any]:
-    """``{"uss": ..., "checkpoint"/"backbone"/"heads": weight_file_id(...)}`` of a USS model's
-    files (the given ones), and for CAUSE's release folder every file :func:`heads_files` reads."""
-    files = {"checkpoint": checkpoint, "backbone": backbone, "heads": heads}
-    out: Dict[str, Any] = {"uss": uss, **{k: weight_file_id(v) for k, v in files.items() if v is not None}}
-    if uss == "cause" and heads is not None:
-        from mars_plugin.adapters.uss.cause import heads_files
-
-        # CAUSE's release keeps its codebook in a sibling folder: record every file read.
-        out["heads_files"] = [weight_file_id(f) for f in heads_files(heads) if Path(f).is_file()]
-    return out
-
-
-def centroids_digest(state: Mapping[str, Any]) -> str:
-    """Digest of a centroid file's content (``DebiasedCentroids.state_dict()``: the tensors,
-    ``num_images``, ``config``), not of its bytes: centroids computed again to the same values
-    keep their identity, so the debiased labels made from them are kept."""
-    parts: List[str] = []
-    for k in sorted(state):
-        v = state[k]
-        parts += [k, array_digest(v) if hasattr(v, "shape") else json.dumps(v, sort_keys=True)]
-    return "c:" + digest(*parts)
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -299,123 +148,6 @@ class OutputIds:
             return None
         d = self.known.get(key)
         return f"{key[0]}:d:{d}" if d is not None else f"{key[0]}:{key[1]}:{key[2]}"
-
-
-def roles_digest(ids: Mapping[str, Any]) -> str:
-    """Digest of ``{id: identity}`` (one input role of a run: every pseudo label, every mask...)."""
-    return json_digest(sorted((str(k), v) for k, v in ids.items()))
-
-
-# --------------------------------------------------------------------------------------------
-# one run at a time
-# --------------------------------------------------------------------------------------------
-
-
-def _holder(fd: int) -> str:
-    """Who holds the lock, from what it wrote into the lock file."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode())
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["started"])))
-        return f"pid {info['pid']} on host {info['host']}, started {started}, {info.get('command', 'mars')}"
-    except Exception:  # noqa: BLE001 -- the holder may not have written its name yet
-        return "a process that has not written its name yet"
-
-
-class RunLock:
-    """An exclusive ``fcntl.flock`` on ``path`` for the length of a run (see the module
-    docstring). ``what`` names the output in messages (``"--out features"``)."""
-
-    #: errno values of a file system that does not support flock (the run goes on unlocked).
-    UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.ENOSYS,
-                   errno.EINVAL}
-
-    def __init__(self, path: PathLike, what: str, command: str = "mars"):
-        self.path = Path(path)
-        self.what = what
-        self.command = command
-        self.fd: Optional[int] = None
-        self.locked = False
-
-    def acquire(self) -> "RunLock":
-        import fcntl
-
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError as e:
-                raise JobError(f"{self.what}: cannot create the lock file {self.path} "
-                               f"({e.strerror or one_line(e)})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    holder = _holder(fd)
-                    os.close(fd)
-                    raise JobError(f"{self.what} is in use by another run ({holder}; lock {self.path}): wait for "
-                                   "it to end, or stop it") from None
-                os.close(fd)
-                if e.errno in self.UNSUPPORTED:
-                    try:  # a file no one can lock means nothing: leave none behind
-                        os.unlink(self.path)
-                    except OSError:
-                        pass
-                    print(f"mars: warning: {self.what}: this file system cannot lock {self.path} "
-                          f"({e.strerror}); a second run into it at the same time would not be detected",
-                          file=sys.stderr, flush=True)
-                    return self
-                raise JobError(f"{self.what}: cannot lock {self.path} ({e.strerror or one_line(e)})") from None
-            # The run that held it removes the file when it ends: if it did so between our open
-            # and our flock, we locked a file no one else will open. Lock the one on disk.
-            try:
-                st, fst = os.stat(self.path), os.fstat(fd)
-                same = (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
-            except OSError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": self.command}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-        self.fd, self.locked = fd, True
-        return self
-
-    def release(self) -> None:
-        """Remove the lock file, then unlock (in this order: a run that opens the file after
-        the removal creates a new one, see :meth:`acquire`)."""
-        if self.fd is None:
-            return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd, self.locked = None, False
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def remove_stale_tmp(folder: PathLike) -> List[str]:
-    """Remove the ``.tmp-*`` files of atomic writes a killed run left in ``folder`` (only names
-    :func:`tempfile.mkstemp` makes; call it only while holding the folder's :class:`RunLock`,
-    when no other run can be writing one). Returns the names removed."""
-    gone: List[str] = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return gone
-    for e in entries:
-        if _TMP_NAME.match(e.name) and e.is_file(follow_symlinks=False):
-            try:
-                os.unlink(e.path)
-                gone.append(e.name)
-            except OSError:
-                pass
-    return gone
 
 
 def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import check_int_param, check_num_classes, check_real_param, check_seed
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, IMAGE_EXTENSIONS, atomic_write, list_stems
-from mars_plugin.commands.run_record import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
 from mars_plugin.networks.seg_data import Augmentation, StepSampler, TrainFolder
 

@@ -1,0 +1,212 @@
+"""A segmentation network's labels for a batch of images: multi-scale + flip softmax, then the CRF.
+
+The paper evaluates its network "with multi-scale inference and CRF with conventional settings"
+(Sec. 4.1), and its MARS masks (what DHR trains on) are those predictions on train_aug. MARS's
+own code is not released (shjo-april/MARS: README only, "heavily borrowed from RS+EPM"), so each
+step follows the authors' released evaluators: RS+EPM (shjo-april/RecurSeed_and_EdgePredictMix
+at df538e2: ``infer_seg.py`` writes the averaged softmax, ``convert_seed_to_pseudo_masks.py``
+applies the CRF) and DHR (shjo-april/DHR at 94d5189: ``produce_wss_masks.py``, the
+``apply_ms`` of ``core/networks.py``). Where the two differ, RS+EPM's is taken (the MARS code
+base); the difference is named below.
+
+Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_probs`):
+
+1. **Scales** (default ``1.0, 0.5, 1.5, 2.0``: RS+EPM ``infer_seg.py:75``, DHR
+   ``core/networks.py:94`` ``apply_ms(scales=[1.0, 0.5, 1.5, 2.0])``). The normalised image is
+   resized to ``(int(H * s), int(W * s))`` (truncated, ``tools/ai/torch_utils.py:37-38``) with
+   bilinear interpolation, ``align_corners=False`` (RS+EPM ``torch_utils.resize``, ``:28``;
+   DHR's ``resize`` defaults to ``align_corners=True``, ``tools/torch_utils.py:45``); a size
+   equal to the input is not resampled (``:44``).
+2. **Flip** (default on: ``hflip=True``, ``infer_seg.py:107``, DHR ``apply_ms(hflip=True)``):
+   the scaled image and its mirror go through the network as one batch
+   (``core/networks.py:244``), the mirror's output is flipped back (``:258``).
+3. **Softmax, then mean**: logits at the scaled input's size (RS+EPM's ``forward(same=True)``
+   upsamples them bilinearly, ``align_corners=False``, ``core/networks.py:223-224``; a network
+   whose logits are smaller is upsampled the same way here) -> softmax over the classes
+   (``:254``) -> bilinear resize to the image's size (``:255``) -> the **mean of the
+   probabilities** over every scale and flip (``torch.mean(torch.stack(pred_masks))``,
+   ``:262``; DHR the same, ``core/networks.py:127``). Not logits, not a sum, not a max.
+   RS+EPM averages at the size of the first scale's output and resizes that to H x W
+   (``infer_seg.py:111``); here every map is resized to H x W before the mean, which is the
+   same computation whenever the first scale is 1.0 (the default). DHR averages at the
+   network's own output grid (stride 4 for DeepLabv3+) and upsamples the mean with
+   ``align_corners=True`` (``core/networks.py:109-127``): not what is done here.
+4. **CRF** (``crf="mars"``, the default): the dense CRF of :func:`mars_plugin.engines.crf.dense_crf`
+   with RS+EPM's ``crf_dict['deeplab']`` (``convert_seed_to_pseudo_masks.py:77-84``: 10
+   iterations, Gaussian sxy 1 compat 3, bilateral sxy 67 srgb 3 compat 4; DHR's
+   ``DenseCRF(for_seg=True)`` defaults, ``core/refinements/densecrf.py:10``,
+   ``produce_wss_masks.py:115``), on the unary ``-log(p)`` of the mean probabilities
+   (``unary_from_softmax``, ``core/refinements/densecrf.py:33``) and the image's RGB bytes,
+   **over the classes whose probability reaches** ``class_threshold`` = 0.05 somewhere in the
+   image (``infer_seg.py:114`` ``>= 0.05``; DHR ``> 0.05``, ``produce_wss_masks.py:42,136``):
+   the other classes are not labels of that image's CRF at all (``seed = pred_mask[0,
+   class_mask]``, ``infer_seg.py:119``); the probabilities are not renormalised. The label is
+   the argmax of the CRF's marginals mapped back to its class id (``:130-131``). ``"psa"``:
+   PSA/SEAM's setting (:data:`mars_plugin.engines.crf.CRF_PRESETS`); ``"none"``: the argmax of the mean
+   probabilities over every class. Two edge cases where upstream is not followed: RS+EPM writes
+   background when at most one class reaches the threshold (``:111,133``), which turns an image
+   that one foreground class fills into background; here a single class is that class (DHR's
+   ``apply_crf`` does the same). When no class reaches it (possible beyond 20 classes), every
+   class takes part (upstream would fail on an empty CRF).
+
+Two differences that change no label on ordinary images: upstream gives the CRF the image
+denormalised back to bytes with truncation (``(x * std + mean) * 255`` then ``astype(uint8)``,
+``tools/ai/augment_utils.py:382-383``), which can be one below the file's byte; here the file's
+bytes themselves. DHR stores the kept probabilities as float16 before its CRF
+(``produce_wss_masks.py:45``); RS+EPM (and here) keep float32.
+
+``mars predict`` runs this over a folder of images (the folder job: ``commands/predict.py``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from mars_plugin._checks import check_real_param, describe
+from mars_plugin.engines.crf import CRF_PRESETS, check_crf_params, dense_crf
+
+__all__ = [
+    "DEFAULT_SCALES",
+    "CLASS_THRESHOLD",
+    "CRF_CHOICES",
+    "multiscale_probs",
+    "half_dtype",
+    "labels_from_probs",
+    "predict_labels",
+]
+
+#: RS+EPM ``infer_seg.py:75`` and DHR ``core/networks.py:94``: the order matters only for
+#: RS+EPM's grid (see the module docstring, step 3).
+DEFAULT_SCALES: Tuple[float, ...] = (1.0, 0.5, 1.5, 2.0)
+#: A class takes part in an image's CRF when its mean probability reaches this somewhere
+#: (RS+EPM ``infer_seg.py:114``; DHR ``produce_wss_masks.py:136``).
+CLASS_THRESHOLD = 0.05
+#: ``--crf``: a preset of :data:`mars_plugin.engines.crf.CRF_PRESETS`, or none.
+CRF_CHOICES = ("mars", "psa", "none")
+
+
+def _resize(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+    """Bilinear, ``align_corners=False``; no resampling at the same size (RS+EPM
+    ``tools/ai/torch_utils.py:28-47``)."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+def _scaled_size(height: int, width: int, scale: float) -> Tuple[int, int]:
+    """``(int(H * s), int(W * s))`` (RS+EPM truncates, ``tools/ai/torch_utils.py:37-38``); a side
+    that truncates to 0 is a ValueError naming it."""
+    h, w = int(height * scale), int(width * scale)
+    if h < 1 or w < 1:
+        raise ValueError(f"a {height}x{width} image at scale {scale:g} is {h}x{w} pixels: too small for this "
+                         f"scale (scales must keep at least one pixel per side)")
+    return h, w
+
+
+def _check_scales(scales: Any) -> Tuple[float, ...]:
+    from mars_plugin.adapters.uss.multiscale import check_scales
+
+    return check_scales(scales, "scales")
+
+
+@torch.no_grad()
+def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                     scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, *,
+                     fp16: bool = False) -> torch.Tensor:
+    """The mean softmax of ``model`` over ``scales`` and (``flip``) horizontal flips: steps 1-3
+    of the module docstring.
+
+    Shapes:
+        images: (B, 3, H, W) float, as the network takes them (normalised).
+        model(x): (B', L, h, w) logits for (B', 3, h', w') inputs; logits of another size than
+            the input are upsampled to it (bilinear, ``align_corners=False``) before the softmax.
+        returns: (B, L, H, W) float32 probabilities on ``images``' device (each pixel sums to 1).
+
+    Args:
+        fp16: run ``model`` under half-precision autocast (:func:`half_dtype`: bfloat16, or
+            float16 on a GPU without bfloat16); the softmax and the mean are float32.
+
+    Probabilities that are not finite (a network whose float16 activations overflowed, as a
+    randomly initialised ResNet-101 does: measured on an H200) are a ValueError.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+    scales = _check_scales(scales)
+    B, _, H, W = images.shape
+    half = half_dtype(images.device)
+    total: Optional[torch.Tensor] = None
+    for s in scales:
+        size = _scaled_size(H, W, s)
+        x = _resize(images, size)
+        if flip:  # the image and its mirror in one batch (RS+EPM core/networks.py:244)
+            x = torch.cat([x, x.flip(-1)])
+        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
+            logits = model(x)
+        if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
+            raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
+                             f"{describe(logits)}")
+        p = _resize(torch.softmax(_resize(logits.float(), size), dim=1), (H, W))
+        if flip:
+            p = p[:B] + p[B:].flip(-1)
+        total = p if total is None else total.add_(p)
+    assert total is not None
+    if not bool(torch.isfinite(total).all()):  # one check (one GPU sync) for every scale
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
+    return total.div_(len(scales) * (2 if flip else 1))
+
+
+def half_dtype(device: torch.device) -> torch.dtype:
+    """The autocast type of ``fp16=True``: bfloat16 (float32's range: no overflow where float16
+    gives Inf, as ``mars train`` uses it), float16 on a GPU without bfloat16 (before Ampere)."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def _crf_params(crf: Optional[str]) -> Optional[Dict[str, float]]:
+    if crf is None or crf == "none":
+        return None
+    if crf not in CRF_PRESETS:
+        raise ValueError(f"crf must be one of {CRF_CHOICES}, got {crf!r}")
+    return check_crf_params(crf)
+
+
+def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[str] = "mars",
+                      class_threshold: float = CLASS_THRESHOLD) -> torch.Tensor:
+    """Labels from mean probabilities: step 4 of the module docstring.
+
+    Shapes:
+        probs: (B, L, H, W) probabilities (:func:`multiscale_probs`).
+        images: (B, H, W, 3) uint8 RGB (the CRF's colours; unused with ``crf="none"``).
+        returns: (B, H, W) int64 class ids 0..L-1 on ``probs``' device.
+
+    Args:
+        crf: ``"mars"`` (RS+EPM's DeepLab setting), ``"psa"``, or ``"none"`` / None (argmax).
+        class_threshold: a class takes part in an image's CRF when its probability reaches
+            this somewhere in the image (0: every class).
+    """
+    params = _crf_params(crf)
+    class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
+    if not isinstance(probs, torch.Tensor) or probs.ndim != 4:
+        raise ValueError(f"probs must be a (B, L, H, W) tensor, got {describe(probs)}")
+    if params is None:
+        return probs.argmax(1)
+    keys = probs.amax(dim=(2, 3)) >= class_threshold  # (B, L): the labels of each image's CRF
+    keys[~keys.any(1)] = True  # no class reaches it: all take part (upstream fails here)
+    q = dense_crf(probs, images, params, valid=keys)
+    # Labels left out have Q = 0 and the kept ones sum to 1: the argmax is a kept class.
+    return q.argmax(1)
+
+
+def predict_labels(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, rgb: torch.Tensor,
+                   scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, crf: Optional[str] = "mars",
+                   class_threshold: float = CLASS_THRESHOLD, *, fp16: bool = False) -> torch.Tensor:
+    """:func:`multiscale_probs` then :func:`labels_from_probs`: (B, H, W) int64 labels of
+    (B, 3, H, W) normalised ``images`` whose RGB bytes are ``rgb`` (B, H, W, 3) uint8."""
+    probs = multiscale_probs(model, images, scales, flip, fp16=fp16)
+    return labels_from_probs(probs, rgb.to(probs.device), crf, class_threshold)
