@@ -2,6 +2,7 @@
 re-exported by :mod:`mars_plugin`.
 
 * ``centroids.py`` -- Eq. 1: per image and class, K-means centroids of the labelled pixels.
+* ``centroid_pixels.py`` -- the pixels of a batch grouped by (image, class) for that K-means.
 * ``selection.py`` -- Eq. 2-3: the debiased centroids (the top-alpha farthest from the other
   images' background centroids).
 * ``debias.py`` -- Eq. 4-5: similarity to the debiased centroids, CRF, biased pixels -> -1.

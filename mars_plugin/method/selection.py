@@ -35,7 +35,8 @@ from mars_plugin._checks import (
     check_seed,
     describe,
 )
-from mars_plugin.method.centroids import GroupCentroids, ImageCentroids, _cluster_groups, _Workspace, check_backend, check_embedding_size
+from mars_plugin.method.centroid_pixels import _Workspace
+from mars_plugin.method.centroids import GroupCentroids, ImageCentroids, _cluster_groups, check_backend, check_embedding_size
 from mars_plugin.formats.files import atomic_write
 from mars_plugin.engines.kmeans import l2_norm, l2_normalize
 
