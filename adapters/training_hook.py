@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from mars_plugin import EMATeacher, WCELoss, complement_labels
 from mars_plugin._checks import as_tensor, check_fraction, describe
-from mars_plugin.method.centroids import resize_label
-from mars_plugin.engines.crf import check_crf_backend, check_crf_params
+from mars_plugin.method.centroid_pixels import resize_label
+from mars_plugin.engines.crf_params import check_crf_backend, check_crf_params
 from mars_plugin.engines.local_crf import check_local_crf_params
 from mars_plugin.formats.files import BIASED_VALUE
 

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
-from mars_plugin.engines.crf import CRF_PRESETS, dense_crf  # noqa: E402
+from mars_plugin.engines.crf import dense_crf  # noqa: E402
+from mars_plugin.engines.crf_params import CRF_PRESETS  # noqa: E402
 
 
 def natural_image(H: int, W: int, seed: int) -> np.ndarray:
@@ -135,7 +136,7 @@ def _peak_one(backend: str, H: int, W: int, L: int, preset: str) -> int:
 
 
 def memory_table(args) -> None:
-    from mars_plugin.engines.crf import crf_memory_bytes
+    from mars_plugin.engines.crf_memory import crf_memory_bytes
 
     print(machine_line("cpu"))
     print(f"peak RSS growth of one dense CRF call, bytes per pixel, {args.repeats} fresh processes each: median "

@@ -32,7 +32,7 @@ def section_crf(dev, smoke):
     """Images/s of the dense CRF at 500x375 (VOC), 10 iterations, both presets, 2 and 21 labels."""
     from bench_crf import natural_image, smooth_probs, time_ours
 
-    from mars_plugin.engines.crf import CRF_PRESETS
+    from mars_plugin.engines.crf_params import CRF_PRESETS
 
     H, W = (375, 500) if not smoke else (60, 80)
     batches = (1, 16, 64) if not smoke else (1, 4)

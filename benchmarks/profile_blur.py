@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_crf import natural_image  # noqa: E402
 
-from mars_plugin.engines.crf import CRF_PRESETS, _features, _lattice, _segments  # noqa: E402
+from mars_plugin.engines.crf_lattices import _features, _lattice, _segments  # noqa: E402
+from mars_plugin.engines.crf_params import CRF_PRESETS  # noqa: E402
 
 
 def t(fn, reps=10):

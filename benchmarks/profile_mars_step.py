@@ -17,7 +17,8 @@ from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
 from mars_plugin.method.complement import complement_labels  # noqa: E402
-from mars_plugin.engines.crf import CRF_PRESETS, dense_crf  # noqa: E402
+from mars_plugin.engines.crf import dense_crf  # noqa: E402
+from mars_plugin.engines.crf_params import CRF_PRESETS  # noqa: E402
 from mars_plugin.networks.deeplab import build_model  # noqa: E402
 from mars_plugin.networks.seg_data import normalize  # noqa: E402
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 from mars_plugin.commands import cli_types as T
 from mars_plugin._checks import MAX_THREADS, check_class_names, check_int_param
 from mars_plugin.method.centroids import BACKENDS
-from mars_plugin.engines.crf import CRF_BACKENDS
+from mars_plugin.engines.crf_params import CRF_BACKENDS
 from mars_plugin.formats.files import atomic_write
 
 

@@ -10,7 +10,7 @@ import torch
 
 from _assertions import assert_close
 from mars_plugin import complement_labels
-from mars_plugin.engines.crf import check_crf_params
+from mars_plugin.engines.crf_params import check_crf_params
 
 try:  # the CRF reference (the crf extra); only the tests that compare with it need it
     import pydensecrf.densecrf as dcrf

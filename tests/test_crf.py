@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.engines.crf import (
-    CRF_PRESETS,
-    DEFAULT_CRF_PARAMS,
-    DenseCRF,
-    check_crf_params,
-    dense_crf,
-    dense_crf_from_unary,
-    unary_from_labels,
-)
+from mars_plugin.engines.crf import DenseCRF, dense_crf, dense_crf_from_unary, unary_from_labels
+from mars_plugin.engines.crf_params import CRF_PRESETS, DEFAULT_CRF_PARAMS, check_crf_params
 
 try:  # the reference; optional
     import pydensecrf.densecrf as dcrf
@@ -181,20 +174,20 @@ def test_channel_first_and_float_images_equal_uint8():
 
 
 def test_kept_position_lattices_give_the_fresh_result_and_stay_bounded():
-    import mars_plugin.engines.crf as crf
+    import mars_plugin.engines.crf_lattices as crf_lattices
 
     img, probs = make_image("edges", 19, 23, 0), torch.from_numpy(make_probs(3, 19, 23, 0))
-    crf.clear_lattice_cache()
+    crf_lattices.clear_lattice_cache()
     fresh = dense_crf(probs, img)
-    assert len(crf._GAUSSIAN_CACHE) == 1
+    assert len(crf_lattices._GAUSSIAN_CACHE) == 1
     assert torch.equal(dense_crf(probs, img), fresh)  # from the kept lattice
     # other sxy, other size: other entries; never more than GAUSSIAN_CACHE_ENTRIES
     assert not torch.equal(dense_crf(probs, img, {"gaussian_sxy": 2}), fresh)
-    for w in range(5, 5 + crf.GAUSSIAN_CACHE_ENTRIES + 3):
+    for w in range(5, 5 + crf_lattices.GAUSSIAN_CACHE_ENTRIES + 3):
         dense_crf(torch.rand(2, 4, w), make_image("random", 4, w, w))
-    assert len(crf._GAUSSIAN_CACHE) == crf.GAUSSIAN_CACHE_ENTRIES
-    crf.clear_lattice_cache()
-    assert len(crf._GAUSSIAN_CACHE) == 0
+    assert len(crf_lattices._GAUSSIAN_CACHE) == crf_lattices.GAUSSIAN_CACHE_ENTRIES
+    crf_lattices.clear_lattice_cache()
+    assert len(crf_lattices._GAUSSIAN_CACHE) == 0
     assert torch.equal(dense_crf(probs, img), fresh)
 
 

@@ -10,11 +10,13 @@ import torch
 
 pytest.importorskip("numba")
 
-import mars_plugin.engines.crf as crf  # noqa: E402
+import mars_plugin.engines.crf_lattices as crf_lattices  # noqa: E402
+import mars_plugin.engines.crf_mean_field as crf_mean_field  # noqa: E402
 from mars_plugin.engines import crf_compiled  # noqa: E402
-from mars_plugin.engines.crf import CRF_PRESETS, dense_crf, dense_crf_from_unary, unary_from_labels  # noqa: E402
+from mars_plugin.engines.crf import dense_crf, dense_crf_from_unary, unary_from_labels  # noqa: E402
+from mars_plugin.engines.crf_params import CRF_PRESETS  # noqa: E402
 from mars_plugin.engines.crf_compiled import CompiledLattice  # noqa: E402
-from mars_plugin.engines.permutohedral import PermutohedralLattice  # noqa: E402
+from mars_plugin.engines.permutohedral import LatticeTooLarge, PermutohedralLattice  # noqa: E402
 
 from test_crf import dcrf, make_image, make_probs, needs_reference, reference_probs  # noqa: E402
 from test_permutohedral import grid_features, reference_filter  # noqa: E402
@@ -64,7 +66,7 @@ def test_compiled_lattice_matches_the_reference_and_the_torch_lattice(name):
     got = CompiledLattice(f, [f.shape[0]]).filter(x)
     np.testing.assert_allclose(got, normalised_reference(f, x), rtol=1e-5, atol=1e-6)
     lat = PermutohedralLattice(torch.from_numpy(f))
-    norm = crf._normaliser(lat, f.shape[0], torch.device("cpu"))
+    norm = crf_lattices._normaliser(lat, f.shape[0], torch.device("cpu"))
     torch_filtered = lat.scale_(norm, norm).filter(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(got, torch_filtered, rtol=1e-6, atol=1e-7)
     assert CompiledLattice(f, [f.shape[0]]).num_lattice_points == lat.num_lattice_points
@@ -93,7 +95,7 @@ def test_images_in_one_compiled_lattice_filter_as_alone():
 def test_a_lattice_over_max_points_is_refused_before_its_tables():
     f = FEATURES["bilateral, noise"]
     M = CompiledLattice(f, [90]).num_lattice_points
-    with pytest.raises(crf.LatticeTooLarge) as e:
+    with pytest.raises(LatticeTooLarge) as e:
         CompiledLattice(f, [90], max_points=M - 1)
     assert (e.value.points, e.value.limit, e.value.num_points) == (M, M - 1, 90)
     assert CompiledLattice(f, [90], max_points=M).num_lattice_points == M
@@ -211,8 +213,8 @@ def test_a_failure_in_a_thread_is_raised_by_the_call(threads, monkeypatch):
 def test_the_compiled_path_is_used_on_the_cpu_only_when_available(monkeypatch):
     probs, img = _probs_images([(6, 7)], 2)
     used = []
-    real = crf._mean_field_compiled
-    monkeypatch.setattr(crf, "_mean_field_compiled", lambda *a: used.append(1) or real(*a))
+    real = crf_mean_field._mean_field_compiled
+    monkeypatch.setattr(crf_mean_field, "_mean_field_compiled", lambda *a: used.append(1) or real(*a))
     dense_crf(probs[0], img[0])
     assert used == [1]
     _torch_path(monkeypatch, lambda: dense_crf(probs[0], img[0]))
@@ -222,5 +224,5 @@ def test_the_compiled_path_is_used_on_the_cpu_only_when_available(monkeypatch):
 @pytest.mark.skipif(dcrf is None or not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_runs_the_torch_path(monkeypatch):  # pragma: no cover - GPU machines only
     probs, img = _probs_images([(6, 7)], 2)
-    monkeypatch.setattr(crf, "_mean_field_compiled", lambda *a: pytest.fail("compiled path on CUDA"))
+    monkeypatch.setattr(crf_mean_field, "_mean_field_compiled", lambda *a: pytest.fail("compiled path on CUDA"))
     dense_crf(probs[0].cuda(), torch.from_numpy(img[0]).cuda())

@@ -21,8 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-import mars_plugin.engines.crf as crf
-from mars_plugin.engines.crf import DEFAULT_MAX_BYTES, check_crf_image, crf_memory_bytes, dense_crf
+import mars_plugin.engines.crf_lattices as crf_lattices
+import mars_plugin.engines.crf_mean_field as crf_mean_field
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.engines.crf_memory import check_crf_image, crf_memory_bytes
+from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +34,8 @@ import json, sys
 import numpy as np, torch
 sys.path.insert(0, {bench!r})
 from bench_crf import natural_image, smooth_probs
-from mars_plugin.engines.crf import dense_crf, crf_memory_bytes
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.engines.crf_memory import crf_memory_bytes
 torch.set_num_threads(1)
 backend = sys.argv[1]
 H, W = 600, 800
@@ -106,8 +110,8 @@ def _inputs(H, W, L=2, noise=False, seed=0):
 
 def test_an_image_over_max_bytes_is_refused_before_any_lattice(monkeypatch):
     built = []
-    real = crf.PermutohedralLattice
-    monkeypatch.setattr(crf, "PermutohedralLattice", lambda *a, **k: built.append(1) or real(*a, **k))
+    real = crf_lattices.PermutohedralLattice
+    monkeypatch.setattr(crf_lattices, "PermutohedralLattice", lambda *a, **k: built.append(1) or real(*a, **k))
     probs, img = _inputs(300, 400)
     budget = 20 << 20
     with pytest.raises(ValueError) as e:
@@ -143,8 +147,8 @@ def test_a_batch_is_grouped_within_the_budget_with_the_same_result(monkeypatch):
     probs, imgs = zip(*[_inputs(h, w, 3, seed=i) for i, (h, w) in enumerate(shapes)])
     together = dense_crf(list(probs), list(imgs), chunk_pixels=10 ** 6, max_bytes=None)
     calls = []
-    real = crf._mean_field_chunk
-    monkeypatch.setattr(crf, "_mean_field_chunk", lambda s, *a: calls.append(len(s)) or real(s, *a))
+    real = crf_mean_field._mean_field_chunk
+    monkeypatch.setattr(crf_mean_field, "_mean_field_chunk", lambda s, *a: calls.append(len(s)) or real(s, *a))
     budget = crf_memory_bytes(50, 90, 3)  # room for about two of these images at a time
     grouped = dense_crf(list(probs), list(imgs), chunk_pixels=10 ** 6, max_bytes=budget)
     assert len(calls) >= 2 and max(calls) >= 2 and sum(calls) == len(shapes), calls

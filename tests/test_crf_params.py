@@ -14,14 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.engines.crf import (
-    CRF_PRESETS,
-    MAX_COMPAT,
-    MAX_ITERATIONS,
-    check_crf_image,
-    check_crf_params,
-    dense_crf,
-)
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.engines.crf_memory import check_crf_image
+from mars_plugin.engines.crf_params import CRF_PRESETS, MAX_COMPAT, MAX_ITERATIONS, check_crf_params
 
 H, W = 20, 30
 KEYS = ["iterations", "gaussian_sxy", "gaussian_compat", "bilateral_sxy", "bilateral_srgb", "bilateral_compat"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from _assertions import assert_close
 from mars_plugin import BIASED, DebiasedCentroids, DebiasResult, debias_labels, debiased_similarity
-from mars_plugin.engines.crf import check_crf_params
+from mars_plugin.engines.crf_params import check_crf_params
 
 try:  # the CRF reference (the crf extra); only the tests that compare with it need it
     import pydensecrf.densecrf as pydensecrf

@@ -98,7 +98,7 @@ def _python_parameters():
     from mars_plugin.commands import demo, distributed, jobs, reproduce
     from mars_plugin.adapters.uss import extractor
     from mars_plugin.commands import features
-    from mars_plugin.engines.crf import check_crf_params
+    from mars_plugin.engines.crf_params import check_crf_params
 
     names = set()
     for fn in (jobs.centroids_job, jobs.debias_job, jobs.evaluate_job, jobs.report_job, features.features_job,

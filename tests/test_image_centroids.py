@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.method.centroids import ImageCentroids, image_centroids, problem_seed, resize_label
+from mars_plugin.method.centroid_pixels import resize_label
+from mars_plugin.method.centroids import ImageCentroids, image_centroids, problem_seed
 
 SEEDS = [0, 1, 2]
 IGNORE = 255

@@ -68,7 +68,7 @@ def _imports(path: Path, module: str) -> List[Tuple[int, str]]:
                 name = node.module or ""
             if name.split(".")[0] == "mars_plugin":
                 found.append((node.lineno, name))
-                # `from mars_plugin.x import y` may import the module x.y
+                # `from mars_plugin.<package> import <name>` may import the module <package>.<name>
                 found += [(node.lineno, f"{name}.{a.name}") for a in node.names
                           if (ROOT / Path(*f"{name}.{a.name}".split(".")[1:])).with_suffix(".py").exists()]
     return found

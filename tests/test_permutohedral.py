@@ -238,7 +238,8 @@ def test_the_transposed_blur_equals_the_row_blur_bit_for_bit(monkeypatch):
     """CUDA blurs along dim 1 of the transposed values (30x faster gathers there); the CPU along
     rows. Forced both ways here, the filter is the same to the bit, and the dense CRF too."""
     import mars_plugin.engines.permutohedral as P
-    from mars_plugin.engines.crf import CRF_PRESETS, dense_crf
+    from mars_plugin.engines.crf import dense_crf
+    from mars_plugin.engines.crf_params import CRF_PRESETS
 
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(500, 5, generator=g) * 3

@@ -145,7 +145,7 @@ def test_spilled_candidates_give_the_same_result(tmp_path, seed, batch_size):
 def test_spilled_and_in_memory_chunks_mixed_give_the_same_result(tmp_path, spill_kb, monkeypatch):
     # A budget of a few batches: spilled chunks alternate with runs of in-memory ones, which
     # are joined before scoring; ties keep the stream order through both.
-    import mars_plugin.method.selection as sel
+    import mars_plugin.method.selection_stream as sel
 
     kinds = []
     merge = sel._Accumulator._merge_chunks
@@ -163,7 +163,7 @@ def test_spilled_and_in_memory_chunks_mixed_give_the_same_result(tmp_path, spill
 
 
 def test_spill_files_are_plain_npy_and_removed_on_error(tmp_path, monkeypatch):
-    import mars_plugin.method.selection as sel
+    import mars_plugin.method.selection_stream as sel
 
     pairs = _pairs(50, n=10)
     seen = []

@@ -98,7 +98,7 @@ import numpy as np
 import torch
 
 from mars_plugin._checks import MAX_NUM_CLASSES, RESERVED_REASON, check_num_classes
-from mars_plugin.engines.crf import CRF_PRESETS
+from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, check_stem, list_stems, stem_path
 
 from mars_plugin.adapters.wsss._common import (

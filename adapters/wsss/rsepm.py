@@ -81,7 +81,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from mars_plugin.engines.crf import CRF_PRESETS
+from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.formats.files import BIASED_VALUE, list_stems, stem_path
 
 from mars_plugin.adapters.wsss._common import (
@@ -135,7 +135,7 @@ LABEL_MODE = "P"
 #: Default background exponent: bg = (1 - max seed)^2 (``convert_seed_to_pseudo_masks.py:173``,
 #: ``core/refinements/densecrf.py:27-29``).
 BG_GAMMA = 2.0
-#: The ``'deeplab'`` CRF of ``convert_seed_to_pseudo_masks.py:77-84`` in ``mars_plugin.engines.crf`` keys
+#: The ``'deeplab'`` CRF of ``convert_seed_to_pseudo_masks.py:77-84`` in ``mars_plugin.engines.crf_params`` keys
 #: (pos = Gaussian, bi = bilateral; ``core/refinements/densecrf.py:40-45``).
 #: The MARS authors' setting, which is this package's default preset.
 CRF_PARAMS: Dict[str, float] = dict(CRF_PRESETS["mars"])

@@ -79,7 +79,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from mars_plugin.engines.crf import CRF_PRESETS
+from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.formats.files import BIASED_VALUE, list_stems, stem_path
 
 from mars_plugin.adapters.wsss._common import (
@@ -130,7 +130,7 @@ BG_THRESHOLD = 0.26
 CRF_ALPHAS = (4, 24)
 #: Exponent of the background before the random walk (``infer_aff.py:59,100``).
 AFF_ALPHA = 6
-#: SEAM's ``tool/imutils.py:220-237`` ``crf_inference`` in the keys of ``mars_plugin.engines.crf``.
+#: SEAM's ``tool/imutils.py:220-237`` ``crf_inference`` in the keys of ``mars_plugin.engines.crf_params``.
 #: The same numbers as PSA's: the "psa" preset.
 CRF_PARAMS: Dict[str, float] = dict(CRF_PRESETS["psa"])
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import check_int_param, check_seed
 from mars_plugin.method.complement import complement_labels
-from mars_plugin.engines.crf import check_crf_params
+from mars_plugin.engines.crf_params import check_crf_params
 from mars_plugin.method.debias import debias_labels
 from mars_plugin.method.ema import EMATeacher
 from mars_plugin.formats.files import atomic_write, write_label

@@ -39,7 +39,8 @@ from mars_plugin._checks import (
     check_real_param,
     check_seed,
 )
-from mars_plugin.engines.crf import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_image, check_crf_params
+from mars_plugin.engines.crf_memory import check_crf_image
+from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_params
 from mars_plugin.method.debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
 from mars_plugin.formats.files import (
     BIASED_VALUE,
@@ -741,7 +742,7 @@ def debias_job(
     Images are debiased ``batch_size`` at a time on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
     ``auto``): Eq. 4 per image, then one dense-CRF call for the batch
     (:func:`mars_plugin.method.debias.refine_mask`; images of any sizes), then Eq. 5. ``crf_params`` is
-    a preset name or a dict (:data:`mars_plugin.engines.crf.CRF_PRESETS`). Resumable
+    a preset name or a dict (:data:`mars_plugin.engines.crf_params.CRF_PRESETS`). Resumable
     (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings (the
     folders, the ``centroids`` path, ``refine`` and its parameters, the PNG mode; other settings
     are refused) and each rank's journal what each label was made from (its features, pseudo

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, describe
-from mars_plugin.engines.crf import DEFAULT_MAX_BYTES, check_crf_image
+from mars_plugin.engines.crf_memory import check_crf_image
+from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _check_scales, _crf_params,
                                            _scaled_size, labels_from_probs, multiscale_probs)

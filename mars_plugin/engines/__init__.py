@@ -3,7 +3,11 @@ CRF (torch on any device, compiled on the CPU, pydensecrf as the reference), the
 lattice it filters on, and the windowed CRF. Nothing here knows MARS's equations or files.
 
 * ``kmeans.py`` / ``kmeans_compiled.py`` -- batched K-means (Eq. 1's clustering).
-* ``crf.py`` -- :func:`dense_crf` / :class:`DenseCRF`, its presets (``mars``, ``psa``) and backends.
+* ``crf.py`` -- :func:`dense_crf` / :class:`DenseCRF`: the dense CRF's entry points, inputs and unaries.
+* ``crf_params.py`` -- its presets (``mars``, ``psa``), backends and parameter checks.
+* ``crf_memory.py`` -- its memory model and budget (``max_bytes``, :func:`check_crf_image`).
+* ``crf_lattices.py`` -- its two kernels' lattices and the kept position-kernel lattices.
+* ``crf_mean_field.py`` -- its mean field per backend (torch, compiled, pydensecrf).
 * ``crf_compiled.py`` -- the CPU dense CRF compiled with numba.
 * ``permutohedral.py`` -- the permutohedral lattice (Adams et al. 2010) in torch.
 * ``local_crf.py`` -- the windowed approximation of the dense CRF.

@@ -1,7 +1,7 @@
 """The dense CRF's CPU path compiled with numba: one image's lattice and mean field without a
 barrier per operation, the images of a batch in parallel threads.
 
-The torch path (:mod:`mars_plugin.engines.permutohedral`, :func:`mars_plugin.engines.crf._mean_field_chunk`)
+The torch path (:mod:`mars_plugin.engines.permutohedral`, :func:`mars_plugin.engines.crf_mean_field._mean_field_chunk`)
 runs hundreds of small tensor operations per mean-field iteration; on the CPU each one is a
 parallel region of torch's OpenMP threads, so each ends in a barrier, and on a machine whose
 cores are shared with other processes every barrier waits for a time slice (5-9x slower under

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin._checks import as_tensor, check_finite, describe, rgb_layout
-from mars_plugin.engines.crf import DEFAULT_CRF_PARAMS, DEFAULT_MAX_BYTES, check_crf_params
+from mars_plugin.engines.crf_params import DEFAULT_CRF_PARAMS, DEFAULT_MAX_BYTES, check_crf_params
 
 __all__ = ["LOCAL_CRF_DEFAULTS", "local_crf", "check_local_crf_params"]
 
@@ -90,7 +90,7 @@ def local_crf(
     Returns:
         (B, L, H, W) float32 marginals Q. Memory: about B * (2 L + 8) * window^2 * (H/scale) *
         (W/scale) floats (the kernel, the colour and the message windows); more than
-        ``max_bytes`` (default :data:`mars_plugin.engines.crf.DEFAULT_MAX_BYTES`, 6 GiB; None: no
+        ``max_bytes`` (default :data:`mars_plugin.engines.crf_params.DEFAULT_MAX_BYTES`, 6 GiB; None: no
         limit) is refused before any work, with the largest window that fits.
     """
     p = as_tensor(probs, "probs")

@@ -26,7 +26,7 @@ batched on the CPU and on CUDA.
 
 Memory is bounded by construction: points are lifted in blocks, only int32 indices and float32
 weights are kept (16 bytes per vertex, 8 per lattice point and axis), and ``max_points``
-refuses a lattice before its blur tables exist (the dense CRF's budget, :mod:`mars_plugin.engines.crf`).
+refuses a lattice before its blur tables exist (the dense CRF's budget, :mod:`mars_plugin.engines.crf_memory`).
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ class PermutohedralLattice:
             blur tables are made (the dense CRF's memory budget).
 
     ``filter(values)`` maps (N, L) values to (N, L): splat, blur, slice, without normalisation
-    (the dense CRF normalises with the filtered ones, see :mod:`mars_plugin.engines.crf`).
+    (the dense CRF normalises with the filtered ones, see :mod:`mars_plugin.engines.crf_lattices`).
     Everything lives on the features' device.
 
     Memory: what is kept is the splat and slice matrices (16 bytes per vertex, d+1 vertices

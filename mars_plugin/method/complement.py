@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from mars_plugin._checks import RESERVED_REASON, MAX_NUM_CLASSES, as_tensor, check_finite, check_image_classes, check_label_tensor, check_ndim, describe
-from mars_plugin.engines.crf import check_crf_backend, check_crf_params, dense_crf
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.engines.crf_params import check_crf_backend, check_crf_params
 from mars_plugin.method.debias import BIASED
 from mars_plugin.engines.local_crf import check_local_crf_params, local_crf
 

@@ -24,7 +24,8 @@ from mars_plugin._checks import (
     check_label_tensor,
     describe,
 )
-from mars_plugin.engines.crf import check_crf_backend, check_crf_params, dense_crf
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.engines.crf_params import check_crf_backend, check_crf_params
 from mars_plugin.engines.kmeans import l2_norm, l2_normalize
 from mars_plugin.method.selection import DebiasedCentroids
 
@@ -279,7 +280,7 @@ def debias_labels(
             ``"threshold"``: M = M_hat > ``threshold``.
         threshold: used by ``refine="threshold"``; in [0, 1).
         crf_params: a preset name (``"mars"``, the default, or ``"psa"``) or a dict overriding
-            the default's keys; see :data:`mars_plugin.engines.crf.CRF_PRESETS`.
+            the default's keys; see :data:`mars_plugin.engines.crf_params.CRF_PRESETS`.
         crf_backend: ``"torch"`` (:func:`mars_plugin.engines.crf.dense_crf`) or ``"pydensecrf"`` (the
             reference, CPU, one image at a time; the ``crf`` extra).
         return_details: return a :class:`DebiasResult` (labels, M_hat, M, untouched classes)

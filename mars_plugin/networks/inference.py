@@ -42,7 +42,7 @@ Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_pro
    the other classes are not labels of that image's CRF at all (``seed = pred_mask[0,
    class_mask]``, ``infer_seg.py:119``); the probabilities are not renormalised. The label is
    the argmax of the CRF's marginals mapped back to its class id (``:130-131``). ``"psa"``:
-   PSA/SEAM's setting (:data:`mars_plugin.engines.crf.CRF_PRESETS`); ``"none"``: the argmax of the mean
+   PSA/SEAM's setting (:data:`mars_plugin.engines.crf_params.CRF_PRESETS`); ``"none"``: the argmax of the mean
    probabilities over every class. Two edge cases where upstream is not followed: RS+EPM writes
    background when at most one class reaches the threshold (``:111,133``), which turns an image
    that one foreground class fills into background; here a single class is that class (DHR's
@@ -65,7 +65,8 @@ import torch
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_real_param, describe
-from mars_plugin.engines.crf import CRF_PRESETS, check_crf_params, dense_crf
+from mars_plugin.engines.crf import dense_crf
+from mars_plugin.engines.crf_params import CRF_PRESETS, check_crf_params
 
 __all__ = [
     "DEFAULT_SCALES",
@@ -83,7 +84,7 @@ DEFAULT_SCALES: Tuple[float, ...] = (1.0, 0.5, 1.5, 2.0)
 #: A class takes part in an image's CRF when its mean probability reaches this somewhere
 #: (RS+EPM ``infer_seg.py:114``; DHR ``produce_wss_masks.py:136``).
 CLASS_THRESHOLD = 0.05
-#: ``--crf``: a preset of :data:`mars_plugin.engines.crf.CRF_PRESETS`, or none.
+#: ``--crf``: a preset of :data:`mars_plugin.engines.crf_params.CRF_PRESETS`, or none.
 CRF_CHOICES = ("mars", "psa", "none")
 
 
