@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import mars_plugin.adapters.uss.cause as cause_mod
 from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment, quantize_cosine, resample_queries
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale
-from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet
+from mars_plugin.adapters.uss.preprocess import normalize_imagenet
+from mars_plugin.adapters.uss.vit import DinoViT
 
 PATCH = 14
 #: float32 against the float64 reference: PyTorch computes the linear resampling's source

@@ -1,4 +1,4 @@
-"""USS feature extractors ("works with any model"): the ViT backbones (``vit.py``, DINO and
-DINOv2 in ``dinov2.py``), STEGO (``stego.py``), Leopart (``leopart.py``), CAUSE (``cause.py``,
+"""USS feature extractors ("works with any model"): the ViT backbones (``vit.py``, read from
+checkpoints by ``vit_weights.py``, fed by ``preprocess.py``; DINO and DINOv2 in ``dinov2.py``), STEGO (``stego.py``), Leopart (``leopart.py``), CAUSE (``cause.py``,
 on ``code_extractor.py``), DHR's multi-scale inference (``multiscale.py``) and
 :func:`build_extractor` / the ``mars features`` job (``extractor.py``)."""

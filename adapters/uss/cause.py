@@ -89,11 +89,8 @@ import torch.nn.functional as F
 
 from mars_plugin.adapters.uss.code_extractor import CodeExtractor, load_tensor_file, what_is
 from mars_plugin.adapters.uss.multiscale import DHR_SETTINGS
-from mars_plugin.adapters.uss.vit import (
-    DinoViT,
-    describe_vit,
-    vit_from_state_dict,
-)
+from mars_plugin.adapters.uss.vit import DinoViT, describe_vit
+from mars_plugin.adapters.uss.vit_weights import vit_from_state_dict
 
 __all__ = [
     "CAUSEExtractor",
@@ -541,7 +538,7 @@ class CAUSEExtractor(CodeExtractor):
 
         ``backbone``: a flat state dict of DINOv2 weights (the torch.hub model's ``state_dict()``,
         or CAUSE's ``checkpoint/dinov2_vit_base_14.pth``), built and loaded strictly by
-        :func:`~mars_plugin.adapters.uss.vit.vit_from_state_dict` (variant from the shapes); it must
+        :func:`~mars_plugin.adapters.uss.vit_weights.vit_from_state_dict` (variant from the shapes); it must
         be a DINOv2 model with 14-pixel patches, as DHR's ``DINOv2(arch, 14)``
         (``core/uss/models.py:119``). DINO v1, iBOT, MSN and MAE backbones are refused.
 

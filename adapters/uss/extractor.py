@@ -50,7 +50,13 @@ from mars_plugin.commands.distributed import _dist_ready, _rank_world, resolve_d
 from mars_plugin.commands.run_record import array_digest, file_id
 
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
-from mars_plugin.adapters.uss.vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
+from mars_plugin.adapters.uss.preprocess import (
+    as_float_images,
+    check_output_size,
+    normalize_imagenet,
+    resize_features,
+    resize_images,
+)
 
 __all__ = [
     "FeatureExtractor",

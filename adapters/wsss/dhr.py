@@ -111,7 +111,7 @@ from mars_plugin.adapters.wsss._common import (
     multi_hot,
     write_label_dir,
 )
-from mars_plugin.adapters.uss.vit import load_checkpoint
+from mars_plugin.adapters.uss.vit_weights import load_checkpoint
 
 __all__ = [
     "NAME",
@@ -566,7 +566,7 @@ def load_cams(path: PathLike, *, trust_pickle: bool = False) -> Dict[str, Any]:
     DeepLab prediction. The CRF step deletes it (``produce_wss_masks.py:77``): keep it by
     stopping after the inference step.
 
-    Read with ``torch.load(weights_only=True)`` (:func:`mars_plugin.adapters.uss.vit.load_checkpoint`);
+    Read with ``torch.load(weights_only=True)`` (:func:`mars_plugin.adapters.uss.vit_weights.load_checkpoint`);
     DHR's own files hold numpy arrays, which that loader refuses: then ``trust_pickle=True`` is
     required (PermissionError otherwise; a file torch cannot read at all is a ValueError).
 
