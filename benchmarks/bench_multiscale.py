@@ -77,7 +77,8 @@ def build(model: str, arch: str, device: torch.device) -> nn.Module:
         from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
 
         return DINOv2Extractor(vit).to(device).eval()
-    from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment
+    from mars_plugin.adapters.uss.cause import CAUSEExtractor
+    from mars_plugin.adapters.uss.cause_decoder import CAUSESegment
 
     seg = _random_(CAUSESegment(width))
     return CAUSEExtractor(vit, seg, torch.randn(CODEBOOK, width)).to(device).eval()

@@ -1,4 +1,6 @@
 """USS feature extractors ("works with any model"): the ViT backbones (``vit.py``, read from
-checkpoints by ``vit_weights.py``, fed by ``preprocess.py``; DINO and DINOv2 in ``dinov2.py``), STEGO (``stego.py``), Leopart (``leopart.py``), CAUSE (``cause.py``,
-on ``code_extractor.py``), DHR's multi-scale inference (``multiscale.py``) and
-:func:`build_extractor` / the ``mars features`` job (``extractor.py``)."""
+checkpoints by ``vit_weights.py``, fed by ``preprocess.py``; DINO and DINOv2 in ``dinov2.py``),
+STEGO (``stego.py``), Leopart (``leopart.py``), CAUSE (``cause.py``, its decoder in
+``cause_decoder.py`` and its heads files in ``cause_files.py``, on ``code_extractor.py``), DHR's
+multi-scale inference (``multiscale.py``) and :func:`build_extractor` / the ``mars features`` job
+(``extractor.py``)."""

@@ -71,7 +71,7 @@ def _save(obj, path: Path) -> None:
 
 def _write_weights(folder: Path, seed: int) -> None:
     """Random STEGO (DHR's two files and a Lightning-like .ckpt) and DINOv2 + DHR's CAUSE heads."""
-    from mars_plugin.adapters.uss.cause import CAUSESegment
+    from mars_plugin.adapters.uss.cause_decoder import CAUSESegment
 
     g = torch.Generator().manual_seed(seed + 1)
     dino = _random_vit(8, seed)
