@@ -5,7 +5,8 @@
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step).
 * ``reproduce.py`` (+ ``reproduce_plan.py``, ``reproduce_report.py``, ``reproduce_train.py``,
   ``references.py``) -- ``mars reproduce``.
-* ``demo.py`` -- ``mars demo``; ``plots.py`` its figures and the report's.
+* ``demo.py`` -- ``mars demo``; its figures and the report's: ``label_images.py`` (labels in
+  colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).
 * ``run_record.py`` -- resumable runs: what was made from what, and the run lock.
 * ``metrics.py`` -- mIoU as VOC computes it (``mars evaluate``); ``cli_types.py`` -- flag types.
 """
