@@ -1,3 +1,3 @@
-"""The segmentation networks of ``mars train`` / ``mars predict``: DeepLabv3+ and DeepLabv2 on
-ResNet (``deeplab.py``), their checkpoint format (``seg_checkpoint.py``) and training data
-pipeline with DHR's augmentation (``seg_data.py``)."""
+"""The segmentation networks of ``mars train`` / ``mars predict``: DeepLabv3+ and DeepLabv2
+(``deeplab.py``) on ResNet (``resnet.py``), their checkpoint format (``seg_checkpoint.py``) and
+training data pipeline with DHR's augmentation (``seg_data.py``)."""
