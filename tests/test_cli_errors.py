@@ -16,7 +16,8 @@ from PIL import Image
 
 from mars_plugin import DebiasedCentroids
 from mars_plugin.cli import main
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 N = 8
 BAD = 2  # index of the damaged image: good files come before and after it

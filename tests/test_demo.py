@@ -121,7 +121,7 @@ def test_the_world_split_reproduces_columns_a_and_b(tmp_path, capsys, refine):
 
 
 def test_overlays_have_ground_truth_a_legend_and_no_repeated_image(tmp_path):
-    from mars_plugin.worlds.synthetic import make_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     world = make_world(30, size=32, seed=4)
     names = list(world.class_names)

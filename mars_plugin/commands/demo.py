@@ -1,6 +1,6 @@
 """``mars demo``: the whole method on the built-in biased world, in a few minutes on a CPU.
 
-1. generate the world (:mod:`mars_plugin.worlds.synthetic`): boat leaks into sea, train into rail;
+1. generate the world (:mod:`mars_plugin.worlds.synthetic_scenes`): boat leaks into sea, train into rail;
 2. ``select_centroids`` on the training pseudo labels, ``debias_labels`` (CRF) on every image;
 3. train a small segmentation network twice, plain CE on the pseudo labels and MARS
    (``complement_labels`` with an EMA teacher + ``WCELoss``) on the debiased labels;
@@ -268,7 +268,7 @@ def run_demo(
 ) -> Dict[str, object]:
     """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics."""
     from mars_plugin.commands import bar_charts, panel_grids
-    from mars_plugin.worlds.synthetic import make_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
     from mars_plugin.worlds.synthetic import write_world as _write_world
 
     t_start = time.perf_counter()
