@@ -37,7 +37,8 @@ from _machine import machine_line  # noqa: E402
 
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, multiscale, scaled_size  # noqa: E402
 from mars_plugin.adapters.uss.stego import STEGOExtractor  # noqa: E402
-from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet  # noqa: E402
+from mars_plugin.adapters.uss.preprocess import normalize_imagenet  # noqa: E402
+from mars_plugin.adapters.uss.vit import DinoViT  # noqa: E402
 
 
 #: --model: (architectures {name: (width, depth, heads)}, patch). STEGO is DHR's ViT-B/8 + 70-d
@@ -76,7 +77,8 @@ def build(model: str, arch: str, device: torch.device) -> nn.Module:
         from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
 
         return DINOv2Extractor(vit).to(device).eval()
-    from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment
+    from mars_plugin.adapters.uss.cause import CAUSEExtractor
+    from mars_plugin.adapters.uss.cause_decoder import CAUSESegment
 
     seg = _random_(CAUSESegment(width))
     return CAUSEExtractor(vit, seg, torch.randn(CODEBOOK, width)).to(device).eval()

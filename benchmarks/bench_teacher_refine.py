@@ -24,7 +24,7 @@ from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
 from mars_plugin.method.complement import teacher_labels  # noqa: E402
-from mars_plugin.worlds.synthetic import make_world  # noqa: E402
+from mars_plugin.worlds.synthetic_scenes import make_world  # noqa: E402
 
 # (name, refine, crf_backend)
 METHODS = (("argmax", None, "torch"), ("dense CRF, ours", "crf", "torch"),

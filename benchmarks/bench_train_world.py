@@ -35,7 +35,8 @@ from mars_plugin.commands.metrics import confusion_matrix, segmentation_scores  
 from mars_plugin.networks.seg_checkpoint import model_from_checkpoint  # noqa: E402
 from mars_plugin.networks.seg_data import normalize  # noqa: E402
 from mars_plugin.method.selection import select_centroids  # noqa: E402
-from mars_plugin.worlds.synthetic import make_world, write_world  # noqa: E402
+from mars_plugin.worlds.synthetic import write_world  # noqa: E402
+from mars_plugin.worlds.synthetic_scenes import make_world  # noqa: E402
 
 LABELS = {"mars": "debiased", "ce": "labels"}
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mars_plugin.adapters.uss.cause as cause_mod
-from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment, quantize_cosine, resample_queries
+import mars_plugin.adapters.uss.cause_files as cause_files_mod
+from mars_plugin.adapters.uss.cause import CAUSEExtractor
+from mars_plugin.adapters.uss.cause_decoder import CAUSESegment, quantize_cosine, resample_queries
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale
-from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet
+from mars_plugin.adapters.uss.preprocess import normalize_imagenet
+from mars_plugin.adapters.uss.vit import DinoViT
 
 PATCH = 14
 #: float32 against the float64 reference: PyTorch computes the linear resampling's source
@@ -487,7 +489,7 @@ def test_release_key_names_are_causes():
     head = sorted(k for k in sd if k.startswith("head_ema."))
     assert head == sorted(CAUSESegment(WIDTH).state_dict())
     assert sorted(k for k in sd if k.startswith("head.")) == sorted("head." + k[len("head_ema."):] for k in head)
-    assert sorted(set(sd) - set(head) - {k for k in sd if k.startswith("head.")}) == sorted(cause_mod._RELEASE_EXTRA_KEYS)
+    assert sorted(set(sd) - set(head) - {k for k in sd if k.startswith("head.")}) == sorted(cause_files_mod._RELEASE_EXTRA_KEYS)
 
 
 @pytest.mark.parametrize("form", ["folder", "segment_file", "beside", "both"])

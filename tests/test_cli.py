@@ -9,7 +9,8 @@ from PIL import Image
 from mars_plugin import DebiasedCentroids, debias_labels, select_centroids
 from mars_plugin.cli import build_parser, main
 from mars_plugin.formats.files import BIASED_VALUE, read_features, read_label, voc_palette
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from PIL import Image
 
 from mars_plugin import DebiasedCentroids
 from mars_plugin.cli import main
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 N = 8
 BAD = 2  # index of the damaged image: good files come before and after it
@@ -199,13 +200,13 @@ def test_every_skipped_file_is_listed(world, tmp_path, capsys):
 def test_report_failure_leaves_no_chart_without_report_json(world, tmp_path, capsys, monkeypatch):
     """Outputs are staged and renamed together, report.json last: a failure while writing the
     overlays leaves neither the chart nor report.json (nor temporary files)."""
-    from mars_plugin.commands import plots
+    from mars_plugin.commands import panel_grids
     root, _ = world
 
     def broken(*a, **k):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(plots, "save_overlay_grid", broken)
+    monkeypatch.setattr(panel_grids, "save_overlay_grid", broken)
     assert main(["report", "--labels", str(root / "labels"), "--debiased", str(root / "db"), "--images",
                  str(root / "images"), "--out", str(tmp_path / "rep"), "--no-progress"]) == 2
     assert "disk full" in capsys.readouterr().err

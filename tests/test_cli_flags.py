@@ -16,7 +16,8 @@ import mars_plugin
 from mars_plugin.commands import errors, jobs
 from mars_plugin.cli import build_parser, main
 from mars_plugin.formats.files import check_stem, read_label, stem_path
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 COMMANDS = ("demo", "features", "centroids", "debias", "evaluate", "report")
 MARS = str(Path(sys.executable).parent / "mars")

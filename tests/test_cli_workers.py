@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from mars_plugin.cli import main
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 # Runs `mars debias --workers 2`. Its top level also runs in each spawned worker (as
 # __mp_main__); there, MARS_TEST_IN_WORKER is set (the parent sets it just before the run),

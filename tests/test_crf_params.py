@@ -127,7 +127,8 @@ def test_the_pydensecrf_backend_is_guarded_too():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from mars_plugin.cli import main
-    from mars_plugin.worlds.synthetic import make_world, write_world
+    from mars_plugin.worlds.synthetic import write_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     root = tmp_path_factory.mktemp("crfparams")
     w = make_world(3, size=24, dim=16, seed=3)

@@ -1,4 +1,4 @@
-"""Tests for mars_plugin.networks.deeplab: the DeepLabv3+/DeepLabv2 networks of ``mars train``.
+"""Tests for mars_plugin.networks.deeplab and .resnet: the DeepLabv3+/DeepLabv2 networks of ``mars train``.
 
 The expected layouts are written from torchvision's resnet.py (key counts, sample keys and
 shapes, parameter counts of resnet18/50/101 with fc: 11689512 / 25557032 / 44549160) and from
@@ -14,8 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin.networks import deeplab
-from mars_plugin.networks.deeplab import (IMAGENET_MEAN, IMAGENET_STD, ResNet, build_model, load_backbone_weights, normalize,
+from mars_plugin.networks.deeplab import (IMAGENET_MEAN, IMAGENET_STD, build_model, load_backbone_weights, normalize,
                                  param_groups)
+from mars_plugin.networks.resnet import ResNet
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
 # torchvision's state dicts have 122 / 320 / 626 entries and these parameter counts, fc included

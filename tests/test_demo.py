@@ -12,7 +12,8 @@ PIL_Image = pytest.importorskip("PIL.Image")
 from mars_plugin.commands import demo as demo_mod  # noqa: E402
 from mars_plugin.cli import main  # noqa: E402
 from mars_plugin.commands.demo import MANIFEST, DemoFolderError, run_demo  # noqa: E402
-from mars_plugin.commands.plots import BIASED_COLOR, SWATCH  # noqa: E402
+from mars_plugin.commands.label_images import BIASED_COLOR  # noqa: E402
+from mars_plugin.commands.panel_grids import SWATCH  # noqa: E402
 
 TINY = dict(size=32, epochs=1, progress=False)
 
@@ -120,7 +121,7 @@ def test_the_world_split_reproduces_columns_a_and_b(tmp_path, capsys, refine):
 
 
 def test_overlays_have_ground_truth_a_legend_and_no_repeated_image(tmp_path):
-    from mars_plugin.worlds.synthetic import make_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     world = make_world(30, size=32, seed=4)
     names = list(world.class_names)

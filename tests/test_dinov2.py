@@ -1,4 +1,4 @@
-"""DINOv2 in adapters/uss/vit.py and the DINOv2 extractor (adapters/uss/dinov2.py), against a reference
+"""DINOv2 in adapters/uss/vit.py (and vit_weights.py) and the DINOv2 extractor (adapters/uss/dinov2.py), against a reference
 written here from DINOv2's code (facebookresearch/dinov2 @ b8931f7: models/vision_transformer.py
 prepare_tokens_with_masks / interpolate_pos_encoding / get_intermediate_layers, layers/block.py,
 layers/layer_scale.py, layers/swiglu_ffn.py, hub/backbones.py) with plain float64 operations:
@@ -14,14 +14,14 @@ import torch
 
 from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
 from mars_plugin.adapters.uss.extractor import DHR_SCALES, DHR_SETTINGS, load_extractor
+from mars_plugin.adapters.uss.preprocess import normalize_imagenet
 from mars_plugin.adapters.uss.vit import (
     DinoViT,
     describe_vit,
     heads_for_width,
-    normalize_imagenet,
     swiglu_hidden,
-    vit_from_state_dict,
 )
+from mars_plugin.adapters.uss.vit_weights import vit_from_state_dict
 
 TOL = 1e-5
 GRID = 37  # 518 / 14: the stored position grid of every released DINOv2 model

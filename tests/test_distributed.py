@@ -95,7 +95,8 @@ def test_torchrun_mars_centroids_equals_one_process(tmp_path):
     import sys
 
     from mars_plugin.cli import main
-    from mars_plugin.worlds.synthetic import make_world, write_world
+    from mars_plugin.worlds.synthetic import write_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     world = make_world(12, size=32, dim=16, seed=4)
     write_world(world, tmp_path / "w")

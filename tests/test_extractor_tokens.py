@@ -15,7 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mars_plugin.adapters.uss.cause import CAUSEExtractor, CAUSESegment
+from mars_plugin.adapters.uss.cause import CAUSEExtractor
+from mars_plugin.adapters.uss.cause_decoder import CAUSESegment
 from mars_plugin.adapters.uss.code_extractor import CodeExtractor
 from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
 from mars_plugin.adapters.uss.leopart import LeopartExtractor

@@ -24,7 +24,8 @@ from mars_plugin.formats.files import (
     write_features,
 )
 from mars_plugin.commands.errors import JobError
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 
 class Trap:

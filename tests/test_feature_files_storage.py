@@ -23,7 +23,8 @@ import torch
 from mars_plugin import DebiasedCentroids
 from mars_plugin.cli import main
 from mars_plugin.formats.files import feature_shape, read_features, write_features
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 
 class _Storage:

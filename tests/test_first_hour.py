@@ -29,7 +29,8 @@ from PIL import Image
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_label, write_label
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 from test_reproduce import DATA, _tiny_stego_files, make_tree
 

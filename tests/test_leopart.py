@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin.adapters.uss.leopart import LeopartExtractor, leopart_backbone_prefix
-from mars_plugin.adapters.uss.vit import IMAGENET_MEAN, IMAGENET_STD, DinoViT
+from mars_plugin.adapters.uss.preprocess import IMAGENET_MEAN, IMAGENET_STD
+from mars_plugin.adapters.uss.vit import DinoViT
 
 
 def leopart_net(patch=16, width=384, depth=1, hidden=64, out=256, protos=10, seed=0):

@@ -14,7 +14,8 @@ from mars_plugin.adapters.uss.extractor import DHR_SCALES, DHR_SETTINGS, ModelEx
 from mars_plugin.adapters.uss.leopart import LeopartExtractor
 from mars_plugin.adapters.uss.multiscale import check_scales, nearest_patch_size, scaled_size
 from mars_plugin.adapters.uss.stego import STEGOExtractor
-from mars_plugin.adapters.uss.vit import DinoViT, normalize_imagenet, resize_images
+from mars_plugin.adapters.uss.preprocess import normalize_imagenet, resize_images
+from mars_plugin.adapters.uss.vit import DinoViT
 
 TOL = 1e-4
 

@@ -1,4 +1,4 @@
-"""Tests for mars_plugin.commands.plots: label colours, overlays, panel grids and bar charts."""
+"""Tests for mars_plugin.commands.{label_images,panel_grids,bar_charts}: label colours, overlays, panel grids and bar charts."""
 from __future__ import annotations
 
 import math
@@ -11,19 +11,21 @@ import torch
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from mars_plugin.formats.files import voc_palette  # noqa: E402
-from mars_plugin.commands.plots import (  # noqa: E402
+from mars_plugin.commands.bar_charts import save_iou_bar_chart  # noqa: E402
+from mars_plugin.commands.label_images import (  # noqa: E402
     BIASED_COLOR,
+    blend,
+    colorize_label,
+    removed_mask_image,
+)
+from mars_plugin.commands.panel_grids import (  # noqa: E402
     CAPTION_BAND,
     GRID_MARGIN,
     PANEL_GAP,
     ROW_GAP,
     TITLE_BAND,
-    blend,
-    colorize_label,
     overlay_grid,
     overlay_row,
-    removed_mask_image,
-    save_iou_bar_chart,
     save_overlay_grid,
 )
 

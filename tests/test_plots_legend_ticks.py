@@ -9,18 +9,16 @@ import pytest
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from mars_plugin.formats.files import voc_palette  # noqa: E402
-from mars_plugin.commands.plots import (  # noqa: E402
-    BIASED_COLOR,
+from mars_plugin.commands.bar_charts import bar_chart_figure, save_iou_bar_chart, tick_label_boxes  # noqa: E402
+from mars_plugin.commands.label_images import BIASED_COLOR  # noqa: E402
+from mars_plugin.commands.panel_grids import (  # noqa: E402
     GRID_MARGIN,
     ROW_GAP,
     SWATCH,
-    bar_chart_figure,
     class_legend,
     legend_strip,
     overlay_grid,
-    save_iou_bar_chart,
     save_overlay_grid,
-    tick_label_boxes,
 )
 
 PALETTE = np.asarray(voc_palette(256), dtype=np.uint8).reshape(256, 3)

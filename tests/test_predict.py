@@ -480,7 +480,8 @@ def dhr(tmp_path_factory, world):
 
 @pytest.mark.parametrize("domain", [None, "validation"])
 def test_root_and_method_write_dhr_wss_masks(dhr, capsys, domain):
-    from mars_plugin.adapters.wsss.dhr import DHRLayout, load_pseudo_labels
+    from mars_plugin.adapters.wsss.dhr import load_pseudo_labels
+    from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
 
     root, ck = dhr
     argv = ["predict", "--model", str(ck), "--root", str(root), "--method", "MARS", "--crf", "none",

@@ -28,7 +28,8 @@ from mars_plugin.adapters.wsss import dhr, irnet
 from mars_plugin.cli import main
 from mars_plugin.method.debias import mark_biased
 from mars_plugin.commands.metrics import confusion_matrix, format_scores_table, segmentation_scores
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 REASON = "labels are 0..C with 254 = biased and 255 = ignore, so C <= 253"
 COUNTS = (253, 254, 255, 1000)

@@ -32,7 +32,8 @@ from mars_plugin.commands.jobs import centroids_job, debias_job
 from mars_plugin.commands.errors import JobError
 from mars_plugin.commands.reproduce import reproduce
 from mars_plugin.method.selection import DebiasedCentroids
-from mars_plugin.worlds.synthetic import make_world, write_world
+from mars_plugin.worlds.synthetic import write_world
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 from test_features_distributed import _env
 from test_reproduce import DATA, _tiny_stego_files, _write_xml, make_tree

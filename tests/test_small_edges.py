@@ -189,7 +189,8 @@ def test_an_image_file_without_pixels_is_refused_naming_it(reader, wh, tmp_path)
 
 
 def test_mars_centroids_names_an_empty_feature_file(tmp_path, capsys):
-    from mars_plugin.worlds.synthetic import make_world, write_world
+    from mars_plugin.worlds.synthetic import write_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     w = make_world(3, size=24, dim=16, seed=1)
     write_world(w, tmp_path)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS
 from mars_plugin.adapters.uss.stego import STEGOExtractor, stego_input_size
-from mars_plugin.adapters.uss.vit import IMAGENET_MEAN, IMAGENET_STD, DinoViT
+from mars_plugin.adapters.uss.preprocess import IMAGENET_MEAN, IMAGENET_STD
+from mars_plugin.adapters.uss.vit import DinoViT
 
 
 def stego_state_dict(patch=8, width=384, depth=1, dim=16, nonlinear=True, seed=0):

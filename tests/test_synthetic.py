@@ -17,10 +17,10 @@ from mars_plugin.worlds.synthetic import (
     KIND_NAMES,
     OWN_CONTEXT,
     SyntheticWorld,
-    make_world,
     object_kind,
     write_world,
 )
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 BOAT, TRAIN, DOG, PERSON = (CLASS_NAMES.index(c) for c in ("boat", "train", "dog", "person"))
 SEA, RAIL = KIND_NAMES.index("sea"), KIND_NAMES.index("rail")

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_plugin.worlds.synthetic import BIRD, PROBLEMATIC, make_world
+from mars_plugin.worlds.synthetic import BIRD, PROBLEMATIC
+from mars_plugin.worlds.synthetic_scenes import make_world
 
 
 def test_dilate_only_noise_never_loses_a_gt_pixel_and_erode_only_never_adds_one():

@@ -10,14 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.adapters.uss.vit import (
-    DinoViT,
-    as_float_images,
-    heads_for_width,
-    load_checkpoint,
-    vit_from_state_dict,
-    vit_state_dict_keys,
-)
+from mars_plugin.adapters.uss.preprocess import as_float_images
+from mars_plugin.adapters.uss.vit import DinoViT, heads_for_width
+from mars_plugin.adapters.uss.vit_weights import load_checkpoint, vit_from_state_dict, vit_state_dict_keys
 
 
 def random_vit(patch=16, dim=384, depth=2, num_patches=196, seed=0):

@@ -88,7 +88,8 @@ def test_importing_the_library_changes_nothing(code, watch):
 
 def test_worker_processes_inherit_the_policy(watch, tmp_path):
     from mars_plugin.cli import main
-    from mars_plugin.worlds.synthetic import make_world, write_world
+    from mars_plugin.worlds.synthetic import write_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     root = tmp_path / "w"
     write_world(make_world(4, size=24, dim=16, seed=1), root)

@@ -20,16 +20,16 @@ import torch.nn.functional as F
 from mars_plugin._checks import MAX_RES
 
 from mars_plugin.adapters.uss.multiscale import check_scaled_tokens, check_scales, multiscale, nearest_patch_size, scaled_size
-from mars_plugin.adapters.uss.vit import (
+from mars_plugin.adapters.uss.preprocess import (
     INTERPOLATIONS,
-    MAX_TOKENS,
     as_float_images,
     check_output_size,
-    load_checkpoint,
     normalize_imagenet,
     resize_features,
     resize_images,
 )
+from mars_plugin.adapters.uss.vit import MAX_TOKENS
+from mars_plugin.adapters.uss.vit_weights import load_checkpoint
 
 __all__ = ["CodeExtractor", "stego_input_size", "load_tensor_file", "what_is"]
 

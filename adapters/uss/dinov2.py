@@ -8,7 +8,7 @@ after the final LayerNorm, [CLS] and registers dropped, as a (B, D, H/14, W/14) 
 (l. 115-) sits on the same backbone. The network itself is
 :class:`~mars_plugin.adapters.uss.vit.DinoViT` with DINOv2's parts (LayerScale, registers, mask
 token, ViT-g's SwiGLU), read from the released ``dinov2_vit*14*_pretrain.pth`` flat state dict
-by :func:`~mars_plugin.adapters.uss.vit.vit_from_state_dict`; see that module for the upstream
+by :func:`~mars_plugin.adapters.uss.vit_weights.vit_from_state_dict`; see that module for the upstream
 lines and the per-variant position-embedding interpolation (offset 0.1 without registers,
 offset 0 with antialias for the ``_reg`` models, ``dinov2/hub/backbones.py``).
 
@@ -26,11 +26,8 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from mars_plugin.adapters.uss.code_extractor import CodeExtractor, load_tensor_file, what_is
-from mars_plugin.adapters.uss.vit import (
-    DinoViT,
-    describe_vit,
-    vit_from_state_dict,
-)
+from mars_plugin.adapters.uss.vit import DinoViT, describe_vit
+from mars_plugin.adapters.uss.vit_weights import vit_from_state_dict
 
 __all__ = ["DINOv2Extractor"]
 
@@ -85,7 +82,7 @@ class DINOv2Extractor(CodeExtractor):
         **kwargs,
     ) -> "DINOv2Extractor":
         """From a flat DINOv2 state dict (the released ``dinov2_vit*14*_pretrain.pth`` layout),
-        loaded strictly by :func:`~mars_plugin.adapters.uss.vit.vit_from_state_dict` (a missing or
+        loaded strictly by :func:`~mars_plugin.adapters.uss.vit_weights.vit_from_state_dict` (a missing or
         unexpected key is a ValueError naming it). ``num_heads``: only for widths other than the
         released ones (384/6, 768/12, 1024/16, 1536/24). A DINO v1 state dict (no LayerScale,
         registers or mask token) is refused. Keyword arguments go to the constructor."""

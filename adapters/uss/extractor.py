@@ -30,7 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
-from mars_plugin.adapters.uss.vit import as_float_images, check_output_size, normalize_imagenet, resize_features, resize_images
+from mars_plugin.adapters.uss.preprocess import (
+    as_float_images,
+    check_output_size,
+    normalize_imagenet,
+    resize_features,
+    resize_images,
+)
 
 __all__ = [
     "FeatureExtractor",

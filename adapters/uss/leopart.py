@@ -46,9 +46,8 @@ from mars_plugin.adapters.uss.code_extractor import CodeExtractor
 from mars_plugin._checks import MAX_RES
 
 from mars_plugin.adapters.uss.multiscale import nearest_patch_size
-from mars_plugin.adapters.uss.vit import (
-    DinoViT,
-    describe_vit,
+from mars_plugin.adapters.uss.vit import DinoViT, describe_vit
+from mars_plugin.adapters.uss.vit_weights import (
     load_checkpoint,
     select_prefix,
     state_dict_of,

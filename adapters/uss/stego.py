@@ -56,9 +56,8 @@ import torch.nn as nn
 
 from mars_plugin.adapters.uss.code_extractor import CodeExtractor, load_tensor_file, stego_input_size, what_is
 from mars_plugin.adapters.uss.multiscale import DHR_SETTINGS
-from mars_plugin.adapters.uss.vit import (
-    DinoViT,
-    describe_vit,
+from mars_plugin.adapters.uss.vit import DinoViT, describe_vit
+from mars_plugin.adapters.uss.vit_weights import (
     load_checkpoint,
     select_prefix,
     state_dict_of,
@@ -179,7 +178,7 @@ class STEGOExtractor(CodeExtractor):
         """From a STEGO Lightning ``.ckpt`` (e.g. ``cocostuff27_vit_base_5.ckpt``, ``potsdam_test.ckpt``).
 
         The released checkpoints keep an omegaconf ``DictConfig`` in ``hyper_parameters``, so
-        they need ``trust_pickle=True`` (see :func:`mars_plugin.adapters.uss.vit.load_checkpoint`);
+        they need ``trust_pickle=True`` (see :func:`mars_plugin.adapters.uss.vit_weights.load_checkpoint`);
         omegaconf need not be installed. Keyword arguments go to the constructor.
         """
         obj = load_checkpoint(path, trust_pickle=trust_pickle, what="STEGO checkpoint")

@@ -6,7 +6,8 @@
 * ``features.py`` -- ``mars features`` (the folder job around a USS extractor).
 * ``reproduce.py`` (+ ``reproduce_state.py``, ``reproduce_plan.py``, ``reproduce_report.py``,
   ``reproduce_train.py``, ``references.py``) -- ``mars reproduce``.
-* ``demo.py`` -- ``mars demo``; ``plots.py`` its figures and the report's.
+* ``demo.py`` -- ``mars demo``; its figures and the report's: ``label_images.py`` (labels in
+  colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).
 * ``run_record.py`` -- resumable runs: what was made from what (``identities.py``: what identifies
   an input), and ``run_lock.py``, one run at a time.
 * ``metrics.py`` -- mIoU as VOC computes it (``mars evaluate``); ``cli_types.py`` -- flag types.

@@ -1,6 +1,6 @@
 """``mars demo``: the whole method on the built-in biased world, in a few minutes on a CPU.
 
-1. generate the world (:mod:`mars_plugin.worlds.synthetic`): boat leaks into sea, train into rail;
+1. generate the world (:mod:`mars_plugin.worlds.synthetic_scenes`): boat leaks into sea, train into rail;
 2. ``select_centroids`` on the training pseudo labels, ``debias_labels`` (CRF) on every image;
 3. train a small segmentation network twice, plain CE on the pseudo labels and MARS
    (``complement_labels`` with an EMA teacher + ``WCELoss``) on the debiased labels;
@@ -229,7 +229,7 @@ def _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class:
     """Up to ``examples_per_class`` held-out images per class, each image at most once (an image
     of two classes counts for the first class that picks it): image | ground truth | WSSS pseudo
     | removed | plain CE | MARS."""
-    from mars_plugin.commands import plots
+    from mars_plugin.commands import label_images
     rows, used = [], set()
     for c in range(1, len(names)):
         members = [i for i in range(val.num_images) if bool(val.image_classes[i, c - 1]) and i not in used]
@@ -239,11 +239,11 @@ def _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class:
             classes = ", ".join(names[k] for k in val.class_ids(i))
             rows.append((f"{names[c]}: {val.stems[i]} (classes: {classes})", [
                 ("image", img),
-                ("ground truth", plots.blend(img, val.gt[i])),
-                ("WSSS pseudo", plots.blend(img, val.pseudo[i])),
-                ("removed", plots.removed_mask_image(img, val.pseudo[i], db_val[i])),
-                ("plain CE", plots.blend(img, pred_plain[i])),
-                ("MARS", plots.blend(img, pred_mars[i])),
+                ("ground truth", label_images.blend(img, val.gt[i])),
+                ("WSSS pseudo", label_images.blend(img, val.pseudo[i])),
+                ("removed", label_images.removed_mask_image(img, val.pseudo[i], db_val[i])),
+                ("plain CE", label_images.blend(img, pred_plain[i])),
+                ("MARS", label_images.blend(img, pred_mars[i])),
             ]))
     return rows
 
@@ -267,8 +267,8 @@ def run_demo(
     examples_per_class: int = 2,
 ) -> Dict[str, object]:
     """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics."""
-    from mars_plugin.commands import plots
-    from mars_plugin.worlds.synthetic import make_world
+    from mars_plugin.commands import bar_charts, panel_grids
+    from mars_plugin.worlds.synthetic_scenes import make_world
     from mars_plugin.worlds.synthetic import write_world as _write_world
 
     t_start = time.perf_counter()
@@ -348,11 +348,11 @@ def run_demo(
     # Pictures: bar chart of IoU, overlays of a few held-out images per class (each image once).
     manifest.add([out_dir / "iou_per_class.png", out_dir / "overlays.png", out_dir / "metrics.json"])
     series = {k: [100 * v for v in s["iou"]] for k, s in columns.items()}
-    plots.save_iou_bar_chart(out_dir / "iou_per_class.png", names, series,
-                             title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic),
-                             highlight_note="* problematic classes (biased objects in the pseudo labels)")
+    bar_charts.save_iou_bar_chart(out_dir / "iou_per_class.png", names, series,
+                                  title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic),
+                                  highlight_note="* problematic classes (biased objects in the pseudo labels)")
     rows = _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class)
-    plots.save_overlay_grid(out_dir / "overlays.png", rows, legend=plots.class_legend(names))
+    panel_grids.save_overlay_grid(out_dir / "overlays.png", rows, legend=panel_grids.class_legend(names))
 
     if write_world:
         t0 = time.perf_counter()

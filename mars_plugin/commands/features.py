@@ -38,7 +38,7 @@ from mars_plugin.commands.distributed import _dist_ready, _rank_world, resolve_d
 from mars_plugin.commands.identities import array_digest, file_id
 
 from mars_plugin.adapters.uss.multiscale import check_scales
-from mars_plugin.adapters.uss.vit import check_output_size
+from mars_plugin.adapters.uss.preprocess import check_output_size
 from mars_plugin.adapters.uss.extractor import USS_MODELS, load_extractor
 
 __all__ = [

@@ -124,7 +124,7 @@ def model_files_id(uss: str, checkpoint: Optional[PathLike] = None, backbone: Op
     files = {"checkpoint": checkpoint, "backbone": backbone, "heads": heads}
     out: Dict[str, Any] = {"uss": uss, **{k: weight_file_id(v) for k, v in files.items() if v is not None}}
     if uss == "cause" and heads is not None:
-        from mars_plugin.adapters.uss.cause import heads_files
+        from mars_plugin.adapters.uss.cause_files import heads_files
 
         # CAUSE's release keeps its codebook in a sibling folder: record every file read.
         out["heads_files"] = [weight_file_id(f) for f in heads_files(heads) if Path(f).is_file()]

@@ -1013,7 +1013,6 @@ def report_job(
     into ``out_dir`` (a lock, :class:`~mars_plugin.commands.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
     """
-    from mars_plugin.commands import plots
     _check_on_error(on_error)
     p = check_job_params(num_examples=num_examples, per_class=per_class)
     num_examples, per_class = p["num_examples"], p["per_class"]
@@ -1087,7 +1086,7 @@ def report_job(
         return tmp
 
     try:
-        _report_outputs(stage, plots, class_names, num_classes, share, total, ranking, examples, class_examples,
+        _report_outputs(stage, class_names, num_classes, share, total, ranking, examples, class_examples,
                         images_dir, labels_dir, debiased_dir, on_error, summary)
         report = {
             "share_definition": SHARE_DEFINITION,
@@ -1156,10 +1155,11 @@ def _fit_panel(img: np.ndarray, y: torch.Tensor, d: torch.Tensor) -> Tuple[np.nd
     return small, nearest(y), nearest(d)
 
 
-def _report_outputs(stage, plots, class_names, num_classes, share, total, ranking, examples, class_examples,
+def _report_outputs(stage, class_names, num_classes, share, total, ranking, examples, class_examples,
                     images_dir, labels_dir, debiased_dir, on_error, summary) -> None:
     """The chart and the overlays of :func:`report_job`, each written to ``stage(name)``."""
-    plots.save_iou_bar_chart(
+    from mars_plugin.commands import bar_charts, label_images, panel_grids
+    bar_charts.save_iou_bar_chart(
         stage("biased_share.png"), list(class_names[1 : num_classes + 1]),
         {"pixels marked biased (% of the class's pseudo-label pixels)": [100 * s for s in share[1:]]},
         title=f"Which classes were biased (MARS), {summary.done} images", ylabel="marked biased (%)",
@@ -1185,8 +1185,8 @@ def _report_outputs(stage, plots, class_names, num_classes, share, total, rankin
             d = read_label(Path(debiased_dir) / f"{stem}.png")
             img, y, d = _fit_panel(img, y, d)
             panels[stem] = ([
-                ("image", img), ("pseudo label", plots.blend(img, y)),
-                ("removed pixels", plots.removed_mask_image(img, y, d)), ("debiased label", plots.blend(img, d)),
+                ("image", img), ("pseudo label", label_images.blend(img, y)),
+                ("removed pixels", label_images.removed_mask_image(img, y, d)), ("debiased label", label_images.blend(img, d)),
             ], {c for c in torch.unique(y).tolist() if 0 < c <= num_classes})
         return caption, panels[stem][0]
 
@@ -1195,8 +1195,8 @@ def _report_outputs(stage, plots, class_names, num_classes, share, total, rankin
         if rows:  # legend: background, the classes drawn, removed, ignore
             shown = sorted(set().union(*(panels[s][1] for s, _ in rows)))
             side = max(max(np.asarray(p).shape[:2]) for _, (_, row) in rows for _, p in row)
-            plots.save_overlay_grid(stage(name), [row for _, row in rows], scale=max(1, min(3, PANEL_SIDE // side)),
-                                    legend=plots.class_legend(list(class_names), [0] + shown))
+            panel_grids.save_overlay_grid(stage(name), [row for _, row in rows], scale=max(1, min(3, PANEL_SIDE // side)),
+                                          legend=panel_grids.class_legend(list(class_names), [0] + shown))
 
     save_grid("most_changed.png", [(stem, f"{stem}: {100 * frac:.0f}% of its foreground pixels removed")
                                    for frac, stem in examples])

@@ -305,7 +305,7 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
     num_classes = int(meta["model"]["num_classes"])
     flag = "--images"
     if args.root is not None:
-        from mars_plugin.adapters.wsss.dhr import DHRLayout
+        from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
         from mars_plugin.commands.reproduce import default_domain
 
         data = args.data or "VOC2012"

@@ -175,7 +175,8 @@ def reproduce(
     Returns a dict with the score sets (``pseudo``, ``debiased``, ``references``,
     ``agreement``), the paths written and the run's :class:`~mars_plugin.commands.errors.JobSummary`.
     """
-    from mars_plugin.adapters.wsss.dhr import DHRLayout, load_image_labels
+    from mars_plugin.adapters.wsss.dhr import load_image_labels
+    from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
     from mars_plugin.adapters.uss.multiscale import DHR_SCALES, check_scales
     from mars_plugin.commands.jobs import check_job_params
     from mars_plugin.commands.distributed import _rank_world, share_error, sync_group

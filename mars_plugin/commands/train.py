@@ -432,7 +432,8 @@ def run_train_command(args: Any) -> Dict[str, Any]:
     images = args.images
     image_labels = None
     if args.root is not None:
-        from mars_plugin.adapters.wsss.dhr import DHRLayout, load_image_labels
+        from mars_plugin.adapters.wsss.dhr import load_image_labels
+        from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
 
         layout = DHRLayout(args.root, args.data)
         images = images or layout.image_dir(args.domain)

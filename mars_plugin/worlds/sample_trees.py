@@ -1,7 +1,7 @@
 """``mars sample``: a small sample tree in a WSSS codebase's own layout, to try every command offline.
 
 The images, ground truth, pseudo labels and USS-like features are the built-in synthetic world
-(:mod:`mars_plugin.worlds.synthetic`: boat pseudo labels leak into the sea, train into the rail), with
+(:mod:`mars_plugin.worlds.synthetic_scenes`: boat pseudo labels leak into the sea, train into the rail), with
 its six classes written as their PASCAL VOC ids (boat 4, train 19, dog 12, car 7, person 15,
 bird 3: the trees are VOC-shaped, ``--num-classes 20``). The labels and tag files are written
 by the adapters' own writers in the codebase's layout (:data:`LAYOUTS`). ``weights/`` holds
@@ -71,7 +71,7 @@ def _save(obj, path: Path) -> None:
 
 def _write_weights(folder: Path, seed: int) -> None:
     """Random STEGO (DHR's two files and a Lightning-like .ckpt) and DINOv2 + DHR's CAUSE heads."""
-    from mars_plugin.adapters.uss.cause import CAUSESegment
+    from mars_plugin.adapters.uss.cause_decoder import CAUSESegment
 
     g = torch.Generator().manual_seed(seed + 1)
     dino = _random_vit(8, seed)
@@ -150,7 +150,7 @@ def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None
 
     from mars_plugin.adapters.wsss._common import VOC_CLASSES
     from mars_plugin.commands.demo import WORLD_NOISE
-    from mars_plugin.worlds.synthetic import make_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
 
     world = make_world(num_images, size=size, seed=seed, **WORLD_NOISE)
     ids = [f"2007_{i + 1:06d}" for i in range(num_images)]  # VOC's form: IRNet stores them as 2007000001
