@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -335,3 +335,29 @@ def check_image_classes(x: Any, name: str, num_classes: int, batch: Optional[int
     raise TypeError(
         f"{name} must be a multi-hot tensor/array (C,) or a list of 1-based class ids, got {describe(x)}"
     )
+
+
+#: At most this many scales (DHR: 4), each at most this factor (DHR: 2): each scale is one more
+#: forward pass, and the ViT's attention grows with the square of a scale's token count.
+MAX_SCALES, MAX_SCALE = 16, 8.0
+
+
+def check_scales(scales: Any, name: str = "scales",
+                 example: Tuple[float, ...] = (2.0, 1.0, 1.5, 0.5)) -> Tuple[float, ...]:
+    """A sequence of 1..16 positive finite numbers up to 8, as a tuple of floats (order kept):
+    the scales of multi-scale inference (``mars features``, ``mars predict``). ``example`` is
+    shown in the error (DHR's scales)."""
+    if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
+        raise TypeError(f"{name} must be a sequence of positive numbers such as {example}, got {describe(scales)}")
+    if len(scales) == 0:
+        raise ValueError(f"{name} must hold at least one scale, got an empty {type(scales).__name__}")
+    if len(scales) > MAX_SCALES:
+        raise ValueError(f"{name} must hold at most {MAX_SCALES} scales (one forward pass each), got {len(scales)}")
+    out = []
+    for i, s in enumerate(scales):
+        if isinstance(s, bool) or not isinstance(s, numbers.Real):
+            raise TypeError(f"{name}[{i}] must be a positive number, got {describe(s)}")
+        if not math.isfinite(s) or s <= 0 or s > MAX_SCALE:
+            raise ValueError(f"{name}[{i}] must be a finite number in (0, {MAX_SCALE:g}], got {s}")
+        out.append(float(s))
+    return tuple(out)

@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and "
                                     "print the commands to try on it (features, centroids, debias, evaluate, report, "
                                     "reproduce). A few seconds, a few MB.")
-    from mars_plugin.worlds.sample_trees import TREES
+    from mars_plugin.commands.sample_trees import TREES
 
     sm.add_argument("--tree", choices=TREES, required=True, help="whose layout")
     sm.add_argument("--out", required=True, help="a new (or empty) folder for the tree")
@@ -584,7 +584,7 @@ def _main(argv: Optional[List[str]]) -> int:
                      write_world=not args.no_world)
             return 0
         if args.command == "sample":
-            from mars_plugin.worlds.sample_trees import describe, write_sample_tree
+            from mars_plugin.commands.sample_trees import describe, write_sample_tree
 
             write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
             print("\n".join(describe(args.tree, args.out)))

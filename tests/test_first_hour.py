@@ -363,7 +363,7 @@ AFTER = {**{c: "run it again to resume (finished files are kept)" for c in ("fea
          **{c: "nothing was written" for c in ("centroids", "evaluate", "report", "sample")},
          "demo": "run it again to start over"}
 #: command -> (module, function) its work runs in
-JOBS = {"sample": ("mars_plugin.worlds.sample_trees", "_write"), "centroids": ("mars_plugin.commands.jobs", "centroids_job"), "debias": ("mars_plugin.commands.jobs", "debias_job"),
+JOBS = {"sample": ("mars_plugin.commands.sample_trees", "_write"), "centroids": ("mars_plugin.commands.jobs", "centroids_job"), "debias": ("mars_plugin.commands.jobs", "debias_job"),
         "evaluate": ("mars_plugin.commands.jobs", "evaluate_job"), "report": ("mars_plugin.commands.jobs", "report_job"),
         "features": ("mars_plugin.commands.features", "features_job"), "demo": ("mars_plugin.commands.demo", "run_demo")}
 

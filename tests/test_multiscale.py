@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from mars_plugin.adapters.uss.extractor import DHR_SCALES, DHR_SETTINGS, ModelExtractor, imagenet_preprocess, multiscale
 from mars_plugin.adapters.uss.leopart import LeopartExtractor
-from mars_plugin.adapters.uss.multiscale import check_scales, nearest_patch_size, scaled_size
+from mars_plugin._checks import check_scales
+from mars_plugin.adapters.uss.multiscale import nearest_patch_size, scaled_size
 from mars_plugin.adapters.uss.stego import STEGOExtractor
 from mars_plugin.adapters.uss.preprocess import normalize_imagenet, resize_images
 from mars_plugin.adapters.uss.vit import DinoViT

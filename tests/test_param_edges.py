@@ -17,7 +17,7 @@ import torch
 from mars_plugin import complement_labels, debias_labels, dense_crf, image_centroids, local_crf, select_centroids
 from mars_plugin.commands import jobs
 from mars_plugin.commands.features import features_job
-from mars_plugin.adapters.uss.multiscale import check_scales
+from mars_plugin._checks import check_scales
 from mars_plugin.cli import apply_threads, main
 from mars_plugin.commands.demo import run_demo
 from mars_plugin.commands.reproduce import reproduce

@@ -11,7 +11,7 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_features, read_image, read_label
-from mars_plugin.worlds.sample_trees import LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
+from mars_plugin.commands.sample_trees import LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
 from mars_plugin.worlds.synthetic_scenes import make_world
 from mars_plugin.commands.demo import WORLD_NOISE
 

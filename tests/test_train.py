@@ -260,7 +260,7 @@ def test_reproduce_train_runs_the_second_step_on_dhr_tree(tmp_path, capsys):
     and scored, the training split's MARS masks are written; run again, everything is kept."""
     import shutil
 
-    from mars_plugin.worlds.sample_trees import write_sample_tree
+    from mars_plugin.commands.sample_trees import write_sample_tree
 
     root = tmp_path / "s"
     write_sample_tree("dhr", root, num_images=6, size=32, seed=0)

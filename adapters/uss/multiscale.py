@@ -28,18 +28,17 @@ call it per image when given ``scales``. DHR's saved features are not L2-normali
 from __future__ import annotations
 
 import math
-import numbers
 from types import MappingProxyType
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from mars_plugin._checks import check_int_param, describe
+from mars_plugin._checks import check_int_param, check_scales, describe
 
 from mars_plugin.adapters.uss.vit import MAX_TOKENS
 
-__all__ = ["DHR_SCALES", "DHR_SETTINGS", "multiscale", "check_scales", "scaled_size", "nearest_patch_size",
+__all__ = ["DHR_SCALES", "DHR_SETTINGS", "multiscale", "scaled_size", "nearest_patch_size",
            "check_scaled_tokens"]
 
 #: DHR's scales, in DHR's order (``core/uss/__init__.py:11``): the first, 2.0, sets the output grid.
@@ -53,29 +52,6 @@ DHR_SCALES: Tuple[float, ...] = (2.0, 1.0, 1.5, 0.5)
 DHR_SETTINGS: Mapping[str, Any] = MappingProxyType(
     {"res": None, "scales": DHR_SCALES, "flip_average": True, "normalize": False}
 )
-
-
-#: At most this many scales (DHR: 4), each at most this factor (DHR: 2): each scale is one more
-#: forward pass, and the ViT's attention grows with the square of a scale's token count.
-MAX_SCALES, MAX_SCALE = 16, 8.0
-
-
-def check_scales(scales: Any, name: str = "scales") -> Tuple[float, ...]:
-    """A sequence of 1..16 positive finite numbers up to 8, as a tuple of floats (order kept)."""
-    if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
-        raise TypeError(f"{name} must be a sequence of positive numbers such as {DHR_SCALES}, got {describe(scales)}")
-    if len(scales) == 0:
-        raise ValueError(f"{name} must hold at least one scale, got an empty {type(scales).__name__}")
-    if len(scales) > MAX_SCALES:
-        raise ValueError(f"{name} must hold at most {MAX_SCALES} scales (one forward pass each), got {len(scales)}")
-    out = []
-    for i, s in enumerate(scales):
-        if isinstance(s, bool) or not isinstance(s, numbers.Real):
-            raise TypeError(f"{name}[{i}] must be a positive number, got {describe(s)}")
-        if not math.isfinite(s) or s <= 0 or s > MAX_SCALE:
-            raise ValueError(f"{name}[{i}] must be a finite number in (0, {MAX_SCALE:g}], got {s}")
-        out.append(float(s))
-    return tuple(out)
 
 
 def scaled_size(height: int, width: int, scale: float, patch: int) -> Tuple[int, int]:

@@ -10,5 +10,7 @@
   colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).
 * ``run_record.py`` -- resumable runs: what was made from what (``identities.py``: what identifies
   an input), and ``run_lock.py``, one run at a time.
+* ``sample_trees.py`` -- ``mars sample``: small trees in each codebase's layout (random-weight
+  model files), for trying every command without downloads.
 * ``metrics.py`` -- mIoU as VOC computes it (``mars evaluate``); ``cli_types.py`` -- flag types.
 """

@@ -177,7 +177,8 @@ def reproduce(
     """
     from mars_plugin.adapters.wsss.dhr import load_image_labels
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-    from mars_plugin.adapters.uss.multiscale import DHR_SCALES, check_scales
+    from mars_plugin._checks import check_scales
+    from mars_plugin.adapters.uss.multiscale import DHR_SCALES
     from mars_plugin.commands.jobs import check_job_params
     from mars_plugin.commands.distributed import _rank_world, share_error, sync_group
 

@@ -64,7 +64,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mars_plugin._checks import check_real_param, describe
+from mars_plugin._checks import check_real_param, check_scales, describe
 from mars_plugin.engines.crf import dense_crf
 from mars_plugin.engines.crf_params import CRF_PRESETS, check_crf_params
 
@@ -107,8 +107,6 @@ def _scaled_size(height: int, width: int, scale: float) -> Tuple[int, int]:
 
 
 def _check_scales(scales: Any) -> Tuple[float, ...]:
-    from mars_plugin.adapters.uss.multiscale import check_scales
-
     return check_scales(scales, "scales")
 
 
