@@ -2,7 +2,7 @@
 
 A value out of range stops the command before any work with one line naming the flag, the
 value and the range (argparse prefixes ``argument --flag:``; exit status 2). The bounds are
-the ones the Python functions check (:mod:`mars_plugin._checks`, :mod:`mars_plugin.commands.jobs`,
+the ones the Python functions check (:mod:`mars_plugin._checks`, :mod:`mars_plugin.commands.inputs`,
 :func:`mars_plugin.commands.demo.run_demo`, :mod:`mars_plugin.adapters.uss.multiscale`), so that the
 command line and the library refuse the same values.
 """

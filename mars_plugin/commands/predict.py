@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, describe
 from mars_plugin.engines.crf import CRF_PRESETS, DEFAULT_MAX_BYTES, check_crf_image, check_crf_params, dense_crf
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
-from mars_plugin.commands.jobs import _check_out_dir, _label_like
+from mars_plugin.commands.inputs import _check_out_dir, _label_like
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
 from mars_plugin.commands.distributed import _rank_world, resolve_device, share_error, sync_group

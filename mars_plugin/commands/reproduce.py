@@ -67,7 +67,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from mars_plugin.formats.files import atomic_write, list_stems
-from mars_plugin.commands.jobs import LabelFormat, centroids_job, debias_job, evaluate_job, report_job
+from mars_plugin.commands.centroids import centroids_job
+from mars_plugin.commands.debias import debias_job
+from mars_plugin.commands.evaluate import evaluate_job
+from mars_plugin.commands.label_formats import LabelFormat
+from mars_plugin.commands.report import report_job
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
 from mars_plugin.commands.run_record import (LOCK_NAME, OutputIds, RunLock, broadcast_object, file_id, json_digest, model_files_id,
                          remove_stale_tmp, roles_digest, settings_diff, weight_file_id)
@@ -275,7 +279,7 @@ def reproduce(
     """
     from mars_plugin.adapters.wsss.dhr import DHRLayout, load_image_labels
     from mars_plugin.adapters.uss.multiscale import DHR_SCALES, check_scales
-    from mars_plugin.commands.jobs import check_job_params
+    from mars_plugin.commands.inputs import check_job_params
     from mars_plugin.commands.distributed import _rank_world, share_error, sync_group
 
     t_all = time.perf_counter()
