@@ -173,6 +173,20 @@ def test_centroids_and_debias_print_class_names(world, tmp_path, capsys):
     assert "8 already done" in out and "marked biased" not in out
 
 
+
+@pytest.mark.parametrize("wsss", ["seam", "rsepm"])
+def test_wsss_without_class_names_prints_that_codebases_names(world, tmp_path, capsys, wsss):
+    """``--wsss NAME`` and no ``--class-names``: the summary names the classes as that codebase does."""
+    from mars_plugin.adapters.wsss import rsepm, seam
+
+    names = list(seam.CLASS_NAMES) if wsss == "seam" else list(rsepm.class_names("voc"))
+    root, _ = world
+    assert main(["centroids", "--features", str(root / "features"), "--labels", str(root / "labels"),
+                 "--num-classes", "6", "--out", str(tmp_path / "V.pt"), "--no-progress", "--wsss", wsss]) == 0
+    out = capsys.readouterr().out
+    for c in range(1, 7):
+        assert f"class {c} ({names[c]}): " in out
+
 # unsafe ids ------------------------------------------------------------------------------
 
 
