@@ -35,7 +35,8 @@ from mars_plugin.formats.files import BIASED_VALUE, feature_shape, find_features
 from mars_plugin.commands.errors import JobError, one_line
 from mars_plugin.method.selection import DebiasedCentroids
 
-__all__ = ["load_centroids", "check_job_params"]
+__all__ = ["load_centroids", "check_job_params", "no_valid_pixel", "check_any_valid", "check_label_values",
+           "check_features", "check_input_folder", "check_images_folder"]
 
 
 def no_valid_pixel(label: torch.Tensor, path: os.PathLike, ignore_index: int) -> Optional[str]:
