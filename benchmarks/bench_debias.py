@@ -32,7 +32,7 @@ from _machine import machine_line  # noqa: E402
 
 from mars_plugin import select_centroids  # noqa: E402
 from mars_plugin.formats.files import write_features, write_image, write_label  # noqa: E402
-from mars_plugin.commands.jobs import debias_job  # noqa: E402
+from mars_plugin.commands.debias import debias_job  # noqa: E402
 
 
 def make_folder(root: str, n: int, H: int = 375, W: int = 500, D: int = 70, stride: int = 8, seed: int = 0):

@@ -57,7 +57,7 @@ def section_debias(dev, smoke):
     from bench_debias import make_folder
 
     from mars_plugin.formats.files import read_features, read_label
-    from mars_plugin.commands.jobs import debias_job
+    from mars_plugin.commands.debias import debias_job
     from mars_plugin.method.selection import select_centroids
 
     n = 64 if not smoke else 4

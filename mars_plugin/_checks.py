@@ -215,7 +215,7 @@ def check_ignore_byte(value: Any, name: str = "ignore_index", num_classes: Optio
     return v
 
 
-# Bounds of the parameters of the folder jobs and their flags (mars_plugin.commands.jobs,
+# Bounds of the parameters of the folder jobs and their flags (mars_plugin.commands.inputs,
 # mars_plugin.commands.cli_types): typos caught before hours of work or an allocation that cannot fit.
 #: K-means clusters per class (the paper: 2); beyond an image's pixels K gives one centroid
 #: per pixel, so a larger K is a typo, not a setting.

@@ -536,11 +536,11 @@ def test_own_loop_runs_on_dhr_files(tmp_path, monkeypatch):
 def test_cli_wsss_dhr_reads_tags_and_json(tmp_path):
     """``mars centroids --wsss dhr --image-labels <xml>``: tags through this adapter."""
     from mars_plugin import cli
-    from mars_plugin.commands import jobs
+    from mars_plugin.commands import label_formats
     rng = np.random.default_rng(10)
     L, names = _dhr_fixture(tmp_path, rng)
-    assert "dhr" in jobs.WSSS_ADAPTERS
-    got = jobs.label_format("dhr").image_labels(L.xml_dir(), 20)
+    assert "dhr" in label_formats.WSSS_ADAPTERS
+    got = label_formats.label_format("dhr").image_labels(L.xml_dir(), 20)
     assert got == {n: [(1, 19)[k % 2]] for k, n in enumerate(names)}
     feats = tmp_path / "npy"
     feats.mkdir()

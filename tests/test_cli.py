@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from mars_plugin import DebiasedCentroids, debias_labels, select_centroids
-from mars_plugin.cli import build_parser, main
+from mars_plugin.cli import main
+from mars_plugin.commands.cli_parser import build_parser
 from mars_plugin.formats.files import BIASED_VALUE, read_features, read_label, voc_palette
 from mars_plugin.worlds.synthetic import write_world
 from mars_plugin.worlds.synthetic_scenes import make_world
@@ -130,7 +131,7 @@ def test_debias_writes_voc_pngs_equal_to_the_library_and_resumes(world_dir, tmp_
     keep = files[5]
     mtime = keep.stat().st_mtime_ns
     victim.unlink()
-    from mars_plugin.commands.jobs import debias_job
+    from mars_plugin.commands.debias import debias_job
 
     s = debias_job(root / "features", root / "labels", tmp_path / "V.pt", out, refine="threshold", progress=False)
     assert (s.done, s.existing, s.failed) == (1, len(files) - 1, [])
@@ -311,7 +312,7 @@ def test_wsss_irnet_folders_through_the_cli(world_dir, tmp_path, capsys):
 
 
 def test_debias_job_refuses_bad_batch_size_and_device(world_dir, tmp_path):
-    from mars_plugin.commands.jobs import debias_job
+    from mars_plugin.commands.debias import debias_job
 
     root, _ = world_dir
     _centroids(root, tmp_path / "V.pt")

@@ -13,8 +13,9 @@ import torch
 from PIL import Image
 
 import mars_plugin
-from mars_plugin.commands import errors, jobs
-from mars_plugin.cli import build_parser, main
+from mars_plugin.commands import centroids, debias, errors, evaluate, report
+from mars_plugin.cli import main
+from mars_plugin.commands.cli_parser import build_parser
 from mars_plugin.formats.files import check_stem, read_label, stem_path
 from mars_plugin.worlds.synthetic import write_world
 from mars_plugin.worlds.synthetic_scenes import make_world
@@ -77,8 +78,8 @@ def test_threads_is_applied_before_every_command_runs(world, tmp_path, monkeypat
             seen["numba"] = numba.get_num_threads()
         raise errors.JobError("stopped by the test")
 
-    for mod, name in ((demo, "run_demo"), (features, "run_features"), (jobs, "centroids_job"),
-                      (jobs, "debias_job"), (jobs, "evaluate_job"), (jobs, "report_job")):
+    for mod, name in ((demo, "run_demo"), (features, "run_features"), (centroids, "centroids_job"),
+                      (debias, "debias_job"), (evaluate, "evaluate_job"), (report, "report_job")):
         monkeypatch.setattr(mod, name, job)
     before = torch.get_num_threads()
     try:
@@ -173,6 +174,20 @@ def test_centroids_and_debias_print_class_names(world, tmp_path, capsys):
     assert "8 already done" in out and "marked biased" not in out
 
 
+
+@pytest.mark.parametrize("wsss", ["seam", "rsepm"])
+def test_wsss_without_class_names_prints_that_codebases_names(world, tmp_path, capsys, wsss):
+    """``--wsss NAME`` and no ``--class-names``: the summary names the classes as that codebase does."""
+    from mars_plugin.adapters.wsss import rsepm, seam
+
+    names = list(seam.CLASS_NAMES) if wsss == "seam" else list(rsepm.class_names("voc"))
+    root, _ = world
+    assert main(["centroids", "--features", str(root / "features"), "--labels", str(root / "labels"),
+                 "--num-classes", "6", "--out", str(tmp_path / "V.pt"), "--no-progress", "--wsss", wsss]) == 0
+    out = capsys.readouterr().out
+    for c in range(1, 7):
+        assert f"class {c} ({names[c]}): " in out
+
 # unsafe ids ------------------------------------------------------------------------------
 
 
@@ -189,13 +204,13 @@ def test_debias_writes_through_stem_path(world, tmp_path, monkeypatch):
     """The debias writer builds its output path with the checked stem_path."""
     root, _ = world
     calls = []
-    real = jobs.stem_path
+    real = debias.stem_path
 
     def spy(folder, stem, suffix):
         calls.append(stem)
         return real(folder, stem, suffix)
 
-    monkeypatch.setattr(jobs, "stem_path", spy)
+    monkeypatch.setattr(debias, "stem_path", spy)
     assert main(["debias", "--features", str(root / "features"), "--labels", str(root / "labels"), "--centroids",
                  str(root / "V.pt"), "--out", str(tmp_path / "db"), "--refine", "threshold", "--no-progress"]) == 0
     assert len(set(calls)) == 8

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent('''
     import os
     import sys
 
-    from mars_plugin.commands import jobs
+    from mars_plugin.commands import debias as debias_command
 
     from mars_plugin.method import selection
     FAULT = os.environ["MARS_TEST_FAULT"]
@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
         elif FAULT == "crash":  # the worker dies on its first image
             def read_features(path):
                 os._exit(9)
-            jobs.read_features = read_features
+            debias_command.read_features = read_features
         elif FAULT == "no-file":  # a worker that reads the centroid file finds it gone
             def load(*a, **k):
                 raise FileNotFoundError("the centroid file was removed after the run began")

@@ -14,7 +14,8 @@ from PIL import Image
 from mars_plugin import DebiasedCentroids
 from mars_plugin.adapters.uss.extractor import ModelExtractor
 from mars_plugin.commands.features import add_features_arguments, features_job
-from mars_plugin.cli import build_parser, main
+from mars_plugin.cli import main
+from mars_plugin.commands.cli_parser import build_parser
 from mars_plugin.formats.files import (
     FEATURE_EXTENSIONS,
     feature_shape,

@@ -1,6 +1,6 @@
 """`mars features` / features_job under torch.distributed: two gloo CPU ranks (torchrun, or spawned
 processes) write what one process writes, in .npy and .pt, resume per file, stop or skip per file on
-every rank; which stems each rank takes; the rank helpers of mars_plugin.commands.jobs."""
+every rank; which stems each rank takes; the rank helpers of mars_plugin.commands.distributed."""
 import contextlib
 import io
 import json

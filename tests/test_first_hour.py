@@ -6,7 +6,7 @@
   command, also with ``--on-error skip`` (which then leaves no empty output folder);
 * a folder of label PNGs given as ``--images`` is refused;
 * a label set (or ground truth) with no valid pixel is an error naming the folder; one such
-  label is a warning (see ``mars_plugin.commands.jobs.no_valid_pixel`` for why);
+  label is a warning (see ``mars_plugin.commands.inputs.no_valid_pixel`` for why);
 * Ctrl-C ends every command with one line and exit 130, ``--workers`` processes included;
 * ``--wsss dhr`` prints DHR's class names and ``--class-names`` reads DHR's dataset json.
 """
@@ -96,14 +96,14 @@ def _python_parameters():
 
     from mars_plugin import select_centroids
 
-    from mars_plugin.commands import demo, distributed, jobs, reproduce
+    from mars_plugin.commands import centroids, debias, demo, distributed, evaluate, report, reproduce
     from mars_plugin.adapters.uss import extractor
     from mars_plugin.commands import features
     from mars_plugin.engines.crf_params import check_crf_params
 
     names = set()
-    for fn in (jobs.centroids_job, jobs.debias_job, jobs.evaluate_job, jobs.report_job, features.features_job,
-               extractor.load_extractor, reproduce.reproduce, demo.run_demo, select_centroids, check_crf_params,
+    for fn in (centroids.centroids_job, debias.debias_job, evaluate.evaluate_job, report.report_job,
+               features.features_job, extractor.load_extractor, reproduce.reproduce, demo.run_demo, select_centroids, check_crf_params,
                distributed.resolve_device):
         names |= set(inspect.signature(fn).parameters)
     return names
@@ -363,8 +363,11 @@ AFTER = {**{c: "run it again to resume (finished files are kept)" for c in ("fea
          **{c: "nothing was written" for c in ("centroids", "evaluate", "report", "sample")},
          "demo": "run it again to start over"}
 #: command -> (module, function) its work runs in
-JOBS = {"sample": ("mars_plugin.commands.sample_trees", "_write"), "centroids": ("mars_plugin.commands.jobs", "centroids_job"), "debias": ("mars_plugin.commands.jobs", "debias_job"),
-        "evaluate": ("mars_plugin.commands.jobs", "evaluate_job"), "report": ("mars_plugin.commands.jobs", "report_job"),
+JOBS = {"sample": ("mars_plugin.commands.sample_trees", "_write"),
+        "centroids": ("mars_plugin.commands.centroids", "centroids_job"),
+        "debias": ("mars_plugin.commands.debias", "debias_job"),
+        "evaluate": ("mars_plugin.commands.evaluate", "evaluate_job"),
+        "report": ("mars_plugin.commands.report", "report_job"),
         "features": ("mars_plugin.commands.features", "features_job"), "demo": ("mars_plugin.commands.demo", "run_demo")}
 
 

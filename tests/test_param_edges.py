@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mars_plugin import complement_labels, debias_labels, dense_crf, image_centroids, local_crf, select_centroids
-from mars_plugin.commands import jobs
+from mars_plugin.commands import centroids, debias, evaluate, report
 from mars_plugin.commands.features import features_job
 from mars_plugin._checks import check_scales
 from mars_plugin.cli import apply_threads, main
@@ -101,12 +101,11 @@ def _argv(cmd, tmp):
 
 @pytest.mark.parametrize("cmd, flag, value", BAD_FLAGS, ids=[f"{c} {f} {v[:12]}" for c, f, v in BAD_FLAGS])
 def test_a_flag_out_of_range_stops_before_any_work(cmd, flag, value, tmp_path, capsys, monkeypatch):
-    import mars_plugin.commands.jobs as J
-
     def no_work(*a, **k):  # a value that got through would reach the job: fail loudly
         raise AssertionError("the command started its work")
 
-    monkeypatch.setattr(J, "_stems", no_work)
+    for module in (centroids, debias, evaluate, report):  # each job lists its stems first
+        monkeypatch.setattr(module, "_stems", no_work)
     with pytest.raises(SystemExit) as e:
         main([*_argv(cmd, tmp_path), f"{flag}={value}"])
     assert e.value.code == 2
@@ -123,7 +122,7 @@ def test_a_flag_out_of_range_stops_before_any_work(cmd, flag, value, tmp_path, c
 
 def test_every_numeric_flag_is_in_the_family():
     """A numeric flag added later must get a bound and a row above."""
-    from mars_plugin.cli import build_parser
+    from mars_plugin.commands.cli_parser import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.choices and "demo" in a.choices)
@@ -140,7 +139,7 @@ def test_every_numeric_flag_is_in_the_family():
 
 
 def test_the_edges_themselves_are_accepted():
-    from mars_plugin.cli import build_parser
+    from mars_plugin.commands.cli_parser import build_parser
 
     p = build_parser()
     a = p.parse_args(["centroids", "--features", "f", "--labels", "l", "--num-classes", "253", "--out", "o",
@@ -171,13 +170,15 @@ def _job(name, **kw):
     def call(tmp):
         t = tmp / "missing"
         if name == "centroids":
-            return jobs.centroids_job(t / "f", t / "l", kw.pop("num_classes", 6), tmp / "out.pt", progress=False, **kw)
+            return centroids.centroids_job(t / "f", t / "l", kw.pop("num_classes", 6), tmp / "out.pt", progress=False,
+                                           **kw)
         if name == "debias":
-            return jobs.debias_job(t / "f", t / "l", t / "V.pt", tmp / "out", refine="threshold", progress=False, **kw)
+            return debias.debias_job(t / "f", t / "l", t / "V.pt", tmp / "out", refine="threshold", progress=False,
+                                     **kw)
         if name == "evaluate":
-            return jobs.evaluate_job(t / "p", t / "g", kw.pop("num_classes", 6), progress=False, **kw)
+            return evaluate.evaluate_job(t / "p", t / "g", kw.pop("num_classes", 6), progress=False, **kw)
         if name == "report":
-            return jobs.report_job(t / "l", t / "d", t / "i", tmp / "out", progress=False, **kw)
+            return report.report_job(t / "l", t / "d", t / "i", tmp / "out", progress=False, **kw)
         if name == "features":
             return features_job(lambda x: x, t / "images", tmp / "out", progress=False, **kw)
         if name == "reproduce":

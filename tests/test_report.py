@@ -10,7 +10,7 @@ import torch
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from mars_plugin.cli import main  # noqa: E402
-from mars_plugin.commands.jobs import SHARE_DEFINITION, report_job  # noqa: E402
+from mars_plugin.commands.report import SHARE_DEFINITION, report_job  # noqa: E402
 from mars_plugin.formats.files import write_image, write_label  # noqa: E402
 from mars_plugin.commands.label_images import BIASED_COLOR  # noqa: E402
 from mars_plugin.commands.panel_grids import SWATCH  # noqa: E402
@@ -119,8 +119,8 @@ def test_photographs_make_grids_of_bounded_size_and_per_class_keeps_the_top_clas
     passed PIL's decompression-bomb limit), small ones keep their 3x, and per_class.png shows the
     MAX_GRID_CLASSES classes with the largest share removed (report.json keeps them all)."""
     import mars_plugin.commands.panel_grids as panel_grids
-    from mars_plugin.commands import jobs
-    C = jobs.MAX_GRID_CLASSES + 6
+    from mars_plugin.commands.report import MAX_GRID_CLASSES
+    C = MAX_GRID_CLASSES + 6
     root = tmp_path / "w"
     g = torch.Generator().manual_seed(1)
     for i in range(C):  # image i holds class i+1, a share (i+1)/(C+1) of it removed
@@ -149,10 +149,10 @@ def test_photographs_make_grids_of_bounded_size_and_per_class_keeps_the_top_clas
         for _, panels in rows:
             assert all(np.asarray(p).shape[:2] == (128, 256) for _, p in panels)
     # the top classes by share: C, C-1, ... (the share grows with the class id)
-    assert [cap.split(":")[0] for cap, _ in per_class[0]] == [f"c{c}" for c in range(C, C - jobs.MAX_GRID_CLASSES, -1)]
+    assert [cap.split(":")[0] for cap, _ in per_class[0]] == [f"c{c}" for c in range(C, C - MAX_GRID_CLASSES, -1)]
     assert len(report["ranking"]) == C and len(report["per_class_examples"]) == C
     with PIL_Image.open(tmp_path / "out" / "per_class.png") as im:
-        assert im.width < 1200 and im.height < jobs.MAX_GRID_CLASSES * 200
+        assert im.width < 1200 and im.height < MAX_GRID_CLASSES * 200
     # Small images (the demo's) keep their 3x enlargement.
     _folders(tmp_path / "small")
     seen.clear()

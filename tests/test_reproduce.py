@@ -18,7 +18,7 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_features, read_label, write_image, write_label
-from mars_plugin.commands.jobs import evaluate_job
+from mars_plugin.commands.evaluate import evaluate_job
 from mars_plugin.commands.reproduce import PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, format_report, reproduce
 from mars_plugin.worlds.synthetic_scenes import make_world
 

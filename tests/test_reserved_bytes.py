@@ -23,7 +23,7 @@ from mars_plugin import (
     image_centroids,
     select_centroids,
 )
-from mars_plugin.commands import jobs
+from mars_plugin.commands import centroids, evaluate, label_formats, report
 from mars_plugin.adapters.wsss import dhr, irnet
 from mars_plugin.cli import main
 from mars_plugin.method.debias import mark_biased
@@ -96,12 +96,12 @@ PYTHON = {
     "format_scores_table(C+1 names)": lambda C, tmp, w: format_scores_table(
         _names(C), {"": segmentation_scores(np.eye(C + 1))}),
     "DebiasedCentroids.load(file of C+1 rows)": _save_load,
-    "jobs.read_image_labels(num_classes)": lambda C, tmp, w: jobs.read_image_labels(None, C),
-    "jobs.centroids_job(num_classes)": lambda C, tmp, w: jobs.centroids_job(
+    "label_formats.read_image_labels(num_classes)": lambda C, tmp, w: label_formats.read_image_labels(None, C),
+    "centroids.centroids_job(num_classes)": lambda C, tmp, w: centroids.centroids_job(
         w[0] / "features", w[0] / "labels", C, tmp / "V.pt", progress=False),
-    "jobs.evaluate_job(num_classes)": lambda C, tmp, w: jobs.evaluate_job(
+    "evaluate.evaluate_job(num_classes)": lambda C, tmp, w: evaluate.evaluate_job(
         w[0] / "labels", w[0] / "gt", C, progress=False),
-    "jobs.report_job(class_names)": lambda C, tmp, w: jobs.report_job(
+    "report.report_job(class_names)": lambda C, tmp, w: report.report_job(
         w[0] / "labels", w[0] / "labels", w[0] / "images", tmp / "rep", class_names=_names(C), progress=False),
     "DHRLayout.class_names(dataset json)": _dhr_json,
     "dhr.write_masks(num_classes)": lambda C, tmp, w: dhr.write_masks([("a", Y)], tmp / "wss", num_classes=C,

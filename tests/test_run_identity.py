@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from mars_plugin import cli
 from mars_plugin.commands.features import features_job
 from mars_plugin.formats.files import read_image, read_label, write_image, write_label
-from mars_plugin.commands.jobs import centroids_job, debias_job
+from mars_plugin.commands.centroids import centroids_job
+from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.errors import JobError
 from mars_plugin.commands.reproduce import reproduce
 from mars_plugin.method.selection import DebiasedCentroids

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin._checks import MAX_RES
+from mars_plugin._checks import MAX_RES, check_scales
 
-from mars_plugin.adapters.uss.multiscale import check_scaled_tokens, check_scales, multiscale, nearest_patch_size, scaled_size
+from mars_plugin.adapters.uss.multiscale import check_scaled_tokens, multiscale, nearest_patch_size, scaled_size
 from mars_plugin.adapters.uss.preprocess import (
     INTERPOLATIONS,
     as_float_images,

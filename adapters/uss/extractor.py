@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, check_scales, multiscale
+from mars_plugin._checks import check_scales
+from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale
 from mars_plugin.adapters.uss.preprocess import (
     as_float_images,
     check_output_size,

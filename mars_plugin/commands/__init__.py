@@ -1,7 +1,11 @@
 """The ``mars`` command line's work (``mars_plugin/cli.py`` parses and dispatches to these).
 
-* ``jobs.py`` -- the folder jobs of ``mars centroids``, ``debias``, ``evaluate``, ``report`` and
-  what every command shares (errors, summaries, input checks, torchrun helpers).
+* ``centroids.py``, ``debias.py``, ``evaluate.py``, ``report.py`` -- the folder jobs of ``mars
+  centroids``, ``debias``, ``evaluate``, ``report`` and their command-line bodies (the equations
+  are in :mod:`mars_plugin.method`); what several commands share: ``inputs.py`` (input checks),
+  ``label_formats.py`` (WSSS label formats, image-level labels, class names), ``errors.py``
+  (errors, summaries), ``distributed.py`` (torchrun helpers); ``cli_parser.py`` -- every
+  command's flags.
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step).
 * ``features.py`` -- ``mars features`` (the folder job around a USS extractor).
 * ``reproduce.py`` (+ ``reproduce_state.py``, ``reproduce_plan.py``, ``reproduce_report.py``,

@@ -2,7 +2,7 @@
 
 A value out of range stops the command before any work with one line naming the flag, the
 value and the range (argparse prefixes ``argument --flag:``; exit status 2). The bounds are
-the ones the Python functions check (:mod:`mars_plugin._checks`, :mod:`mars_plugin.commands.jobs`,
+the ones the Python functions check (:mod:`mars_plugin._checks`, :mod:`mars_plugin.commands.inputs`,
 :func:`mars_plugin.commands.demo.run_demo`, :mod:`mars_plugin.adapters.uss.multiscale`), so that the
 command line and the library refuse the same values.
 """
@@ -137,7 +137,7 @@ class_threshold = real_in(0.0, 1.0)
 def seg_scales(text: str) -> Tuple[float, ...]:
     """--scales of ``mars predict``: comma-separated positive numbers, e.g. 1,0.5,1.5,2 (order
     kept; the bounds of :func:`mars_plugin.adapters.uss.multiscale.check_scales`)."""
-    from mars_plugin.adapters.uss.multiscale import check_scales
+    from mars_plugin._checks import check_scales
 
     try:
         values = [float(t) for t in text.split(",")]

@@ -31,7 +31,7 @@ import torch.nn as nn
 from mars_plugin.commands import cli_types as T
 from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param, check_scales
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
-from mars_plugin.commands.jobs import _label_like
+from mars_plugin.commands.inputs import _label_like
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
 from mars_plugin.commands.distributed import _dist_ready, _rank_world, resolve_device, share_error, sync_group

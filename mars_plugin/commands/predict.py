@@ -26,7 +26,7 @@ from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _check_scales, _crf_params,
                                            _scaled_size, labels_from_probs, multiscale_probs)
-from mars_plugin.commands.jobs import _check_out_dir, _label_like
+from mars_plugin.commands.inputs import _check_out_dir, _label_like
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
 from mars_plugin.commands.distributed import _rank_world, resolve_device, share_error, sync_group

@@ -68,7 +68,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from mars_plugin.formats.files import atomic_write, list_stems
-from mars_plugin.commands.jobs import LabelFormat, centroids_job, debias_job, evaluate_job, report_job
+from mars_plugin.commands.centroids import centroids_job
+from mars_plugin.commands.debias import debias_job
+from mars_plugin.commands.evaluate import evaluate_job
+from mars_plugin.commands.label_formats import LabelFormat
+from mars_plugin.commands.report import report_job
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
 from mars_plugin.commands.identities import model_files_id
 from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
@@ -179,7 +183,7 @@ def reproduce(
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
     from mars_plugin._checks import check_scales
     from mars_plugin.adapters.uss.multiscale import DHR_SCALES
-    from mars_plugin.commands.jobs import check_job_params
+    from mars_plugin.commands.inputs import check_job_params
     from mars_plugin.commands.distributed import _rank_world, share_error, sync_group
 
     t_all = time.perf_counter()

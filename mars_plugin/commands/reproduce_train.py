@@ -46,7 +46,7 @@ def train_after_reproduce(
     """Train, predict the validation split and score it, predict the training split (see the
     module docstring). Returns {"checkpoint", "val": scores or None, "masks": folder or None}."""
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-    from mars_plugin.commands.jobs import evaluate_job
+    from mars_plugin.commands.evaluate import evaluate_job
     from mars_plugin.commands.distributed import _rank_world
     from mars_plugin.commands.predict import load_model, predict_job
     from mars_plugin.commands.identities import weight_file_id

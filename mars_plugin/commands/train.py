@@ -424,8 +424,7 @@ def _trim_log(path: Path, step: int) -> None:
 
 def run_train_command(args: Any) -> Dict[str, Any]:
     """``mars train``'s arguments -> :func:`train`; resolves ``--root``'s folders, tags and names."""
-    from mars_plugin.cli import _class_names
-    from mars_plugin.commands.jobs import read_image_labels
+    from mars_plugin.commands.label_formats import _class_names, read_image_labels
     from mars_plugin.commands.distributed import _rank_world
 
     names = _class_names(args.class_names)

@@ -1,0 +1,380 @@
+"""``mars debias``: one debiased label PNG per pseudo label (Eq. 4-5, the dense CRF), in
+batches, in ``--workers`` processes, resumable.
+
+The worker functions (``_debias_init``, ``_debias_batch``) are module-level: the worker
+processes (spawn) import them by their qualified name. The equations are in
+:mod:`mars_plugin.method.debias`; this module is the command's folder work.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from mars_plugin._checks import check_ignore_byte
+from mars_plugin.engines.crf_memory import check_crf_image
+from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_params
+from mars_plugin.method.debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
+from mars_plugin.formats.files import (
+    FEATURE_EXTENSIONS,
+    IGNORE_VALUE,
+    classes_in_label,
+    find_features,
+    find_image,
+    read_features,
+    read_image,
+    read_label,
+    stem_path,
+    write_label,
+)
+from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, one_line
+from mars_plugin.method.selection import DebiasedCentroids
+from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
+from mars_plugin.commands.inputs import (
+    _check_out_dir,
+    _only,
+    _progress,
+    _stems,
+    check_any_valid,
+    check_features,
+    check_images_folder,
+    check_input_folder,
+    check_job_params,
+    check_label_values,
+    load_centroids,
+    no_valid_pixel,
+)
+
+__all__ = ["debias_job", "run_debias_command"]
+
+
+_WORKER: Dict[str, Any] = {}
+
+
+def _debias_init(config: Dict[str, Any]) -> None:
+    """Set up a worker. The centroids come as tensors in ``config``, so no worker re-reads the
+    file (which may have changed or gone since the run began). An error here is kept and
+    raised, as a :class:`JobError`, by the worker's first batch: a pool whose initializer
+    raises would print a traceback per worker (and ``multiprocessing.Pool`` respawns them
+    forever)."""
+    _WORKER.clear()
+    if config["workers"] > 1:
+        _ignore_sigint()
+    try:
+        # One thread per worker process: N workers use N cores instead of fighting over them.
+        if config["workers"] > 1:
+            torch.set_num_threads(1)
+        _WORKER.update(config)
+        _WORKER["centroids"] = config["centroids"].to(config["device"])
+    except Exception as e:  # noqa: BLE001 -- reported by _debias_batch, see above
+        _WORKER["init_error"] = f"a --workers process failed to start: {one_line(e)}"
+
+
+def _ignore_sigint() -> None:
+    """In a worker process: Ctrl-C (SIGINT, sent by the terminal to every process of the
+    command) is for the parent, which stops the workers; a worker that raised
+    KeyboardInterrupt would print a traceback of its own."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_workers(submit):
+    """``submit()`` (which starts the worker processes) with SIGINT blocked in this thread, so
+    that the workers start with it blocked (the mask is inherited): a Ctrl-C while a worker is
+    still importing, before :func:`_ignore_sigint`, would print its traceback. Here the signal
+    waits and reaches this process as soon as the workers have started."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return submit()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return submit()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _debias_check_init() -> None:
+    if "init_error" in _WORKER:
+        raise JobError(_WORKER["init_error"])
+
+
+def _debias_read(stem: str) -> Dict[str, Any]:
+    """One image's inputs, checked, and its soft mask M_hat (Eq. 4) on the job's device."""
+    cfg = _WORKER
+    V: DebiasedCentroids = cfg["centroids"]
+    feat_path = find_features(cfg["features_dir"], stem)
+    feats = read_features(feat_path)
+    check_features(feats, feat_path, V.dim, f"as --centroids {cfg['centroids_path']}")
+    feats = feats.to(cfg["device"])
+    label_path = Path(cfg["labels_dir"]) / f"{stem}.png"
+    label = read_label(label_path, biased_value=None)
+    check_label_values(label, label_path, V.num_classes, cfg["ignore_index"],
+                       flag=f"the number of classes of --centroids {cfg['centroids_path']}")
+    if cfg["image_labels"] is not None:
+        if stem not in cfg["image_labels"]:
+            raise ValueError(f"{stem!r} has no entry in the --image-labels file")
+        classes = cfg["image_labels"][stem]
+    else:
+        classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
+    # Eq. 5's checks before the batch's CRF, so that a bad file fails alone.
+    label = check_pseudo_label(label, V, ignore_index=cfg["ignore_index"])
+    item = {"stem": stem, "label": label,
+            "similarity": debiased_similarity(feats, V, classes, size=tuple(label.shape))}
+    if cfg["refine"] == "crf":
+        image = read_image(find_image(cfg["images_dir"], stem))
+        if image.shape[:2] != tuple(label.shape):
+            raise ValueError(f"image {image.shape[1]}x{image.shape[0]} and pseudo label "
+                             f"{label.shape[1]}x{label.shape[0]} (width x height) differ in size")
+        # this image's CRF edges (standard deviations for its size, its memory) fail it alone
+        check_crf_image(cfg["crf_params"], *label.shape, 2, name="--crf-params",
+                        max_bytes=DEFAULT_MAX_BYTES if cfg["crf_backend"] == "torch" else None)
+        item["image"] = torch.from_numpy(image).to(cfg["device"])
+    return item
+
+
+def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]]:
+    """Debias a batch of images (one CRF call on the job's device), every one of ``stems``
+    (the caller left out those whose output is current); returns (stem, "done"|"failed", error
+    message, {class: (pixels, removed)}, digest of the label written) for each."""
+    from mars_plugin.commands.identities import array_digest
+
+    _debias_check_init()
+    cfg = _WORKER
+    results: List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]] = []
+    items = []
+    for stem in stems:
+        try:
+            items.append(_debias_read(stem))
+        except FILE_ERRORS as e:
+            results.append((stem, "failed", one_line(e), {}, ""))
+    if not items:
+        return results
+    sims = [it["similarity"] for it in items]
+    if cfg["refine"] == "crf":
+        masks = refine_mask(sims, [it["image"] for it in items], cfg["crf_params"], cfg["crf_backend"])
+    else:
+        masks = [m > cfg["threshold"] for m in sims]
+    for it, mask in zip(items, masks):
+        y = mark_biased(it["label"], mask.cpu(), cfg["centroids"], ignore_index=cfg["ignore_index"])
+        write_label(stem_path(cfg["out_dir"], it["stem"], ".png"), y, mode=cfg["mode"])
+        # "done" with a message: written, with a warning (see no_valid_pixel)
+        empty = no_valid_pixel(it["label"], Path(cfg["labels_dir"]) / f"{it['stem']}.png", cfg["ignore_index"])
+        results.append((it["stem"], "done", empty, _removed_per_class(it["label"], y, cfg["ignore_index"]),
+                        array_digest(y)))
+    return results
+
+
+def _removed_per_class(label: torch.Tensor, debiased: torch.Tensor, ignore_index: int) -> Dict[int, Tuple[int, int]]:
+    """{class id: (pixels in the pseudo label, of them marked biased)} of one image, counted on
+    the label just written (no re-read)."""
+    label, debiased = label.cpu(), debiased.cpu()
+    fg = (label > 0) & (label != ignore_index)
+    ids = label[fg]
+    if not ids.numel():
+        return {}
+    n = int(ids.max()) + 1
+    pixels = torch.bincount(ids, minlength=n)
+    removed = torch.bincount(label[fg & (debiased == -1)], minlength=n)
+    return {c: (int(pixels[c]), int(removed[c])) for c in range(1, n) if int(pixels[c])}
+
+
+def debias_job(
+    features_dir: os.PathLike,
+    labels_dir: os.PathLike,
+    centroids: os.PathLike,
+    out_dir: os.PathLike,
+    *,
+    images_dir: Optional[os.PathLike] = None,
+    refine: str = "crf",
+    threshold: float = 0.5,
+    image_labels: Optional[os.PathLike] = None,
+    workers: int = 1,
+    batch_size: int = 8,
+    device: str = "cpu",
+    ignore_index: int = IGNORE_VALUE,
+    crf_params: Union[None, str, Mapping[str, Any]] = None,
+    crf_backend: str = "torch",
+    on_error: str = "stop",
+    progress: bool = True,
+    fmt: Optional[LabelFormat] = None,
+    stems: Optional[Sequence[str]] = None,
+) -> JobSummary:
+    """Write one debiased label PNG per pseudo label (biased pixels as 254, see
+    :data:`mars_plugin.formats.files.BIASED_VALUE`).
+
+    Images are debiased ``batch_size`` at a time on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
+    ``auto``): Eq. 4 per image, then one dense-CRF call for the batch
+    (:func:`mars_plugin.method.debias.refine_mask`; images of any sizes), then Eq. 5. ``crf_params`` is
+    a preset name or a dict (:data:`mars_plugin.engines.crf_params.CRF_PRESETS`). Resumable
+    (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings (the
+    folders, the ``centroids`` path, ``refine`` and its parameters, the PNG mode; other settings
+    are refused) and each rank's journal what each label was made from (its features, pseudo
+    label, image, tags, and the centroids' content): a label whose inputs are unchanged is
+    skipped, any other is computed again (all of them when the centroids changed). Outputs are
+    written atomically, so an existing file is always complete; one run at a time per
+    ``out_dir`` (a lock). ``workers`` > 1 runs batches in that many processes (one thread each);
+    outputs do not depend on ``workers`` or ``batch_size``. Under torch.distributed each rank
+    debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
+    :func:`label_format`). ``stems``: only these of the folder's labels.
+    """
+    _check_on_error(on_error)
+    if refine not in ("crf", "threshold"):
+        raise ValueError(f"refine must be 'crf' or 'threshold', got {refine!r}")
+    if refine == "crf" and images_dir is None:
+        raise ValueError("refine='crf' needs images_dir (the RGB images); or use refine='threshold'")
+    p = check_job_params(threshold=threshold, workers=workers, batch_size=batch_size)
+    threshold, workers, batch_size = p["threshold"], p["workers"], p["batch_size"]
+    check_ignore_byte(ignore_index)
+    params = check_crf_params(crf_params)
+    check_crf_backend(crf_backend)
+    dev = resolve_device(device)
+    fmt = fmt or LabelFormat()
+    stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
+    check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
+    if refine == "crf":
+        check_images_folder(images_dir, stems, labels_dir=labels_dir)
+    check_any_valid(labels_dir, stems, "--labels", ignore_index)
+    rank, world = _rank_world()
+    stems = stems[rank::world]
+    V = load_centroids(centroids)
+    ignore_index = check_ignore_byte(ignore_index, num_classes=V.num_classes)
+    _check_out_dir(out_dir, "--out")
+    config = dict(
+        centroids=V, centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
+        images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
+        threshold=threshold, ignore_index=ignore_index, crf_params=params, crf_backend=crf_backend,
+        image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
+    )
+    from mars_plugin.commands.run_record import FolderRecord
+
+    crf = refine == "crf"
+    # The settings that shape a label; the folders and the centroid file are not among them:
+    # each file read is recorded by its identity (a moved or copied tree is the same run).
+    record = FolderRecord(out_dir, "debias", {
+        "refine": refine, "threshold": None if crf else threshold, "crf_params": params if crf else None,
+        "crf_backend": crf_backend if crf else None, "ignore_index": ignore_index, "wsss": fmt.name,
+        "mode": fmt.mode}, rank=rank)
+    error = None
+    group = sync_group()  # the ranks meet here however late rank 0 comes (24 h, not torchrun's 30 min)
+    if rank == 0:
+        try:
+            record.open()
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+    try:
+        share_error(error, group)  # a refusal on rank 0 (another run, other settings) stops every rank
+    finally:
+        _free(group)
+    try:
+        return _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank)
+    finally:
+        record.close()
+
+
+def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_size: int, workers: int,
+                   on_error: str, progress: bool, rank: int) -> JobSummary:
+    """:func:`debias_job` once the folder's record is open: which labels are current, then the
+    others, each recorded as it is written."""
+    from mars_plugin.commands.identities import centroids_digest, file_id
+    from mars_plugin.commands.run_record import OutputIds
+
+    summary = JobSummary()
+    if rank == 0:
+        record.write_settings()
+    record.load()
+    features_dir, labels_dir, images_dir = config["features_dir"], config["labels_dir"], config["images_dir"]
+    out_dir, refine = config["out_dir"], config["refine"]
+    # What each label is made from, taken before anything is read (a file changed while the run
+    # reads it is then seen as changed next time).
+    feature_id, tags = OutputIds(features_dir), config["image_labels"]
+    v_id = centroids_digest(config["centroids"].state_dict())
+    todo, inputs, again = [], {}, set()
+
+    def found(find, *args):
+        try:
+            return find(*args)
+        except (ValueError, OSError):  # missing or clashing: the read names it
+            return None
+
+    for stem in stems:
+        inputs[stem] = {"features": feature_id(found(find_features, features_dir, stem)),
+                        "label": file_id(Path(labels_dir) / f"{stem}.png"),
+                        "image": file_id(found(find_image, images_dir, stem)) if refine == "crf" else None,
+                        "tags": None if tags is None else tags.get(stem), "centroids": v_id}
+        kept, exists = record.current(stem, stem_path(out_dir, stem, ".png"), inputs[stem])
+        if kept:
+            summary.existing += 1
+        else:
+            todo.append(stem)
+            if exists:
+                again.add(stem)
+    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+
+    def consume(results) -> None:
+        for stem, status, err, counts, content in _progress((r for batch in results for r in batch), len(todo),
+                                                            "debias", progress):
+            if status == "done":
+                record.add(stem, stem_path(out_dir, stem, ".png"), inputs[stem], content)
+                summary.done += 1
+                summary.redone += stem in again
+                if err is not None:
+                    summary.warnings.append((stem, err))
+                for c, (n, r) in counts.items():
+                    summary.pixels[c] = summary.pixels.get(c, 0) + n
+                    summary.removed[c] = summary.removed.get(c, 0) + r
+            else:
+                if on_error == "stop":
+                    raise JobError(f"{stem}: {err}")
+                summary.failed.append((stem, err or ""))
+
+    if workers == 1:
+        _debias_init(config)
+        consume(map(_debias_batch, batches))
+        return summary
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    # spawn, not fork: forking a process whose torch already started OpenMP threads can hang.
+    # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies the executor is
+    # "broken" and every pending result raises, where a Pool replaces the worker and waits
+    # forever for the result the dead one held.
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_debias_init,
+                               initargs=(config,))
+    try:
+        consume(_start_workers(lambda: pool.map(_debias_batch, batches)))
+    except BrokenProcessPool:
+        raise JobError(f"a --workers process died (killed, out of memory, or crashed); "
+                       f"{summary.done} images were written and a new run resumes after them") from None
+    finally:
+        # Do not wait for batches nobody will read (an error stops the run).
+        pool.shutdown(wait=True, cancel_futures=True)
+    return summary
+
+
+def run_debias_command(args: argparse.Namespace) -> JobSummary:
+    """``mars debias``: :func:`debias_job` on the parsed flags, then its summary on stdout (per
+    class: the pseudo-label pixels marked biased, of the images this run wrote)."""
+    progress = not args.no_progress
+    fmt = label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
+    names = _class_names(args.class_names) or _wsss_class_names(args)
+    s = debias_job(
+        args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
+        threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,
+        batch_size=args.batch_size, device=args.device, crf_params=args.crf_params,
+        crf_backend=args.crf_backend, ignore_index=args.ignore_index, on_error=args.on_error,
+        progress=progress, fmt=fmt,
+    )
+    print(f"debiased labels -> {args.out}: {s.line()}")
+    if s.pixels:
+        print("pseudo-label pixels marked biased, per class (images written by this run):")
+        for c in sorted(s.pixels):
+            n, r = s.pixels[c], s.removed.get(c, 0)
+            print(f"  {_class_label(names, c)}: {r} of {n} ({100 * r / n:.1f}%)")
+    return s
