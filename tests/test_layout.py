@@ -111,3 +111,14 @@ def test_every_package_docstring_names_its_modules():
                     "method", "engines", "formats", "networks", "commands", "worlds", "wsss", "uss"):
                 missing.append(f"{init.relative_to(ROOT)} does not name {mod.name}")
     assert not missing, "\n".join(missing)
+
+
+#: The compiled numba kernels are long by nature (one function per loop nest).
+KERNELS = {"crf_compiled.py", "kmeans_compiled.py"}
+MAX_LINES = 520  # "about 500"
+
+
+def test_no_module_is_over_about_500_lines():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in _sources() if p.name not in KERNELS
+            for n in [len(p.read_text().splitlines())] if n > MAX_LINES]
+    assert not long, "\n".join(long)
