@@ -342,13 +342,17 @@ def check_image_classes(x: Any, name: str, num_classes: int, batch: Optional[int
 MAX_SCALES, MAX_SCALE = 16, 8.0
 
 
-def check_scales(scales: Any, name: str = "scales",
-                 example: Tuple[float, ...] = (2.0, 1.0, 1.5, 0.5)) -> Tuple[float, ...]:
+#: Shown in check_scales' error: DHR's scales (adapters/uss/multiscale.py's DHR_SCALES, which
+#: this base module cannot import).
+_SCALES_EXAMPLE = (2.0, 1.0, 1.5, 0.5)
+
+
+def check_scales(scales: Any, name: str = "scales") -> Tuple[float, ...]:
     """A sequence of 1..16 positive finite numbers up to 8, as a tuple of floats (order kept):
-    the scales of multi-scale inference (``mars features``, ``mars predict``). ``example`` is
-    shown in the error (DHR's scales)."""
+    the scales of multi-scale inference (``mars features``, ``mars predict``)."""
     if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
-        raise TypeError(f"{name} must be a sequence of positive numbers such as {example}, got {describe(scales)}")
+        raise TypeError(f"{name} must be a sequence of positive numbers such as {_SCALES_EXAMPLE}, "
+                        f"got {describe(scales)}")
     if len(scales) == 0:
         raise ValueError(f"{name} must hold at least one scale, got an empty {type(scales).__name__}")
     if len(scales) > MAX_SCALES:

@@ -20,11 +20,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, describe
+from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, check_scales, describe
 from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
-from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _check_scales, _crf_params,
+from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _crf_params,
                                            _scaled_size, labels_from_probs, multiscale_probs)
 from mars_plugin.commands.inputs import _check_out_dir, _label_like
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
@@ -122,7 +122,7 @@ def predict_job(
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    scales = _check_scales(scales)
+    scales = check_scales(scales)
     params = _crf_params(crf)
     class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
     batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)

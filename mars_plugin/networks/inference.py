@@ -59,7 +59,7 @@ bytes themselves. DHR stores the kept probabilities as float16 before its CRF
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -106,10 +106,6 @@ def _scaled_size(height: int, width: int, scale: float) -> Tuple[int, int]:
     return h, w
 
 
-def _check_scales(scales: Any) -> Tuple[float, ...]:
-    return check_scales(scales, "scales")
-
-
 @torch.no_grad()
 def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
                      scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, *,
@@ -134,7 +130,7 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
         raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
     if not images.is_floating_point():
         raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
-    scales = _check_scales(scales)
+    scales = check_scales(scales)
     B, _, H, W = images.shape
     half = half_dtype(images.device)
     total: Optional[torch.Tensor] = None
