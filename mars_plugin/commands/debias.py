@@ -11,7 +11,7 @@ import argparse
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -22,9 +22,11 @@ from mars_plugin.method.debias import check_pseudo_label, debiased_similarity, m
 from mars_plugin.formats.files import (
     FEATURE_EXTENSIONS,
     IGNORE_VALUE,
+    IMAGE_EXTENSIONS,
     classes_in_label,
     find_features,
     find_image,
+    list_stems,
     read_features,
     read_image,
     read_label,
@@ -265,7 +267,7 @@ def debias_job(
     group = sync_group()  # the ranks meet here however late rank 0 comes (24 h, not torchrun's 30 min)
     if rank == 0:
         try:
-            record.open()
+            record.open(_input_ids(labels_dir, features_dir, images_dir if crf else None, fmt.skip_suffixes), (".png",))
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
     try:
@@ -278,6 +280,15 @@ def debias_job(
         record.close()
 
 
+def _input_ids(labels_dir: os.PathLike, features_dir: os.PathLike, images_dir: Optional[os.PathLike],
+               skip_suffixes: Sequence[str]) -> Set[str]:
+    """The ids whose inputs all exist (a pseudo label, a feature file, with the CRF an image),
+    of the whole folders (not only ``stems``): a debiased label of any other id is stale
+    (:meth:`~mars_plugin.commands.run_record.FolderRecord.open` removes it)."""
+    ids = set(_stems(labels_dir, skip_suffixes)) & set(list_stems(features_dir, FEATURE_EXTENSIONS))
+    return ids if images_dir is None else ids & set(list_stems(images_dir, IMAGE_EXTENSIONS))
+
+
 def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_size: int, workers: int,
                    on_error: str, progress: bool, rank: int) -> JobSummary:
     """:func:`debias_job` once the folder's record is open: which labels are current, then the
@@ -286,6 +297,7 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
     from mars_plugin.commands.run_record import OutputIds
 
     summary = JobSummary()
+    record.tell(summary)
     if rank == 0:
         record.write_settings()
     record.load()

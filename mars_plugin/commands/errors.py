@@ -3,7 +3,7 @@ flag), :class:`JobSummary` (written, already there, skipped), and ``on_error``'s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 ON_ERROR = ("stop", "skip")
 
@@ -31,6 +31,11 @@ class JobSummary:
     redone: int = 0
     #: files that were used but add nothing (a label with no valid pixel), with the reason
     warnings: List[Tuple[str, str]] = field(default_factory=list)
+    #: outputs of inputs that are gone, removed by this run (file names; see
+    #: :meth:`mars_plugin.commands.run_record.FolderRecord.open`)
+    stale: List[str] = field(default_factory=list)
+    #: one-line warnings about the output folder (files of no input that this run keeps)
+    notes: List[str] = field(default_factory=list)
 
     def line(self, verb: str = "written") -> str:
         """Counts on one line; the skipped files are listed by :meth:`skipped_lines`."""
@@ -40,6 +45,8 @@ class JobSummary:
         if self.existing:
             s += f", {self.existing} already done"
         s += f", {len(self.failed)} skipped"
+        if self.stale:
+            s += f", {len(self.stale)} stale removed (their inputs are gone: {few(self.stale)})"
         return s
 
     def skipped_lines(self) -> List[str]:
@@ -49,10 +56,19 @@ class JobSummary:
         return [f"skipped {len(self.failed)} file(s):"] + [f"  {stem}: {why}" for stem, why in self.failed]
 
     def warning_lines(self) -> List[str]:
-        """Every file that was read but adds nothing, one line each (empty when none)."""
+        """Every file that was read but adds nothing, one line each, and the notes on the output
+        folder (empty when none)."""
+        lines = [f"warning: {note}" for note in self.notes]
         if not self.warnings:
-            return []
-        return [f"warning: {len(self.warnings)} file(s) add nothing:"] + [f"  {s}: {why}" for s, why in self.warnings]
+            return lines
+        return lines + [f"warning: {len(self.warnings)} file(s) add nothing:"] + \
+            [f"  {s}: {why}" for s, why in self.warnings]
+
+
+def few(names: Sequence[str], show: int = 3) -> str:
+    """The first ``show`` of ``names``, then ``...`` when there are more (a message names a few)."""
+    names = list(names)
+    return ", ".join(names[:show]) + (", ..." if len(names) > show else "")
 
 
 def one_line(e: BaseException) -> str:

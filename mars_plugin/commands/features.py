@@ -30,7 +30,8 @@ import torch.nn as nn
 
 from mars_plugin.commands import cli_types as T
 from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param, check_scales
-from mars_plugin.formats.files import IMAGE_EXTENSIONS, check_stem, read_image, write_features
+from mars_plugin.formats.files import (FEATURE_EXTENSIONS, IMAGE_EXTENSIONS, check_stem, list_stems, read_image,
+                                      write_features)
 from mars_plugin.commands.inputs import _label_like
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
@@ -189,7 +190,8 @@ def features_job(
             items, clashes, missing = _work_list(images_dir, wanted)
             if rank == 0:
                 out_dir.mkdir(parents=True, exist_ok=True)
-                record.open()
+                # the features of an id with no image are stale; ``stems`` is a filter, see FolderRecord.open
+                record.open(list_stems(images_dir, IMAGE_EXTENSIONS), FEATURE_EXTENSIONS)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         share_error(error, group)
@@ -206,6 +208,7 @@ def features_job(
         clashes = {s: n for s, n in clashes.items() if s in mine}
         missing = [s for s in missing if s in mine]
         summary = JobSummary()
+        record.tell(summary)
         error = None
         try:
             _features_shard(extractor, images_dir, out_dir, items, clashes, missing, summary, ext=ext,

@@ -147,7 +147,7 @@ def predict_job(
             items, clashes = _image_paths(images_dir, images_flag)
             if rank == 0:
                 _check_out_dir(out_dir, "--out")
-                record.open()
+                record.open({s for s, _ in items} | set(clashes), (".png",))  # the label of any other id is stale
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         share_error(error, group)
@@ -160,6 +160,7 @@ def predict_job(
         record.load()
         mine = set(everything[rank::world])
         summary = JobSummary()
+        record.tell(summary)
         error = None
         try:
             _predict_shard(model, [(s, p) for s, p in items if s in mine],

@@ -58,9 +58,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.commands.errors import JobError, JobSummary, few, one_line
 from mars_plugin.commands.identities import _stat_key, file_id, json_digest, roles_digest
 from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
@@ -112,19 +112,33 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True))
 
 
+def _journal_lines(path: Path) -> List[Tuple[str, Optional[Dict[str, Any]]]]:
+    """Each line of one journal with its entry (None: not a well-formed entry, e.g. the torn
+    last line of a killed run); no lines when the file cannot be read."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    lines: List[Tuple[str, Optional[Dict[str, Any]]]] = []
+    for line in text.splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:  # a torn line of a killed run
+            e = None
+        ok = isinstance(e, dict) and isinstance(e.get("out"), list) and len(e["out"]) == 3
+        lines.append((line, e if ok else None))
+    return lines
+
+
+def _journals(folder: Path) -> List[Path]:
+    return sorted(folder.glob(JOURNAL_NAME.format(rank="*")))
+
+
 def _read_journals(folder: Path) -> Iterable[Dict[str, Any]]:
     """Every well-formed line of every rank's journal in ``folder``."""
-    for p in sorted(folder.glob(JOURNAL_NAME.format(rank="*"))):
-        try:
-            text = p.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            try:
-                e = json.loads(line)
-            except ValueError:  # a torn line of a killed run
-                continue
-            if isinstance(e, dict) and isinstance(e.get("out"), list) and len(e["out"]) == 3:
+    for p in _journals(folder):
+        for _, e in _journal_lines(p):
+            if e is not None:
                 yield e
 
 
@@ -189,9 +203,14 @@ class FolderRecord:
         self.lock = RunLock(self.folder / LOCK_NAME, self.what, f"mars {command}")
         self._entries: Dict[Tuple[str, int, int], Dict[str, Any]] = {}
         self._journal = None
+        #: outputs :meth:`open` removed (their inputs are gone), and files of no input it kept
+        self.stale: List[str] = []
+        self.strays: List[str] = []
 
-    def open(self) -> None:
-        """Rank 0: take the lock, refuse other settings, remove stale temporary files."""
+    def open(self, ids: Optional[Collection[str]] = None, extensions: Sequence[str] = ()) -> None:
+        """Rank 0: take the lock, refuse other settings, remove stale temporary files and, given
+        ``ids`` (every id whose inputs exist now) and the outputs' ``extensions``, the stale
+        outputs (:meth:`_remove_stale`), before any rank appends to a journal."""
         self.lock.acquire()
         try:
             path = self.folder / RECORD_NAME
@@ -208,9 +227,58 @@ class FolderRecord:
                     raise JobError(f"{self.what} holds files made with other settings ({'; '.join(diff[:4])}); use "
                                    f"another {self.flag}, or delete that folder to start over")
             remove_stale_tmp(self.folder)
+            if ids is not None:
+                self._remove_stale(set(ids), extensions)
         except BaseException:
             self.lock.release()
             raise
+
+    def _remove_stale(self, ids: Set[str], extensions: Sequence[str]) -> None:
+        """Remove the outputs of ids no longer among ``ids``, where this command wrote them: a
+        file of ``extensions`` whose size and mtime are those a journal line recorded. Their
+        journal lines (and those of such files already gone) are dropped, each journal rewritten
+        atomically. Any other file of ``extensions`` without an id in ``ids`` (put there by the
+        user, or changed since it was written) is kept, and named in :attr:`strays`.
+
+        ``ids`` are the ids whose inputs exist, not the ids a run was asked for (``stems``): an
+        output of an existing input is never stale, so that a run on a part of a folder never
+        removes the rest, which another run may have made."""
+        if not self.folder.is_dir():
+            return
+        journals = {p: _journal_lines(p) for p in _journals(self.folder)}
+        recorded = {(str(e["out"][0]), int(e["out"][1]), int(e["out"][2]))
+                    for lines in journals.values() for _, e in lines if e is not None}
+        exts = tuple(x.lower() for x in extensions)
+        for p in sorted(self.folder.iterdir()):
+            if p.name.startswith(".") or p.suffix.lower() not in exts or p.stem in ids or not p.is_file():
+                continue
+            key = _stat_key(p)
+            if key is not None and key in recorded:
+                try:
+                    p.unlink()
+                except OSError as e:
+                    raise JobError(f"{self.what}: cannot remove {p.name}, the output of an input that is gone "
+                                   f"({one_line(e)})") from None
+                self.stale.append(p.name)
+            else:
+                self.strays.append(p.name)
+        from mars_plugin.formats.files import atomic_write
+
+        for path, lines in journals.items():
+            # an entry of a gone id whose file is no longer as recorded describes nothing
+            keep = [line for line, e in lines if e is not None and (
+                e.get("id") in ids or _stat_key(self.folder / str(e["out"][0])) == tuple(e["out"]))]
+            if len(keep) < len(lines):
+                text = "".join(line + "\n" for line in keep)
+                atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+    def tell(self, summary: JobSummary) -> None:
+        """Add what :meth:`open` found in the folder to ``summary`` (rank 0's; the others' is
+        empty): the stale outputs removed, a warning naming the files it kept."""
+        summary.stale += self.stale
+        if self.strays:
+            summary.notes.append(f"{self.what} holds {len(self.strays)} file(s) with no input ({few(self.strays)}): "
+                                 f"not made by this command or changed since, so kept; move them")
 
     def write_settings(self) -> None:
         """Rank 0: write ``.mars-run.json`` (once the job's checks passed: a run refused before
