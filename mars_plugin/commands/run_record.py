@@ -46,12 +46,27 @@ label file)                              changed, or all of them when the centro
 the centroids' content                   every debiased label recomputed
 a ground-truth mask, a reference         reproduce: evaluate and report only
 folder or one of its masks
+an input removed: an image (features,    its output removed (a stale output), when the
+predict, debias with the CRF), a pseudo  journal recorded it and it is as recorded (size,
+label or a feature file (debias)         mtime); any other file of no input kept and named
 nothing                                  every output kept (``already done``)
 ======================================  ====================================================
 
 ``mars reproduce`` reruns a stage whose recorded inputs differ and every stage after it (the
 report always); each job it calls then keeps the outputs whose own inputs did not change. A
-debiased label of an id whose pseudo label is gone is removed.
+debiased label of an id whose pseudo label is gone is removed (by ``mars debias``, below; and
+by ``mars reproduce`` for an id it leaves out, e.g. one whose tags are unreadable).
+
+**Stale outputs.** ``mars features``, ``mars predict`` and ``mars debias`` give
+:meth:`FolderRecord.open` the ids whose inputs exist now (every image of ``--images``; for
+debias the ids with a pseudo label, a feature file and, with the CRF, an image). Holding the
+lock, before any rank writes, rank 0 removes each output of another id that a journal line
+describes as it is (the command wrote it and nobody changed it since), drops the journal lines
+of such ids, and names every other file of no input in a warning: a file put there by the user,
+or changed since it was written, is never deleted. The ids are those of the input folders, not
+of a run's ``stems``: a run on some ids is a filter and never removes an output whose input
+exists (another run may have made it). Under torchrun only rank 0 removes (it alone holds the
+lock); the other ranks wait for it where they share its errors.
 """
 from __future__ import annotations
 
