@@ -167,6 +167,25 @@ def test_a_run_on_some_ids_removes_only_outputs_of_gone_inputs(syn, tmp_path):
     assert sorted(job.outputs()) == [f"{x}.npy" for x in job.stems[:4]]
 
 
+def test_malformed_journal_lines_are_dropped_not_followed(syn, tmp_path):
+    """A torn line (a killed run) and a line of wrong types describe nothing: dropped when the
+    journal is rewritten, never a reason to remove a file or to stop."""
+    job = Job("features", syn, tmp_path)
+    job.run()
+    journal = job.out / ".mars-run.files.0.jsonl"
+    mine = job.out / "zz.npy"
+    np.save(mine, np.zeros(1, np.float16))
+    st = mine.stat()
+    with open(journal, "a") as f:
+        f.write(json.dumps({"id": "zz", "out": ["zz.npy", str(st.st_size), st.st_mtime_ns]}) + "\n")
+        f.write('{"id": "zz", "out": ["zz.npy", ')
+    gone = job.stems[0]
+    job.remove(gone)
+    s = job.run()
+    assert s.stale == [f"{gone}.npy"] and mine.is_file() and "(zz.npy)" in s.notes[0]
+    assert "zz" not in journal.read_text() and job.journal_ids() == sorted(job.stems[1:])
+
+
 def test_debias_a_removed_feature_file_removes_the_label(syn, tmp_path):
     """The label of an id whose features are gone is stale too; the id is then that file's
     failure (its pseudo label is still there)."""

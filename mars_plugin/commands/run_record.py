@@ -132,7 +132,7 @@ def _journal_lines(path: Path) -> List[Tuple[str, Optional[Dict[str, Any]]]]:
     last line of a killed run); no lines when the file cannot be read."""
     try:
         text = path.read_text()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: not UTF-8, no journal of ours
         return []
     lines: List[Tuple[str, Optional[Dict[str, Any]]]] = []
     for line in text.splitlines():
@@ -140,7 +140,9 @@ def _journal_lines(path: Path) -> List[Tuple[str, Optional[Dict[str, Any]]]]:
             e = json.loads(line)
         except ValueError:  # a torn line of a killed run
             e = None
-        ok = isinstance(e, dict) and isinstance(e.get("out"), list) and len(e["out"]) == 3
+        out = e.get("out") if isinstance(e, dict) else None  # [name, size, mtime_ns]
+        ok = (isinstance(out, list) and len(out) == 3 and isinstance(out[0], str)
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in out[1:]))
         lines.append((line, e if ok else None))
     return lines
 
