@@ -448,3 +448,4 @@ def _log_summary(s: JobSummary, what: str, log: Callable[[str], None], total: Jo
     log(f"  {what}{f' rank {rank}/{world}' if world > 1 else ''}: {s.line('done')}")
     total.failed += [(f"{stem} ({what})", why) for stem, why in s.failed]
     total.warnings += [(f"{stem} ({what})", why) for stem, why in s.warnings]
+    total.notes += s.notes  # files of no input kept in an output folder, named once at the end
