@@ -28,6 +28,7 @@ from mars_plugin.commands.centroids import centroids_job
 from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.features import features_job
 from mars_plugin.commands.predict import predict_job
+from mars_plugin.commands.run_record import STALE_DIR
 from mars_plugin.worlds.synthetic import write_world
 from mars_plugin.worlds.synthetic_scenes import make_world
 
@@ -110,7 +111,7 @@ def test_the_output_of_a_removed_input_is_removed_and_the_others_kept(syn, tmp_p
     s = job.run()
     name = gone + job.ext
     assert (s.done, s.existing, s.stale, s.notes) == (0, N - 1, [name], [])
-    assert f"1 stale removed (their inputs are gone: {name})" in s.line()
+    assert f"1 stale moved to .mars-stale/ (their inputs are gone: {name})" in s.line()
     assert job.outputs() == {k: v for k, v in before.items() if k != name}  # the others untouched
     assert gone not in job.journal_ids() and len(job.journal_ids()) == N - 1
     # idempotent: nothing more to remove, nothing written
@@ -133,7 +134,7 @@ def test_a_file_the_user_put_in_out_is_kept_and_named(syn, tmp_path, kind):
         assert s.notes == [f"--out {job.out} holds 1 file(s) with no input (zz_mine{job.ext}): not made by this "
                            "command or changed since, so kept; move them"]
         assert f"warning: {s.notes[0]}" in s.warning_lines()
-    assert not (job.out / f"{gone}{job.ext}").exists()
+    assert not (job.out / f"{gone}{job.ext}").exists() and (job.out / STALE_DIR / f"{gone}{job.ext}").is_file()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -195,7 +196,7 @@ def test_debias_a_removed_feature_file_removes_the_label(syn, tmp_path):
     (job.p["features"] / f"{gone}.npy").unlink()
     s = job.run()
     assert s.stale == [f"{gone}.png"] and [stem for stem, _ in s.failed] == [gone]
-    assert not (job.out / f"{gone}.png").exists()
+    assert not (job.out / f"{gone}.png").exists() and (job.out / STALE_DIR / f"{gone}.png").is_file()
 
 
 def test_mars_predict_prints_the_removed_and_the_kept(syn, tmp_path, capsys):
@@ -212,8 +213,8 @@ def test_mars_predict_prints_the_removed_and_the_kept(syn, tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0
     out, err = capsys.readouterr()
-    assert out.strip() == (f"predictions -> {job.out}: 0 written, {N - 1} already done, 0 skipped, 1 stale removed "
-                           f"(their inputs are gone: {job.stems[0]}.png)")
+    assert out.strip() == (f"predictions -> {job.out}: 0 written, {N - 1} already done, 0 skipped, 1 stale moved to "
+                           f".mars-stale/ (their inputs are gone: {job.stems[0]}.png)")
     assert err == (f"warning: --out {job.out} holds 1 file(s) with no input (notes.png): not made by this command "
                    "or changed since, so kept; move them\n")
 

@@ -46,7 +46,7 @@ class JobSummary:
             s += f", {self.existing} already done"
         s += f", {len(self.failed)} skipped"
         if self.stale:
-            s += f", {len(self.stale)} stale removed (their inputs are gone: {few(self.stale)})"
+            s += f", {len(self.stale)} stale moved to .mars-stale/ (their inputs are gone: {few(self.stale)})"
         return s
 
     def skipped_lines(self) -> List[str]:

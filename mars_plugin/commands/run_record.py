@@ -46,7 +46,7 @@ label file)                              changed, or all of them when the centro
 the centroids' content                   every debiased label recomputed
 a ground-truth mask, a reference         reproduce: evaluate and report only
 folder or one of its masks
-an input removed: an image (features,    its output removed (a stale output), when the
+an input removed: an image (features,    its output moved to ``.mars-stale/``, when the
 predict, debias with the CRF), a pseudo  journal recorded it and it is as recorded (size,
 label or a feature file (debias)         mtime); any other file of no input kept and named
 nothing                                  every output kept (``already done``)
@@ -54,16 +54,18 @@ nothing                                  every output kept (``already done``)
 
 ``mars reproduce`` reruns a stage whose recorded inputs differ and every stage after it (the
 report always); each job it calls then keeps the outputs whose own inputs did not change. A
-debiased label of an id whose pseudo label is gone is removed (by ``mars debias``, below; and
-by ``mars reproduce`` for an id it leaves out, e.g. one whose tags are unreadable).
+debiased label of an id whose pseudo label is gone is moved aside (by ``mars debias``, below), or
+removed (by ``mars reproduce`` for an id it leaves out, e.g. one whose tags are unreadable).
 
 **Stale outputs.** ``mars features``, ``mars predict`` and ``mars debias`` give
 :meth:`FolderRecord.open` the ids whose inputs exist now (every image of ``--images``; for
 debias the ids with a pseudo label, a feature file and, with the CRF, an image). Holding the
-lock, before any rank writes, rank 0 removes each output of another id that a journal line
+lock, before any rank writes, rank 0 moves into ``--out/.mars-stale/`` (out of every command's
+sight, but not lost: an ``--out`` reused with another input folder keeps the first one's work)
+each output of another id that a journal line
 describes as it is (the command wrote it and nobody changed it since), drops the journal lines
 of such ids, and names every other file of no input in a warning: a file put there by the user,
-or changed since it was written, is never deleted. The ids are those of the input folders, not
+or changed since it was written, is never moved. The ids are those of the input folders, not
 of a run's ``stems``: a run on some ids is a filter and never removes an output whose input
 exists (another run may have made it). Under torchrun only rank 0 removes (it alone holds the
 lock); the other ranks wait for it where they share its errors.
@@ -81,6 +83,7 @@ from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
 __all__ = [
     "RECORD_NAME",
+    "STALE_DIR",
     "FolderRecord",
     "CentroidsRecord",
     "read_centroids_run",
@@ -93,6 +96,8 @@ PathLike = Union[str, os.PathLike]
 
 #: The settings record of a per-file job's output folder.
 RECORD_NAME = ".mars-run.json"
+#: Where a folder job moves the outputs of inputs that are gone (:meth:`FolderRecord.open`).
+STALE_DIR = ".mars-stale"
 #: The journal of the files one rank wrote into the folder.
 JOURNAL_NAME = ".mars-run.files.{rank}.jsonl"
 
@@ -220,7 +225,7 @@ class FolderRecord:
         self.lock = RunLock(self.folder / LOCK_NAME, self.what, f"mars {command}")
         self._entries: Dict[Tuple[str, int, int], Dict[str, Any]] = {}
         self._journal = None
-        #: outputs :meth:`open` removed (their inputs are gone), and files of no input it kept
+        #: outputs :meth:`open` moved to STALE_DIR (their inputs are gone), and files of no input it kept
         self.stale: List[str] = []
         self.strays: List[str] = []
 
@@ -251,7 +256,7 @@ class FolderRecord:
             raise
 
     def _remove_stale(self, ids: Set[str], extensions: Sequence[str]) -> None:
-        """Remove the outputs of ids no longer among ``ids``, where this command wrote them: a
+        """Move to ``.mars-stale/`` the outputs of ids no longer among ``ids``, where this command wrote them: a
         file of ``extensions`` whose size and mtime are those a journal line recorded. Their
         journal lines (and those of such files already gone) are dropped, each journal rewritten
         atomically. Any other file of ``extensions`` without an id in ``ids`` (put there by the
@@ -271,11 +276,14 @@ class FolderRecord:
                 continue
             key = _stat_key(p)
             if key is not None and key in recorded:
+                # Moved aside, not deleted: an --out reused with another input folder would
+                # otherwise lose hours of features; out of the folder, no command reads it.
                 try:
-                    p.unlink()
+                    (self.folder / STALE_DIR).mkdir(exist_ok=True)
+                    os.replace(p, self.folder / STALE_DIR / p.name)
                 except OSError as e:
-                    raise JobError(f"{self.what}: cannot remove {p.name}, the output of an input that is gone "
-                                   f"({one_line(e)})") from None
+                    raise JobError(f"{self.what}: cannot move {p.name}, the output of an input that is gone, "
+                                   f"to {STALE_DIR}/ ({one_line(e)})") from None
                 self.stale.append(p.name)
             else:
                 self.strays.append(p.name)
@@ -291,7 +299,7 @@ class FolderRecord:
 
     def tell(self, summary: JobSummary) -> None:
         """Add what :meth:`open` found in the folder to ``summary`` (rank 0's; the others' is
-        empty): the stale outputs removed, a warning naming the files it kept."""
+        empty): the stale outputs moved aside, a warning naming the files it kept."""
         summary.stale += self.stale
         if self.strays:
             summary.notes.append(f"{self.what} holds {len(self.strays)} file(s) with no input ({few(self.strays)}): "
