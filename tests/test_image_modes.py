@@ -63,6 +63,23 @@ def _i16_png_low_byte_noise(path: Path) -> np.ndarray:
     return _rgb_of(g)
 
 
+def _rgb48_png(path: Path) -> np.ndarray:
+    """A 16-bit-per-channel RGB PNG (PIL writes none: the chunks by hand), v * 257 per channel."""
+    import struct
+    import zlib
+
+    rgb = _rgb()
+    a = (rgb.astype(np.uint16) * 257).astype(">u2")
+    raw = b"".join(b"\x00" + a[y].tobytes() for y in range(H))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 16, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return rgb
+
+
 def _i16_tiff(path: Path) -> np.ndarray:
     g = _grey()
     Image.fromarray(g.astype(np.uint16) * 257).save(path, format="TIFF")
@@ -150,11 +167,12 @@ def _exif_rotated_jpeg(path: Path) -> np.ndarray:
         return np.array(im.convert("RGB"))  # the stored pixels (JPEG is lossy: its own decode is the twin)
 
 
-#: name -> (suffix a command lists, writer). TIFF/PGM content goes in a .png name (PIL reads the
-#: content, not the name) so that every case also runs through the commands.
+#: name -> writer. Every file is named .png, whatever its content (TIFF, PGM, JPEG): PIL reads the
+#: content, not the name, and the commands list .png files, so every case can run through them.
 READABLE = {
     "I;16 png": _i16_png,
     "I;16 png, low byte dropped": _i16_png_low_byte_noise,
+    "RGB 16-bit png": _rgb48_png,
     "I;16 tiff": _i16_tiff,
     "I tiff 32-bit": _i32_tiff,
     "I pgm 16-bit": _i16_pgm,
@@ -273,7 +291,7 @@ def test_a_label_of_a_non_label_mode_is_refused_by_name(tmp_path, write):
 # --------------------------------------------------------------------------- through the commands
 
 #: The cases run through every command (one image each, all in one folder).
-THROUGH = ["I;16 png", "I tiff 32-bit", "F tiff in [0, 1]", "CMYK tiff", "LA png", "RGBA png",
+THROUGH = ["I;16 png", "RGB 16-bit png", "I tiff 32-bit", "F tiff in [0, 1]", "CMYK tiff", "LA png", "RGBA png",
            "P with transparency bytes", "EXIF-rotated png"]
 
 
