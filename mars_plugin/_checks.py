@@ -26,6 +26,8 @@ RESERVED_REASON = "labels are 0..C with 254 = biased and 255 = ignore, so C <= 2
 
 __all__ = [
     "MAX_NUM_CLASSES",
+    "degenerate_features",
+    "check_varying_features",
     "RESERVED_REASON",
     "check_num_classes",
     "check_class_names",
@@ -88,6 +90,39 @@ def check_finite(t: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s); expected finite values")
+
+
+def degenerate_features(f: torch.Tensor) -> Optional[str]:
+    """Why one image's (D, h, w) feature map carries no per-pixel information, or None.
+
+    Degenerate: every value 0, or (h * w >= 2) every pixel the same vector, what a failed
+    extractor leaves behind. Eq. 4 would then give every pixel of the image one similarity, so
+    Eq. 5 marks all its foreground biased or none of it. A map constant only inside one class
+    region is not degenerate (a real extractor may give a flat object one code); a 1 x 1 map
+    that is not zero is one vector by its size, not by a failure. The usual map differs between
+    its first and last pixel, an O(D) look; only a map that does not is compared in full.
+    """
+    flat = f.detach().reshape(f.shape[0], -1)
+    n = flat.shape[1]
+    if n == 0 or flat.shape[0] == 0:
+        return None
+    if n >= 2 and not torch.equal(flat[:, 0], flat[:, -1]):
+        return None
+    if n >= 2 and not bool((flat == flat[:, :1]).all()):
+        return None
+    if not bool(flat[:, 0].any()):
+        return "every value is 0"
+    return "every pixel holds the same vector" if n >= 2 else None
+
+
+def check_varying_features(f: torch.Tensor, name: str) -> None:
+    """A ValueError naming ``name`` when the (D, h, w) map ``f`` is degenerate
+    (:func:`degenerate_features`)."""
+    why = degenerate_features(f)
+    if why is not None:
+        raise ValueError(f"{name}: {why} ({int(f.shape[-2])}x{int(f.shape[-1])} pixels, D={int(f.shape[0])}), as a "
+                         "failed feature extractor leaves them; Eq. 4 would give every pixel one similarity and "
+                         "Eq. 5 mark all or none of the image's foreground biased; compute the features again")
 
 
 def check_float_tensor(x: Any, name: str, ndims: Iterable[int], layout: str, *, finite: bool = True) -> torch.Tensor:

@@ -2,6 +2,7 @@
 model files load as ``mars features`` loads them (weights only), and every command it prints runs."""
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -11,11 +12,11 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_features, read_image, read_label
-from mars_plugin.commands.sample_trees import LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
+from mars_plugin.commands.sample_trees import (COCO_IDS, DHR_DATA, LAYOUTS, TREES, class_ids, image_ids,
+                                               sample_commands, write_sample_tree)
 from mars_plugin.worlds.synthetic_scenes import make_world
 from mars_plugin.commands.demo import WORLD_NOISE
 
-IDS = [f"2007_{i:06d}" for i in range(1, 5)]
 
 
 @pytest.fixture(scope="module", params=TREES)
@@ -33,10 +34,11 @@ def test_the_tree_is_the_codebase_layout_read_back_by_its_adapter(tree):
     import importlib
 
     name, out = tree
-    adapter = importlib.import_module(f"mars_plugin.adapters.wsss.{name}")
+    IDS = image_ids(name, 4)
+    adapter = importlib.import_module(f"mars_plugin.adapters.wsss.{'dhr' if name in DHR_DATA else name}")
     lay = {k: out / v for k, v in LAYOUTS[name].items()}
     world = make_world(4, size=48, seed=0, **WORLD_NOISE)
-    lut = torch.tensor(VOC_IDS)
+    lut = torch.tensor(class_ids(name))
     gt = {i: read_label(lay["gt"] / f"{i}.png", biased_value=None) for i in IDS}
     for k, i in enumerate(IDS):
         assert torch.equal(gt[i], torch.where(world.gt[k] == 255, 255, lut[world.gt[k].clamp(max=6)]))
@@ -44,15 +46,17 @@ def test_the_tree_is_the_codebase_layout_read_back_by_its_adapter(tree):
         assert torch.equal(read_features(next(lay["features"].glob(f"{i}.*"))), world.features[k].half().float())
     pseudo = dict(adapter.load_pseudo_labels(lay["pseudo"]))
     assert sorted(pseudo) == IDS
-    assert set().union(*(_classes(y) for y in pseudo.values())) <= set(VOC_IDS[1:])
+    assert set().union(*(_classes(y) for y in pseudo.values())) <= set(class_ids(name)[1:])
     mode = adapter.LABEL_MODE
     from PIL import Image
 
     assert {Image.open(p).mode for p in lay["pseudo"].glob("*.png")} == {mode}
-    if name == "dhr":
-        layout = adapter.DHRLayout(out)
-        assert sorted(layout.ids()) == IDS and layout.class_names()[4] == "boat"
-        tags = adapter.load_image_labels(layout)
+    if name in DHR_DATA:
+        layout = adapter.DHRLayout(out, DHR_DATA[name])
+        domain = lay["images"].parent.name
+        assert sorted(layout.ids(domain)) == IDS and layout.class_names()[class_ids(name)[1]] == "boat"
+        assert len(layout.class_names()) == (81 if name == "dhr-coco" else 21)
+        tags = adapter.load_image_labels(layout, domain=domain)
     elif name == "rsepm":
         tags = adapter.load_image_labels(lay["tags"])
     else:
@@ -69,13 +73,14 @@ def test_the_weights_load_weights_only(tree):
 
     name, out = tree
     w = out / "weights"
+    data = DHR_DATA.get(name, "VOC2012")
     x = torch.rand(1, 3, 32, 48)
     a = STEGOExtractor.from_checkpoint(w / "stego_tiny_random.ckpt", trust_pickle=False, res=None)
-    b = STEGOExtractor.from_files(w / "dino_tiny_random.pth", w / "STEGO_VOC2012.pt", res=None)
+    b = STEGOExtractor.from_files(w / "dino_tiny_random.pth", w / f"STEGO_{data}.pt", res=None)
     fa, fb = a(x), b(x)
     assert fa.shape == (1, 16, 4, 6) and torch.equal(fa, fb)  # the same model in both forms
     assert fa.std() > 0
-    c = CAUSEExtractor.from_files(w / "dinov2_tiny_random.pth", w / "CAUSE_VOC2012.pt")(torch.rand(1, 3, 28, 42))
+    c = CAUSEExtractor.from_files(w / "dinov2_tiny_random.pth", w / f"CAUSE_{data}.pt")(torch.rand(1, 3, 28, 42))
     assert c.shape == (1, 90, 2, 3) and torch.isfinite(c).all() and c.std() > 0
     d = DINOv2Extractor.from_files(w / "dinov2_tiny_random.pth")(torch.rand(1, 3, 28, 42))
     assert d.shape == (1, 192, 2, 3)
@@ -92,11 +97,13 @@ def test_every_printed_command_runs(tree, capsys):
         printed[argv[1]], err = capsys.readouterr()
         assert code == 0, (cmd, err)
         assert "Traceback" not in err and "warning" not in err
-    assert "class 4 (boat)" in printed["centroids"]  # --wsss NAME: that codebase's class names
+    boat = class_ids(name)[1]
+    assert f"class {boat} (boat)" in printed["centroids"]  # --wsss NAME: that codebase's class names
     assert "mIoU" in printed["evaluate"]
-    if name == "dhr":
+    if name in DHR_DATA:
         assert "| boat |" in printed["evaluate"]  # --class-names: DHR's dataset json
         assert (out / "reproduce_stego" / "report.md").is_file() and (out / "reproduce_cause" / "report.md").is_file()
+        assert "mIoU of the labels" in printed["reproduce"]
 
 
 def test_mars_sample_prints_the_commands_and_refuses_a_used_folder(tmp_path, capsys):
@@ -113,3 +120,23 @@ def test_mars_sample_prints_the_commands_and_refuses_a_used_folder(tmp_path, cap
     assert cli.main(["sample", "--tree", "seam", "--out", str(empty), "--num-images", "2", "--size", "32"]) == 0
     assert (empty / "out_rw" / "2007_000001.png").is_file() and not list(tmp_path.glob(".tmp-*"))
     assert oct(empty.stat().st_mode & 0o777) != oct(0o700)  # not mkdtemp's private mode
+
+
+def test_the_coco_tree_is_what_reproduce_data_coco2014_reads(tmp_path, capsys):
+    """``--tree dhr-coco``: DHR's COCO 2014 tree (domain train, COCO's 81 names and ids), which
+    ``mars reproduce --data COCO2014`` runs on offline in seconds (given features, threshold)."""
+    out = tmp_path / "coco"
+    assert cli.main(["sample", "--tree", "dhr-coco", "--out", str(out), "--num-images", "4", "--size", "32"]) == 0
+    printed = capsys.readouterr().out
+    reproduce = [c for c in sample_commands("dhr-coco", out) if c.startswith("mars reproduce")]
+    assert len(reproduce) == 2 and all(f"  {c}\n" in printed and " --data COCO2014 " in c for c in reproduce)
+    names = json.loads((out / "COCO2014" / "COCO2014.json").read_text())["names"]
+    assert len(names) == 81 and [names[i] for i in COCO_IDS[1:]] == ["boat", "train", "dog", "car", "person", "bird"]
+    code = cli.main(["reproduce", "--root", str(out), "--data", "COCO2014", "--pseudo",
+                     str(out / "WSS/COCO2014/RSEPM/train"), "--features", str(out / "COCO2014/train/SYNTHETIC"),
+                     "--refine", "threshold", "--out", str(tmp_path / "r"), "--no-progress", "--threads", "1"])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert "mIoU of the labels" in printed and "(4 images)" in printed
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "COCO 2014" in report and "| boat |" in report

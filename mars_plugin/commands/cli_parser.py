@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a small sample tree in a WSSS codebase's layout, with random-weight models, to "
                              "try every command offline",
                         description="Write the built-in synthetic world (VOC class ids) as a small tree in the "
-                                    "layout of DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...), IRNet, "
+                                    "layout of DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...; dhr-coco: "
+                                    "its COCO2014/train tree, COCO ids, for reproduce --data COCO2014), IRNet, "
                                     "AdvCAM, SEAM or RS+EPM, with random-weight model files in weights/ (a tiny STEGO "
                                     "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and "
                                     "print the commands to try on it (features, centroids, debias, evaluate, report, "

@@ -30,6 +30,7 @@ from mars_plugin._checks import (
     check_num_classes,
     check_real_param,
     check_seed,
+    check_varying_features,
 )
 from mars_plugin.formats.files import BIASED_VALUE, feature_shape, find_features, find_image, list_stems, read_label
 from mars_plugin.commands.errors import JobError, one_line
@@ -88,9 +89,12 @@ def check_label_values(label: torch.Tensor, path: os.PathLike, num_classes: int,
 
 
 def check_features(feats: torch.Tensor, path: os.PathLike, dim: Optional[int], dim_from: str) -> None:
-    """Features are finite and of embedding size ``dim`` (None: any); the error names the file."""
+    """Features are finite, not degenerate (all zero, or one vector at every pixel:
+    :func:`~mars_plugin._checks.degenerate_features`) and of embedding size ``dim`` (None: any);
+    the error names the file."""
     if not bool(torch.isfinite(feats).all()):
         raise ValueError(f"{os.fspath(path)}: features hold NaN or infinite values")
+    check_varying_features(feats, os.fspath(path))
     if dim is not None and int(feats.shape[0]) != dim:
         raise ValueError(f"{os.fspath(path)}: features have embedding size D={int(feats.shape[0])}, expected "
                          f"D={dim} ({dim_from})")

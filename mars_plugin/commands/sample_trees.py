@@ -3,8 +3,10 @@
 The images, ground truth, pseudo labels and USS-like features are the built-in synthetic world
 (:mod:`mars_plugin.worlds.synthetic_scenes`: boat pseudo labels leak into the sea, train into the rail), with
 its six classes written as their PASCAL VOC ids (boat 4, train 19, dog 12, car 7, person 15,
-bird 3: the trees are VOC-shaped, ``--num-classes 20``). The labels and tag files are written
-by the adapters' own writers in the codebase's layout (:data:`LAYOUTS`). ``weights/`` holds
+bird 3: the trees are VOC-shaped, ``--num-classes 20``), or, in ``dhr-coco`` (DHR's COCO 2014
+tree, what ``mars reproduce --data COCO2014`` reads), as their COCO ids (boat 9, train 7, dog
+17, car 3, person 1, bird 15; ``--num-classes 80``, domain ``train``). The labels and tag
+files are written by the adapters' own writers in the codebase's layout (:data:`LAYOUTS`). ``weights/`` holds
 random-weight models in the files ``mars features`` reads: a tiny STEGO (DINO ViT-Ti/8 +
 heads) as DHR's two files and as a Lightning-like ``.ckpt`` that loads with
 ``weights_only=True``, and a tiny DINOv2 (ViT-Ti/14) with DHR's CAUSE heads. Random weights:
@@ -25,14 +27,19 @@ import torch
 
 from mars_plugin.formats.files import atomic_write, write_features, write_image, write_label
 
-__all__ = ["TREES", "LAYOUTS", "VOC_IDS", "write_sample_tree", "sample_commands", "describe"]
+__all__ = ["TREES", "LAYOUTS", "VOC_IDS", "COCO_IDS", "DHR_DATA", "class_ids", "image_ids", "write_sample_tree",
+           "sample_commands", "describe"]
 
-TREES = ("dhr", "irnet", "advcam", "seam", "rsepm")
+TREES = ("dhr", "dhr-coco", "irnet", "advcam", "seam", "rsepm")
 #: Where each tree keeps what (relative to ``--out``): images, ground truth, pseudo labels,
 #: image-level tags (a file or an xml folder) and the synthetic world's features.
 LAYOUTS: Dict[str, Dict[str, str]] = {
     "dhr": dict(images="VOC2012/train_aug/image", gt="VOC2012/train_aug/mask", pseudo="WSS/VOC2012/RSEPM/train_aug",
                 tags="VOC2012/train_aug/xml", features="VOC2012/train_aug/SYNTHETIC"),
+    # DHR's COCO 2014 tree: the same layout under COCO2014/, domain train (DHR's README,
+    # "Preparing datasets"; mars_plugin.commands.reproduce.default_domain)
+    "dhr-coco": dict(images="COCO2014/train/image", gt="COCO2014/train/mask", pseudo="WSS/COCO2014/RSEPM/train",
+                     tags="COCO2014/train/xml", features="COCO2014/train/SYNTHETIC"),
     "irnet": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="result/sem_seg",
                   tags="voc12/cls_labels.npy", features="features"),
     "advcam": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="result/sem_seg",
@@ -44,12 +51,34 @@ LAYOUTS: Dict[str, Dict[str, str]] = {
 }
 #: The synthetic world's class ids (boat, train, dog, car, person, bird) as VOC's.
 VOC_IDS = (0, 4, 19, 12, 7, 15, 3)
+#: The same classes as COCO 2014's ids (``COCO_CLASSES`` order: person 1, car 3, train 7, boat 9,
+#: bird 15, dog 17).
+COCO_IDS = (0, 9, 7, 17, 3, 1, 15)
+#: DHR's ``--data`` of its trees (the others are VOC-shaped: their model files say VOC2012 too).
+DHR_DATA = {"dhr": "VOC2012", "dhr-coco": "COCO2014"}
 _WIDTH, _DIM = 192, 16  # ViT-Ti; STEGO's code dimension
 
 
-def _voc(label: torch.Tensor) -> torch.Tensor:
+def class_ids(tree: str) -> Tuple[int, ...]:
+    """The world's class ids in ``tree``: COCO's in the COCO tree, VOC's elsewhere."""
+    return COCO_IDS if tree == "dhr-coco" else VOC_IDS
+
+
+def image_ids(tree: str, n: int) -> List[str]:
+    """The ``n`` image ids of ``tree``, in its dataset's form: VOC's ``2007_000001`` (IRNet
+    stores them as 2007000001), COCO 2014's ``COCO_train2014_000000000001``."""
+    if tree == "dhr-coco":
+        return [f"COCO_train2014_{i + 1:012d}" for i in range(n)]
+    return [f"2007_{i + 1:06d}" for i in range(n)]
+
+
+def _data(tree: str) -> str:
+    return DHR_DATA.get(tree, "VOC2012")
+
+
+def _relabel(label: torch.Tensor, ids: Tuple[int, ...]) -> torch.Tensor:
     lut = torch.arange(256)
-    lut[: len(VOC_IDS)] = torch.tensor(VOC_IDS)
+    lut[: len(ids)] = torch.tensor(ids)
     return lut[label.long()]
 
 
@@ -69,8 +98,9 @@ def _save(obj, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
-def _write_weights(folder: Path, seed: int) -> None:
-    """Random STEGO (DHR's two files and a Lightning-like .ckpt) and DINOv2 + DHR's CAUSE heads."""
+def _write_weights(folder: Path, seed: int, data: str = "VOC2012") -> None:
+    """Random STEGO (DHR's two files and a Lightning-like .ckpt) and DINOv2 + DHR's CAUSE heads,
+    the heads named for DHR's ``data`` (``STEGO_<data>.pt``, ``CAUSE_<data>.pt``)."""
     from mars_plugin.adapters.uss.cause_decoder import CAUSESegment
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -81,7 +111,7 @@ def _write_weights(folder: Path, seed: int) -> None:
                           "0.bias": torch.zeros(_WIDTH),
                           "2.weight": torch.randn(_DIM, _WIDTH, 1, 1, generator=g) / 14, "2.bias": torch.zeros(_DIM)}}
     _save(dino, folder / "dino_tiny_random.pth")
-    _save(heads, folder / "STEGO_VOC2012.pt")
+    _save(heads, folder / f"STEGO_{data}.pt")
     state = {"net.model." + k: v for k, v in dino.items()}
     state.update({f"net.{h}.{k}": v for h, sd in heads.items() for k, v in sd.items()})
     # A Lightning checkpoint of plain values only: it loads with torch.load(weights_only=True)
@@ -93,7 +123,7 @@ def _write_weights(folder: Path, seed: int) -> None:
         segment.head_ema.query_pos.normal_(0, 0.1)  # zeros in a fresh module
     _save(_random_vit(14, seed + 3, dinov2=True), folder / "dinov2_tiny_random.pth")
     _save({"decoder": segment.state_dict(), "codebook": torch.randn(16, _WIDTH, generator=g)},
-          folder / "CAUSE_VOC2012.pt")
+          folder / f"CAUSE_{data}.pt")
 
 
 def _xml(path: Path, gt: torch.Tensor, names) -> None:
@@ -148,30 +178,31 @@ def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None
     """The files of :func:`write_sample_tree` under ``root``."""
     import importlib
 
-    from mars_plugin.adapters.wsss._common import VOC_CLASSES
+    from mars_plugin.adapters.wsss._common import COCO_CLASSES, VOC_CLASSES
     from mars_plugin.commands.demo import WORLD_NOISE
     from mars_plugin.worlds.synthetic_scenes import make_world
 
     world = make_world(num_images, size=size, seed=seed, **WORLD_NOISE)
-    ids = [f"2007_{i + 1:06d}" for i in range(num_images)]  # VOC's form: IRNet stores them as 2007000001
-    gt = [_voc(y) for y in world.gt]
-    pseudo = [(i, _voc(y)) for i, y in zip(ids, world.pseudo)]
+    ids = image_ids(tree, num_images)
+    lut, names = (COCO_IDS, COCO_CLASSES) if tree == "dhr-coco" else (VOC_IDS, VOC_CLASSES)
+    gt = [_relabel(y, lut) for y in world.gt]
+    pseudo = [(i, _relabel(y, lut)) for i, y in zip(ids, world.pseudo)]
     paths = {k: root / v for k, v in LAYOUTS[tree].items()}
     for i, stem in enumerate(ids):
         write_image(paths["images"] / f"{stem}.jpg", world.images[i])
         write_label(paths["gt"] / f"{stem}.png", gt[i])
-        if tree == "dhr":  # DHR's own dataset stores its features as fp16 .pt tensors
+        if tree in DHR_DATA:  # DHR's own dataset stores its features as fp16 .pt tensors
             _save(world.features[i].half().clone(), paths["features"] / f"{stem}.pt")
         else:
             write_features(paths["features"] / f"{stem}.npy", world.features[i])
         if paths["tags"].suffix != ".npy":
-            _xml(paths["tags"] / f"{stem}.xml", gt[i], VOC_CLASSES)
-    adapter = importlib.import_module(f"mars_plugin.adapters.wsss.{tree}")
-    if tree == "dhr":
-        layout = adapter.DHRLayout(root)
-        text = json.dumps({"names": list(VOC_CLASSES), "ignore": 255})  # DHR's <data>.json
+            _xml(paths["tags"] / f"{stem}.xml", gt[i], names)
+    adapter = importlib.import_module(f"mars_plugin.adapters.wsss.{'dhr' if tree in DHR_DATA else tree}")
+    if tree in DHR_DATA:
+        layout = adapter.DHRLayout(root, _data(tree))
+        text = json.dumps({"names": list(names), "ignore": 255})  # DHR's <data>.json
         atomic_write(layout.dataset_json, lambda tmp: Path(tmp).write_text(text))
-        adapter.write_masks(pseudo, layout, "RSEPM", "train_aug")
+        adapter.write_masks(pseudo, layout, "RSEPM", paths["pseudo"].name)
     else:  # the codebase's PNG mode (IRNet, AdvCAM, SEAM grayscale, RS+EPM palette)
         adapter.write_debiased(pseudo, paths["pseudo"])
     if paths["tags"].suffix == ".npy":  # voc12/cls_labels.npy: IRNet/AdvCAM int ids, SEAM's strings
@@ -182,7 +213,7 @@ def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None
             hot[stem if tree == "seam" else np.int32(int(stem.replace("_", "")))] = v
         atomic_write(paths["tags"], lambda tmp: np.save(tmp, hot, allow_pickle=True))
         atomic_write(paths["tags"].parent / "train_aug.txt", lambda tmp: Path(tmp).write_text("\n".join(ids) + "\n"))
-    _write_weights(root / "weights", seed)
+    _write_weights(root / "weights", seed, _data(tree))
 
 
 def sample_commands(tree: str, out: Union[str, os.PathLike]) -> List[str]:
@@ -192,34 +223,39 @@ def sample_commands(tree: str, out: Union[str, os.PathLike]) -> List[str]:
     w = r / "weights"
     q = shlex.quote
     pickle = " --trust-pickle" if p["tags"].endswith(".npy") else ""  # cls_labels.npy is a pickle
-    feats = r / "VOC2012/train_aug/STEGO" if tree == "dhr" else r / "features_stego"
-    debiased = {"dhr": r / "MARS/VOC2012/debiased/train_aug", "irnet": r / "result/sem_seg_mars",
-                "advcam": r / "result/sem_seg_mars", "seam": r / "out_rw_mars",
+    dhr, data = tree in DHR_DATA, _data(tree)
+    domain = Path(p["images"]).parent.name  # DHR's domain: train_aug (VOC), train (COCO)
+    feats = r / data / domain / "STEGO" if dhr else r / "features_stego"
+    debiased = {"dhr": r / "MARS/VOC2012/debiased/train_aug", "dhr-coco": r / "MARS/COCO2014/debiased/train",
+                "irnet": r / "result/sem_seg_mars", "advcam": r / "result/sem_seg_mars", "seam": r / "out_rw_mars",
                 "rsepm": r / "experiments/pseudo-labels/sample@MARS/train"}[tree]
     # DHR's dataset json names the classes; the other codebases keep VOC's names in their code
-    names = f" --class-names {q(str(r / 'VOC2012/VOC2012.json'))}" if tree == "dhr" else ""
+    names = f" --class-names {q(str(r / data / f'{data}.json'))}" if dhr else ""
+    num_classes = 80 if tree == "dhr-coco" else 20
     cmds = []
-    if tree == "dhr":
+    if dhr:
         cmds.append(f"mars features --uss stego --backbone {q(str(w / 'dino_tiny_random.pth'))} --heads "
-                    f"{q(str(w / 'STEGO_VOC2012.pt'))} --dhr --format pt --images {q(p['images'])} --out {q(str(feats))}")
+                    f"{q(str(w / f'STEGO_{data}.pt'))} --dhr --format pt --images {q(p['images'])} --out {q(str(feats))}")
     else:
         cmds.append(f"mars features --uss stego --checkpoint {q(str(w / 'stego_tiny_random.ckpt'))} --images "
                     f"{q(p['images'])} --out {q(str(feats))}")
-    common = f"--labels {q(p['pseudo'])} --wsss {tree} --image-labels {q(p['tags'])}{pickle}"
+    common = f"--labels {q(p['pseudo'])} --wsss {'dhr' if dhr else tree} --image-labels {q(p['tags'])}{pickle}"
     cmds += [
-        f"mars centroids --features {q(p['features'])} {common} --num-classes 20 --out {q(str(r / 'centroids.pt'))}",
+        f"mars centroids --features {q(p['features'])} {common} --num-classes {num_classes} "
+        f"--out {q(str(r / 'centroids.pt'))}",
         f"mars debias --features {q(p['features'])} {common} --centroids {q(str(r / 'centroids.pt'))} "
         f"--images {q(p['images'])} --out {q(str(debiased))}",
-        f"mars evaluate --pred {q(str(debiased))} --gt {q(p['gt'])} --num-classes 20{names}",
+        f"mars evaluate --pred {q(str(debiased))} --gt {q(p['gt'])} --num-classes {num_classes}{names}",
         f"mars report --labels {q(p['pseudo'])} --debiased {q(str(debiased))} --images {q(p['images'])} "
         f"--out {q(str(r / 'report'))}{names}",
     ]
-    if tree == "dhr":
-        base = f"mars reproduce --root {q(str(r))} --pseudo {q(p['pseudo'])}"
-        cmds += [f"{base} --backbone {q(str(w / 'dino_tiny_random.pth'))} --heads {q(str(w / 'STEGO_VOC2012.pt'))} "
+    if dhr:
+        base = f"mars reproduce --root {q(str(r))}" + (f" --data {data}" if data != "VOC2012" else "") + \
+            f" --pseudo {q(p['pseudo'])}"
+        cmds += [f"{base} --backbone {q(str(w / 'dino_tiny_random.pth'))} --heads {q(str(w / f'STEGO_{data}.pt'))} "
                  f"--out {q(str(r / 'reproduce_stego'))}",
                  f"{base} --uss cause --backbone {q(str(w / 'dinov2_tiny_random.pth'))} --heads "
-                 f"{q(str(w / 'CAUSE_VOC2012.pt'))} --out {q(str(r / 'reproduce_cause'))}"]
+                 f"{q(str(w / f'CAUSE_{data}.pt'))} --out {q(str(r / 'reproduce_cause'))}"]
     return cmds
 
 
@@ -227,8 +263,10 @@ def describe(tree: str, out: Union[str, os.PathLike]) -> Tuple[str, ...]:
     """What ``mars sample`` prints: where things are, then the commands to try."""
     r = Path(out)
     lay = LAYOUTS[tree]
+    which = "COCO 2014's class ids, in DHR's COCO layout" if tree == "dhr-coco" else \
+        "VOC's class ids, in that codebase's layout"
     lines = [f"sample {tree} tree -> {r}: the synthetic world (boat and train pseudo labels leak into sea and rail) "
-             "with VOC's class ids, in that codebase's layout:"]
+             f"with {which}:"]
     lines += [f"  {k:<9}{r / v}" for k, v in lay.items()]
     lines.append(f"  {'weights':<9}{r / 'weights'} (random weights: tiny STEGO as DHR's two files and as a "
                  "weights-only .ckpt, tiny DINOv2 + DHR's CAUSE heads)")

@@ -1,2 +1,3 @@
 """File formats every command and adapter shares: label PNGs (0..C, 254 biased, 255 ignore),
-images, feature files (.npy/.pt), atomic writes (``files.py``)."""
+images, feature files (.npy/.pt), atomic writes (``files.py``); the one rule by which an image
+of any PIL mode is read as 8-bit RGB, or refused naming its mode (``images.py``)."""

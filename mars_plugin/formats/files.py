@@ -1,4 +1,5 @@
-"""Files on disk: label PNGs with the VOC palette, feature .npy/.pt files, RGB images.
+"""Files on disk: label PNGs with the VOC palette, feature .npy/.pt files, RGB images (read by
+the rule of ``images.py``).
 
 Layout used by the ``mars`` command line (one file per image, the image *stem* is the key):
 
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from mars_plugin._checks import BIASED_PNG_VALUE
+from mars_plugin.formats.images import to_rgb
 
 __all__ = [
     "BIASED_VALUE",
@@ -139,6 +141,17 @@ def _check_not_empty(path: str, shape: Tuple[int, ...], what: str) -> None:
                          f"dimension >= 1 (an image has at least one pixel)")
 
 
+#: Why a label file of a common non-label mode is refused (by the mode's first two letters).
+_LABEL_MODE_HINTS = {
+    "I;": " (16-bit: its values are not read as bytes; write the ids as an 8-bit P or L PNG)",
+    "I": " (32-bit integer: write the ids as an 8-bit P or L PNG)",
+    "RG": " (a colour image: a label holds one class id per pixel, not a colour; an RGB rendering of a palette "
+          "label is not read back)",
+    "LA": " (grey with alpha: write the ids as an 8-bit P or L PNG, without alpha)",
+    "PA": " (palette with alpha: write the ids as an 8-bit P or L PNG, without alpha)",
+}
+
+
 def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) -> torch.Tensor:
     """A (H, W) long label from a P-mode or L-mode PNG; ``biased_value`` bytes become -1.
 
@@ -150,9 +163,8 @@ def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) ->
     try:
         with Image.open(path) as im:
             if im.mode not in ("P", "L"):
-                raise ValueError(
-                    f"{path}: label PNGs must be palette (P) or grayscale (L) images of class ids, got mode {im.mode}"
-                )
+                raise ValueError(f"{path}: label PNGs must be 8-bit palette (P) or grayscale (L) images of class ids, "
+                                 f"got mode {im.mode}{_LABEL_MODE_HINTS.get(im.mode[:2], '')}")
             arr = np.array(im, dtype=np.uint8)
     except _image_errors() as e:
         if isinstance(e, ValueError) and str(e).startswith(path):
@@ -399,14 +411,19 @@ def write_features(path: PathLike, features, *, dtype=np.float16) -> None:
 
 
 def read_image(path: PathLike) -> np.ndarray:
-    """(H, W, 3) uint8 RGB."""
+    """(H, W, 3) uint8 RGB, by the one rule of :mod:`mars_plugin.formats.images`: 8-bit modes as
+    PIL's ``convert("RGB")``, alpha dropped, 16/32-bit integer scaled by the bit depth, float in
+    [0, 1] times 255, EXIF orientation not applied; any other mode or range a ValueError naming
+    the file and its mode."""
     from PIL import Image
 
     path = os.fspath(path)
     try:
         with Image.open(path) as im:
-            arr = np.array(im.convert("RGB"), dtype=np.uint8)
+            arr = to_rgb(im, path)
     except _image_errors() as e:
+        if isinstance(e, ValueError) and str(e).startswith(path):
+            raise
         raise ValueError(f"{path}: cannot read image ({e})") from e
     _check_not_empty(path, arr.shape[:2], "image (H, W)")
     return arr

@@ -22,6 +22,7 @@ from mars_plugin._checks import (
     check_fraction,
     check_image_classes,
     check_label_tensor,
+    check_varying_features,
     describe,
 )
 from mars_plugin.engines.crf import dense_crf
@@ -79,6 +80,8 @@ def _prepare(features, centroids, image_classes, size: Optional[Tuple[int, int]]
             f"features have D={f.shape[1]} channels but centroids have D={V.shape[1]}; "
             "use the same USS model for select_centroids and debias_labels"
         )
+    for i in range(f.shape[0]):  # values after shapes: a constant map marks all or none of its image biased
+        check_varying_features(f[i], "features" if single else f"features[{i}]")
     C = V.shape[0] - 1
     cls = check_image_classes(image_classes, "image_classes", C, None if single else f.shape[0])
     if single:
@@ -214,7 +217,9 @@ def debiased_similarity(
     """The soft debiased mask M_hat of Eq. 4.
 
     Shapes:
-        features: (D, H, W) or (B, D, H, W) pixel embeddings.
+        features: (D, H, W) or (B, D, H, W) pixel embeddings; a map whose every value is 0, or
+            whose every pixel holds the same vector, is a ValueError (it carries no per-pixel
+            information: :func:`mars_plugin._checks.degenerate_features`).
         centroids: :class:`DebiasedCentroids` or a (C+1, D) tensor (all-zero rows = no centroid).
         image_classes: (C,) / (B, C) multi-hot tensor, or a list of 1-based class ids (a list of
             lists for a batch); see :func:`mars_plugin._checks.check_image_classes`.
@@ -266,7 +271,9 @@ def debias_labels(
 
     Shapes:
         features: (D, h, w) or (B, D, h, w) USS embeddings; resized bilinearly to the label grid
-            when (h, w) differs from it.
+            when (h, w) differs from it. A map whose every value is 0, or whose every pixel
+            holds the same vector (a failed extractor's), is a ValueError naming it: it would
+            mark all or none of its image's foreground biased.
         pseudo_label: (H, W) or (B, H, W) WSSS label, 0..C or ``ignore_index``.
         centroids: from :func:`select_centroids` (or a (C+1, D) tensor, C <= 253).
         image_classes: image-level labels: (C,) / (B, C) multi-hot tensor, or a list of 1-based
