@@ -52,6 +52,10 @@ def train_after_reproduce(
     from mars_plugin.commands.identities import weight_file_id
     from mars_plugin.commands.train import train
 
+    from mars_plugin.commands.inputs import check_out_apart, root_reads
+
+    check_out_apart(out_dir, "--out", {"--root": root_reads(root, data, [domain, val_domain]),
+                                       "--weights": (train_options or {}).get("weights")})
     out = Path(out_dir)
     debiased = out / "debiased"
     tags_path = out / "image_labels.json"
