@@ -162,6 +162,46 @@ def _print_skipped(s) -> None:
         print("\n".join(lines), file=sys.stderr)
 
 
+#: The files and folders each command reads, by flag. An output (``--out``; ``mars evaluate``'s
+#: ``--json``) is never one of them, inside one or around one, refused before any is read
+#: (:func:`~mars_plugin.commands.inputs.check_out_apart`). The job functions check the inputs
+#: they are given too (the Python API); here also those only the command line reads
+#: (``--class-names``, ``--model``, the model files, DHR's tree under ``--root``).
+_READS = {
+    "features": ("--images", "--checkpoint", "--backbone", "--heads"),
+    "centroids": ("--features", "--labels", "--image-labels", "--class-names"),
+    "debias": ("--features", "--labels", "--centroids", "--images", "--image-labels", "--class-names"),
+    "report": ("--labels", "--debiased", "--images", "--class-names"),
+    "evaluate": ("--pred", "--gt", "--class-names"),
+    "predict": ("--images", "--model"),
+    "train": ("--images", "--labels", "--image-labels", "--class-names", "--weights"),
+    "reproduce": ("--pseudo", "--features", "--checkpoint", "--backbone", "--heads"),
+    "demo": (),  # demo and sample read no file: their world is generated
+    "sample": (),
+}
+
+
+def _check_out_apart(args) -> None:
+    """:func:`~mars_plugin.commands.inputs.check_out_apart` on the parsed flags of ``args.command``."""
+    from mars_plugin.commands.inputs import check_out_apart, root_reads
+
+    reads = {}
+    root = getattr(args, "root", None)
+    if root is not None and args.command in ("predict", "train", "reproduce"):
+        from mars_plugin.commands.reproduce import default_domain
+
+        data = args.data or "VOC2012"
+        domains = [args.domain or default_domain(data, root)]
+        if args.command == "reproduce" and args.train:  # then it trains, and scores the validation split
+            domains.append(args.val_domain)
+            reads["--weights"] = args.weights
+        reads["--root"] = root_reads(root, data, domains, references=args.command == "reproduce" and
+                                     not args.no_references)
+    reads.update({flag: getattr(args, flag[2:].replace("-", "_")) for flag in _READS[args.command]})
+    flag = "--json" if args.command == "evaluate" else "--out"
+    check_out_apart(getattr(args, flag[2:]), flag, reads)
+
+
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     from mars_plugin.commands import centroids, debias, distributed, errors, evaluate, report
@@ -170,6 +210,7 @@ def _main(argv: Optional[List[str]]) -> int:
     s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
     joined = False  # whether this call joined a torchrun process group (and must leave it)
     try:
+        _check_out_apart(args)  # before any work: an output is never an input
         if args.command == "demo":
             from mars_plugin.commands.demo import run_demo
 

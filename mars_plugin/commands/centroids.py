@@ -23,6 +23,7 @@ from mars_plugin.method.selection import DebiasedCentroids, select_centroids
 from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
 from mars_plugin.commands.inputs import (
     _check_out_file,
+    check_out_apart,
     _common_dim,
     _only,
     _progress,
@@ -129,6 +130,7 @@ def centroids_job(
     spill options are not recorded (they change the result by float rounding at most). One run
     at a time per ``out`` (a lock, ``.<name>.lock`` beside it).
     """
+    check_out_apart(out, "--out", {"--features": features_dir, "--labels": labels_dir, "--image-labels": image_labels})
     _check_on_error(on_error)
     num_classes = check_num_classes(num_classes)
     ignore_index = check_ignore_byte(ignore_index, num_classes=num_classes)

@@ -226,6 +226,10 @@ def debias_job(
     debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
     :func:`label_format`). ``stems``: only these of the folder's labels.
     """
+    from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
+
+    check_out_apart(out_dir, "--out", {"--features": features_dir, "--labels": labels_dir, "--centroids": centroids,
+                                       "--images": images_dir, "--image-labels": image_labels})
     _check_on_error(on_error)
     if refine not in ("crf", "threshold"):
         raise ValueError(f"refine must be 'crf' or 'threshold', got {refine!r}")

@@ -148,6 +148,9 @@ def features_job(
     a progress bar, over its share: bars of several processes on one terminal overwrite each
     other's lines, and the strided shares progress at about the same pace.
     """
+    from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
+
+    check_out_apart(out_dir, "--out", {"--images": images_dir})
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
     if file_format not in FILE_FORMATS:

@@ -14,7 +14,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ from mars_plugin.commands.errors import JobError, one_line
 from mars_plugin.method.selection import DebiasedCentroids
 
 __all__ = ["load_centroids", "check_job_params", "no_valid_pixel", "check_any_valid", "check_label_values",
-           "check_features", "check_input_folder", "check_images_folder"]
+           "check_features", "check_input_folder", "check_images_folder", "check_out_apart",
+           "root_reads"]
 
 
 def no_valid_pixel(label: torch.Tensor, path: os.PathLike, ignore_index: int) -> Optional[str]:
@@ -121,6 +122,84 @@ def _common_dim(features_dir: Path, stems: Sequence[str]) -> Optional[Tuple[int,
         return None
     d = max(count, key=lambda k: (count[k], -list(first).index(k)))
     return d, f"as most feature files, e.g. {first[d]}"
+
+
+#: What :func:`check_out_apart` takes per input flag: a path, several (a flag whose command
+#: reads several folders under it, e.g. ``--root``), or None (not given).
+InputPaths = Union[None, os.PathLike, str, Sequence[Union[None, os.PathLike, str]]]
+
+
+def _real(path: Union[os.PathLike, str]) -> Path:
+    """The absolute path with every symlink, ``.`` and ``..`` resolved; a part that does not
+    exist yet is kept as written below its deepest existing (resolved) ancestor."""
+    return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
+
+
+def _lineage(real: Path) -> List[Tuple[Path, Optional[os.stat_result]]]:
+    """``real`` and its ancestors, deepest first, with their ``os.stat`` (None: does not exist)."""
+    out = []
+    for p in (real, *real.parents):
+        try:
+            out.append((p, os.stat(p)))
+        except OSError:
+            out.append((p, None))
+    return out
+
+
+def _within(inner: List[Tuple[Path, Optional[os.stat_result]]],
+            outer: List[Tuple[Path, Optional[os.stat_result]]]) -> Optional[bool]:
+    """Whether the path of lineage ``inner`` is (True: the same) or lies inside (False) the
+    path of lineage ``outer``; None: neither. Compared by resolved name and, where both exist,
+    by device and inode (a bind mount, a case-insensitive file system)."""
+    top, top_stat = outer[0]
+    for i, (p, st) in enumerate(inner):
+        if p == top or (st is not None and top_stat is not None and os.path.samestat(st, top_stat)):
+            return i == 0
+    return None
+
+
+def check_out_apart(out: Optional[Union[os.PathLike, str]], out_flag: str,
+                    inputs: Mapping[str, InputPaths]) -> None:
+    """An output is never an input: a :class:`JobError` naming both flags and both paths,
+    before any work (nothing read, created or locked), when ``out`` (given as ``out_flag``) is,
+    contains or lies inside one of ``inputs`` ({flag: path or paths} of the files and folders
+    the same command reads), under any spelling: symlinks (to the folder or to a parent, the
+    output's deepest existing ancestor when it does not exist yet), ``.``, ``..``, trailing
+    slashes, relative or absolute. ``mars predict --images D --out D`` would replace the
+    photographs with labels; an output inside an input folder would be read as an input next
+    time. Inputs that do not exist are left to the command's own check (nothing to overwrite);
+    ``out`` None: nothing is written."""
+    if out is None:
+        return
+    mine = _lineage(_real(out))
+    for flag, given in inputs.items():
+        paths = given if isinstance(given, (list, tuple)) else [given]
+        for path in paths:
+            if path is None or not os.path.exists(path):
+                continue
+            theirs = _lineage(_real(path))
+            inside, contains = _within(mine, theirs), _within(theirs, mine)
+            if inside is None and contains is None:
+                continue
+            real, theirs_real = mine[0][0], theirs[0][0]
+            if inside or contains:
+                how, where = "is", f"{real}"
+            elif inside is not None:
+                how, where = "lies inside", f"{real} in {theirs_real}"
+            else:
+                how, where = "contains", f"{theirs_real} in {real}"
+            raise JobError(f"{out_flag} {os.fspath(out)} {how} {flag} {os.fspath(path)} ({where}): an output never "
+                           f"goes where the command reads its inputs; give {out_flag} a path apart from them")
+
+
+def root_reads(root: Union[os.PathLike, str], data: str, domains: Sequence[str],
+               references: bool = False) -> List[Path]:
+    """What a command reads under DHR's ``--root`` (the inputs :func:`check_out_apart` keeps
+    an output apart from): ``<root>/<data>/<domain>/`` of each domain (``image``, ``mask``,
+    ``xml``) and, with ``references``, ``<root>/WSS/<data>/`` (the other methods' masks). An
+    output elsewhere under ``--root`` (DHR's checkout, ``runs/``) is apart from them."""
+    root = Path(root)
+    return [root / data / d for d in domains] + ([root / "WSS" / data] if references else [])
 
 
 def _check_out_file(out: os.PathLike, flag: str) -> None:

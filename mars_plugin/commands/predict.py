@@ -120,6 +120,9 @@ def predict_job(
     takes ``rank, rank + W, ...``; a failure on one rank is raised on all once they meet
     (:func:`~mars_plugin.commands.distributed.share_error`); only rank 0 shows a progress bar.
     """
+    from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
+
+    check_out_apart(out_dir, "--out", {images_flag: images_dir})
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
     scales = check_scales(scales)

@@ -16,6 +16,7 @@ from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, find_image, re
 from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
 from mars_plugin.commands.inputs import (
     _check_out_dir,
+    check_out_apart,
     _progress,
     _stems,
     check_images_folder,
@@ -77,6 +78,7 @@ def report_job(
     into ``out_dir`` (a lock, :class:`~mars_plugin.commands.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
     """
+    check_out_apart(out_dir, "--out", {"--labels": labels_dir, "--debiased": debiased_dir, "--images": images_dir})
     _check_on_error(on_error)
     p = check_job_params(num_examples=num_examples, per_class=per_class)
     num_examples, per_class = p["num_examples"], p["per_class"]

@@ -192,6 +192,11 @@ def reproduce(
                      batch_size=batch_size, workers=workers, num_examples=num_examples)
     out = Path(out_dir)
     domain = default_domain(data, root) if domain is None else domain
+    from mars_plugin.commands.inputs import check_out_apart, root_reads  # an output is never an input
+
+    check_out_apart(out_dir, "--out", {"--root": root_reads(root, data, [domain], references), "--pseudo": pseudo_dir,
+                                       "--features": features_dir, "--checkpoint": checkpoint, "--backbone": backbone,
+                                       "--heads": heads})
     given = [f for f, v in (("--checkpoint", checkpoint), ("--backbone", backbone), ("--heads", heads)) if v]
     if features_dir is not None and given:
         raise ValueError(f"give either the USS model files ({', '.join(given)}) or --features (features already "

@@ -50,8 +50,12 @@ def train_after_reproduce(
     from mars_plugin.commands.distributed import _rank_world
     from mars_plugin.commands.predict import load_model, predict_job
     from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.commands.inputs import check_out_apart, root_reads
     from mars_plugin.commands.train import train
 
+    # before any work: an output is never an input (the validation split, --weights)
+    check_out_apart(out_dir, "--out", {"--root": root_reads(root, data, [domain, val_domain]),
+                                       "--weights": (train_options or {}).get("weights")})
     out = Path(out_dir)
     debiased = out / "debiased"
     tags_path = out / "image_labels.json"

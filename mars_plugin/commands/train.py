@@ -162,7 +162,9 @@ def train(
     from mars_plugin.networks.deeplab import build_model, load_backbone_weights, param_groups
     from mars_plugin.commands.errors import JobError
     from mars_plugin.commands.distributed import _rank_world, resolve_device
+    from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
+    check_out_apart(out, "--out", {"--images": images, "--labels": labels, "--weights": weights})
     num_classes = check_num_classes(num_classes)
     if loss not in ("mars", "ce"):
         raise ValueError(f"loss must be 'mars' or 'ce', got {loss!r}")
