@@ -133,6 +133,19 @@ def test_restart_trains_again_from_step_0_on_the_new_data(tree, tmp_path):
     assert again["resumed_from"] == 3
 
 
+def test_a_restart_killed_before_its_first_checkpoint_leaves_no_old_one(tree, tmp_path):
+    """--restart removes the old run's checkpoint: killed before its own first one, the next
+    run (without --restart) starts from step 0 instead of meeting the other data's checkpoint."""
+    out = tmp_path / "run"
+    _killed_run(tree, out)
+    _replace_a_label(tree)
+    with pytest.raises(_Stop):
+        train(tree / "images", tree / "pseudo", out, C, restart=True, on_step=_stop_after(1),
+              **dict(RUN, save_every=2))
+    assert not (out / CHECKPOINT_NAME).exists()
+    assert train(tree / "images", tree / "pseudo", out, C, **RUN)["resumed_from"] == 0
+
+
 def test_restart_refused_by_a_bad_file_keeps_the_old_run(tree, tmp_path):
     out = tmp_path / "run"
     _killed_run(tree, out)
