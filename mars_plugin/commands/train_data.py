@@ -162,10 +162,13 @@ def data_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> List[str]:
 def check_train_files(dataset: Any, num_classes: int, loss: str, *, workers: int = 1,
                       progress: bool = True) -> None:
     """Read every sample of ``dataset`` (a :class:`~mars_plugin.networks.seg_data.TrainFolder`)
-    once, with ``workers`` threads (decoding releases the GIL) and a progress bar; a JobError of
+    once, with threads (decoding releases the GIL: ``workers`` or torch's CPU threads, whichever
+    is more; nothing else runs yet) and a progress bar; a JobError of
     one line naming the first bad file (in id order), or the label folder when the labels as a
     whole cannot train (see the module docstring)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     from mars_plugin.commands.inputs import _progress
 
@@ -180,7 +183,7 @@ def check_train_files(dataset: Any, num_classes: int, loss: str, *, workers: int
         return None, int((label == BIASED_VALUE).sum()), int((label <= C).sum())
 
     biased = learnable = 0
-    pool = ThreadPoolExecutor(max_workers=max(1, int(workers)))
+    pool = ThreadPoolExecutor(max_workers=max(1, int(workers), torch.get_num_threads()))
     try:
         for err, b, n in _progress(pool.map(one, stems), len(stems), "check data", progress):
             if err is not None:
