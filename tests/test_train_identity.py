@@ -59,7 +59,8 @@ def _change_labels_folder(tree):
     # another folder with the same names: other content (the pseudo labels of another method)
     for i in range(6):
         _other_label(tree, f"s{i}", "other")
-    return {"labels": tree / "other"}, r"--labels: 6 of 6 label files changed \(folder .*pseudo -> .*other\), e\.g\. s0, s1"
+    says = r"--labels: 6 of 6 label files changed \(folder .*pseudo -> .*other\), e\.g\. s0, s1"
+    return {"labels": tree / "other"}, says
 
 
 def _replace_a_label(tree):
@@ -84,7 +85,8 @@ def _add_an_id(tree):
 
 
 def _other_image_labels(tree):
-    return {"image_labels": {"s0": [1, 2]}}, r"--image-labels: the classes of 1 id\(s\) differ, e\.g\. s0: \[1\] -> \[1, 2\]"
+    says = r"--image-labels: the classes of 1 id\(s\) differ, e\.g\. s0: \[1\] -> \[1, 2\]"
+    return {"image_labels": {"s0": [1, 2]}}, says
 
 
 @pytest.mark.parametrize("change", [_change_labels_folder, _replace_a_label, _change_an_image, _remove_an_id,

@@ -232,12 +232,12 @@ def train(
                          allow_biased=(loss == "mars"), image_paths=files.image_paths)
         # Rank 0 compares the data and settings with the checkpoint's, or checks every file; the
         # other ranks wait for its decision (a refusal reaches them all).
-        record = data_record(files, image_labels)
+        record = data_record(files, image_labels) if rank == 0 else None
         ck, err, group = None, None, sync_group()
         if rank == 0:
             try:
-                ck = open_run(out, settings, record, restart=restart,
-                              check=lambda: check_train_files(ds, num_classes, loss, workers=workers, progress=progress))
+                ck = open_run(out, settings, record, restart=restart, check=lambda: check_train_files(
+                    ds, num_classes, loss, workers=workers, progress=progress))
             except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
                 err = e
         try:
@@ -318,7 +318,7 @@ def train(
                 "class_names": list(class_names) if class_names else None, "data": data_json,
             })
 
-        data_json = json.dumps(record, sort_keys=True)
+        data_json = json.dumps(record, sort_keys=True) if rank == 0 else None
         if rank == 0:
             _trim_log(out / LOG_NAME, start)
         if start >= iterations:
