@@ -9,7 +9,8 @@ The commands:
 * ``centroids.py``, ``debias.py``, ``evaluate.py``, ``report.py`` -- ``mars centroids``,
   ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``.
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
-  :mod:`mars_plugin.networks`).
+  :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
+  step 1 and recorded with its checkpoint.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_state.py`` (its record),
   ``reproduce_plan.py`` (``--dry-run``), ``reproduce_report.py`` (``report.md``),
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).

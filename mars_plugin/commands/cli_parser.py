@@ -296,12 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "<root>/<data>/<domain>/image)")
     t.add_argument("--labels", required=True, help="folder of <id>.png labels: debiased (254 = biased) for --loss mars, "
                                                    "the pseudo labels for --loss ce")
-    t.add_argument("--out", required=True, help="the run's folder: checkpoint.pt, log.jsonl, train.json")
+    t.add_argument("--out", required=True, help="the run's folder: checkpoint.pt, log.jsonl, train.json; a run there "
+                                                 "of the same settings and data resumes, of other ones is refused")
+    t.add_argument("--restart", action="store_true",
+                   help="train from step 0 in --out: remove its checkpoint.pt and log.jsonl (once the data passed "
+                        "its check), where a run of other settings or data would be refused")
     t.add_argument("--root", default=None, help="DHR's tree: images and xml tags from <root>/<data>/<domain>")
     t.add_argument("--data", default="VOC2012", help="with --root: dataset folder (VOC2012, COCO2014)")
     t.add_argument("--domain", default="train_aug", help="with --root: split folder")
     t.add_argument("--num-classes", type=T.num_classes, default=None,
-                   help="foreground classes C (default: from --class-names, DHR's json with --root, else 20)")
+                   help="foreground classes C (default: from --class-names, DHR's dataset with --root, else the "
+                        "largest class id of --image-labels; refused when none is given)")
     t.add_argument("--class-names", default=None, help="JSON list of class names (background first), kept in the "
                                                         "checkpoint")
     t.add_argument("--image-labels", default=None,

@@ -27,25 +27,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_int_param, check_num_classes, check_real_param, check_seed
-from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, IMAGE_EXTENSIONS, atomic_write, list_stems
+from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write
 from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.commands.train_data import (CHECKPOINT_NAME, LOG_NAME, check_train_files, data_record,
+                                             image_labels_warning, list_train_files, open_run)
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
-from mars_plugin.networks.seg_data import Augmentation, StepSampler, TrainFolder
+from mars_plugin.networks.seg_data import Augmentation, SampleError, StepSampler, TrainFolder
 
 __all__ = ["train", "TRAIN_DEFAULTS", "CHECKPOINT_NAME", "LOG_NAME", "poly_lr"]
-
-CHECKPOINT_NAME = "checkpoint.pt"
-LOG_NAME = "log.jsonl"
-SETTINGS_NAME = "train.json"
 
 #: The defaults of ``mars train`` and where they come from (DHR train.py:366-371 at 94d5189).
 TRAIN_DEFAULTS: Dict[str, Any] = dict(
@@ -53,11 +52,6 @@ TRAIN_DEFAULTS: Dict[str, Any] = dict(
     iterations=30000, batch_size=16, crop=512, min_size=320, max_size=640, lr=1e-3, momentum=0.9,
     weight_decay=4e-5, ema=0.999, poly_power=0.9, seed=0,
 )
-
-# The settings whose change makes a checkpoint in --out belong to another run.
-_RUN_KEYS = ("arch", "backbone", "output_stride", "num_classes", "loss", "refine", "crf_params", "iterations",
-             "batch_size", "crop", "min_size", "max_size", "lr", "momentum", "weight_decay", "ema", "poly_power",
-             "seed", "bn", "optimizer", "weights", "stems")
 
 
 def poly_lr(base: float, step: int, iterations: int, power: float = 0.9) -> float:
@@ -79,10 +73,6 @@ def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(x)
     return x
-
-
-def _settings_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> List[str]:
-    return [k for k in _RUN_KEYS if old.get(k) != new.get(k)]
 
 
 def train(
@@ -120,6 +110,8 @@ def train(
     stems: Optional[List[str]] = None,
     class_names: Optional[List[str]] = None,
     progress: bool = True,
+    restart: bool = False,
+    notes: Sequence[str] = (),
     on_step: Optional[Callable[[int], None]] = None,
 ) -> Dict[str, Any]:
     """Train a DeepLab network on a folder of images and (debiased) labels; see the module docstring.
@@ -127,9 +119,12 @@ def train(
     Args:
         images, labels: folders of ``<stem>.jpg|png`` and ``<stem>.png`` (0..C, 255 ignore; 254
             biased with ``loss="mars"``).
-        out: the run's folder: ``checkpoint.pt`` (every ``save_every`` steps and at the end),
-            ``log.jsonl`` (one JSON object per ``log_every`` steps), ``train.json`` (settings).
-            A checkpoint of the same settings there is resumed; of other settings, refused.
+        out: the run's folder: ``checkpoint.pt`` (every ``save_every`` steps and at the end,
+            with the record of the data: :mod:`mars_plugin.commands.train_data`), ``log.jsonl``
+            (one JSON object per ``log_every`` steps), ``train.json`` (settings, data digests).
+            A checkpoint of the same settings and data there is resumed; of other settings or
+            data (another folder's files, a file changed, other image labels), refused.
+            Every file is read once before step 1 (skipped on a resume of the same data).
         num_classes: C (foreground classes); the network has C + 1 outputs.
         image_labels: {stem: [1-based class ids]} the teacher may fill biased pixels with;
             default: the classes of each label (a class whose pixels were all marked biased is
@@ -152,6 +147,10 @@ def train(
             ``"cuda"``, ``"cuda:N"``.
         workers: data-loading processes per training process (0: in the main process).
         stems: train on these images only (default: every label in ``labels``).
+        restart: train from step 0, removing a checkpoint and log in ``out`` (once the files
+            passed their check).
+        notes: lines printed on stderr (``mars train: <line>``) once the checks passed, before
+            step 1, with the warning of ``loss="mars"`` without ``image_labels``.
         on_step: called with the number of steps done after each step (and its checkpoint, if
             one was due): progress hooks, tests.
 
@@ -161,7 +160,7 @@ def train(
     from mars_plugin.adapters.training_hook import MARSTrainingHook
     from mars_plugin.networks.deeplab import build_model, load_backbone_weights, param_groups
     from mars_plugin.commands.errors import JobError
-    from mars_plugin.commands.distributed import _rank_world, resolve_device
+    from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
     check_out_apart(out, "--out", {"--images": images, "--labels": labels, "--weights": weights})
@@ -191,22 +190,8 @@ def train(
         raise ValueError(f"bn must be 'train', 'frozen' or 'sync', got {bn!r}")
 
     images, labels, out = Path(images), Path(labels), Path(out)
-    for folder, flag in ((images, "--images"), (labels, "--labels")):
-        if not folder.is_dir():
-            raise ValueError(f"{flag} {folder}: not a folder")
-    all_stems = list_stems(labels, (".png",))
-    if stems is None:
-        stems = all_stems
-    else:
-        missing = sorted(set(stems) - set(all_stems))
-        if missing:
-            raise ValueError(f"--labels {labels}: no label for {len(missing)} image(s), e.g. {missing[:3]}")
-    if not stems:
-        raise ValueError(f"--labels {labels}: no .png label files in this folder")
-    have = set(list_stems(images, IMAGE_EXTENSIONS))
-    no_image = [s for s in stems if s not in have]
-    if no_image:
-        raise ValueError(f"--images {images}: no image for {len(no_image)} label(s), e.g. {no_image[:3]}")
+    files = list_train_files(images, labels, stems)
+    stems = files.stems
 
     rank, world = _rank_world()
     dev = resolve_device(device)
@@ -245,6 +230,27 @@ def train(
         remove_stale_tmp(out)
     try:
         ck_path = out / CHECKPOINT_NAME
+        ds = TrainFolder(images, labels, stems, num_classes, aug, seed, classes=image_labels,
+                         allow_biased=(loss == "mars"), image_paths=files.image_paths)
+        # Rank 0 compares the data and settings with the checkpoint's, or checks every file; the
+        # other ranks wait for its decision (a refusal reaches them all).
+        record = data_record(files, image_labels) if rank == 0 else None
+        ck, err, group = None, None, sync_group()
+        if rank == 0:
+            try:
+                ck = open_run(out, settings, record, restart=restart, check=lambda: check_train_files(
+                    ds, num_classes, loss, workers=workers, progress=progress))
+            except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
+                err = e
+        try:
+            share_error(err, group)
+        finally:
+            _free(group)
+        if rank != 0 and ck_path.is_file():
+            ck = load_checkpoint(ck_path)
+        notes = [*notes, *([f"warning: {w}"] if (w := image_labels_warning(loss, image_labels)) else [])]
+        if rank == 0 and notes:
+            print("\n".join(f"mars train: {n}" for n in notes), file=sys.stderr, flush=True)
         torch.manual_seed(seed)  # the random initialisation of the new layers (and of everything without --weights)
         model = build_model(arch=arch, backbone=backbone, num_classes=num_classes, output_stride=output_stride)
         if weights is not None:
@@ -284,14 +290,7 @@ def train(
         scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
 
         start = 0
-        if ck_path.is_file():
-            ck = load_checkpoint(ck_path, map_location=dev)
-            old = ck.get("settings", {})
-            diff = _settings_diff(old, settings)
-            if diff:
-                raise JobError(f"--out {out}: holds a checkpoint of another run (differs in "
-                               + ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
-                               + "); give a new --out or remove it")
+        if ck is not None:
             model.load_state_dict(ck["student"])
             if hook is not None:
                 if ck.get("teacher") is None:
@@ -301,7 +300,8 @@ def train(
             if ck.get("scaler"):
                 scaler.load_state_dict(ck["scaler"])
             start = int(ck["iteration"])
-    
+            ck = None  # the weights are in the model now
+
         net: nn.Module = model
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -317,17 +317,15 @@ def train(
                 "iteration": step, "student": model.state_dict(),
                 "teacher": hook.teacher.module.state_dict() if hook is not None else None,
                 "optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "settings": settings,
-                "class_names": list(class_names) if class_names else None,
+                "class_names": list(class_names) if class_names else None, "data": data_json,
             })
 
+        data_json = json.dumps(record, sort_keys=True) if rank == 0 else None
         if rank == 0:
-            atomic_write(out / SETTINGS_NAME, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=2)))
             _trim_log(out / LOG_NAME, start)
         if start >= iterations:
             return {"checkpoint": ck_path, "iterations": start, "resumed_from": start, "loss": None}
 
-        ds = TrainFolder(images, labels, stems, num_classes, aug, seed, classes=image_labels,
-                         allow_biased=(loss == "mars"))
         loader = torch.utils.data.DataLoader(ds, batch_sampler=StepSampler(start, iterations, batch_size, rank, world),
                                              num_workers=workers, pin_memory=dev.type == "cuda",
                                              persistent_workers=False)
@@ -340,7 +338,7 @@ def train(
         last_loss = None
         net.train()
         _set_bn_mode(model, bn)
-        for step, batch in zip(range(start, iterations), loader):
+        for step, batch in zip(range(start, iterations), _reported(loader, start)):
             for g, base in zip(opt.param_groups, base_lrs):
                 g["lr"] = poly_lr(base, step, iterations, poly_power)
             torch.manual_seed(_step_seed(seed, step, rank))
@@ -393,6 +391,25 @@ def train(
             _remove_if_empty(out, made_out)
 
 
+def _reported(loader: Any, start: int) -> Iterator[Dict[str, Any]]:
+    """The batches of ``loader``; a sample that could not be read (a file changed after the
+    check before step 1), in a worker process or this one, ends the run with one line naming it."""
+    from mars_plugin.commands.errors import JobError
+
+    step = start
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except SampleError as e:
+            raise JobError(f"{SampleError.message_of(e)} (read for step {step + 1}: the file changed after the "
+                           "check before step 1)") from None
+        step += 1
+        yield batch
+
+
 def _remove_if_empty(out: Path, made: bool) -> None:
     """Remove ``out`` if this run made it and left nothing in it (a refused or failed start)."""
     if made:
@@ -425,38 +442,12 @@ def _trim_log(path: Path, step: int) -> None:
 
 
 def run_train_command(args: Any) -> Dict[str, Any]:
-    """``mars train``'s arguments -> :func:`train`; resolves ``--root``'s folders, tags and names."""
-    from mars_plugin.commands.label_formats import _class_names, read_image_labels
+    """``mars train``'s arguments -> :func:`train` (the inputs resolved by
+    :func:`~mars_plugin.commands.train_data.command_inputs`)."""
     from mars_plugin.commands.distributed import _rank_world
+    from mars_plugin.commands.train_data import command_inputs
 
-    names = _class_names(args.class_names)
-    images = args.images
-    image_labels = None
-    if args.root is not None:
-        from mars_plugin.adapters.wsss.dhr import load_image_labels
-        from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-
-        layout = DHRLayout(args.root, args.data)
-        images = images or layout.image_dir(args.domain)
-        if names is None and (Path(args.root) / args.data / f"{args.data}.json").is_file():
-            names = list(layout.class_names())
-        if args.image_labels is None:
-            xml = layout.xml_dir(args.domain)
-            if not xml.is_dir():
-                raise ValueError(f"--root {args.root}: no xml folder {xml} for the image-level tags "
-                                 "(or give --image-labels)")
-            hot = load_image_labels(xml, class_names=names)
-            image_labels = {s: [int(i) + 1 for i in h.nonzero().flatten().tolist()] for s, h in hot.items()}
-    if images is None:
-        raise ValueError("--images: required without --root")
-    num_classes = args.num_classes
-    if num_classes is None:
-        num_classes = len(names) - 1 if names else 20
-    elif names is not None and len(names) != num_classes + 1:
-        raise ValueError(f"--class-names {args.class_names}: {len(names)} names for --num-classes {num_classes} "
-                         f"(expected {num_classes + 1}, background first)")
-    if args.image_labels is not None:
-        image_labels = read_image_labels(args.image_labels, num_classes)
+    images, num_classes, names, image_labels, notes = command_inputs(args)
     res = train(
         images, args.labels, args.out, num_classes, image_labels=image_labels, arch=args.arch,
         backbone=args.backbone, output_stride=args.output_stride, weights=args.weights, loss=args.loss,
@@ -465,7 +456,7 @@ def run_train_command(args: Any) -> Dict[str, Any]:
         weight_decay=args.weight_decay, ema=args.ema, seed=args.seed, bn=args.bn, optimizer=args.optimizer,
         amp=not args.no_amp, device=args.device,
         workers=args.workers, save_every=args.save_every, log_every=args.log_every, class_names=names,
-        progress=not args.no_progress,
+        progress=not args.no_progress, restart=args.restart, notes=notes,
     )
     res["rank"] = _rank_world()[0]
     return res

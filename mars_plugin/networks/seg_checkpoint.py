@@ -10,6 +10,7 @@ One file holds everything a resumed run needs to continue bit for bit, and every
      "optimizer": state_dict, "scaler": state_dict,
      "rng": {"torch": uint8 tensor, "loader": uint8 tensor},   # where the data order stands
      "settings": {...},                 # the run's flags (JSON-able), for the record
+     "data": "{...}",                   # JSON text: the data it was trained on (mars_plugin.commands.train_data)
      "class_names": [...] or None}
 
 Everything in it is tensors, numbers, strings, lists and dicts, so it is written with

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from torch.utils.data import Dataset, Sampler
 
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, find_image, read_image, read_label
 
-__all__ = ["Augmentation", "augment", "TrainFolder", "StepSampler", "IMAGENET_MEAN", "IMAGENET_STD", "normalize"]
+__all__ = ["Augmentation", "augment", "TrainFolder", "StepSampler", "SampleError", "check_train_label", "IMAGENET_MEAN",
+           "IMAGENET_STD", "normalize"]
 
 #: ImageNet statistics of the backbones' inputs (RGB in [0, 1]), as DHR tools/transforms.py:10-11.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -133,6 +134,38 @@ def augment(rgb: np.ndarray, label: np.ndarray, aug: Augmentation, rng: np.rando
     return out_img, out_lab
 
 
+def check_train_label(label: np.ndarray, path: os.PathLike, num_classes: int, allow_biased: bool) -> None:
+    """A training label (H, W) holds only 0..C, 255 (ignore) and, where ``allow_biased``
+    (``--loss mars``), 254 (biased); else a ValueError naming the file, the value and the flag."""
+    C = int(num_classes)
+    bad = (label > C) & (label != IGNORE_VALUE) & ((label != BIASED_VALUE) | (not allow_biased))
+    if bad.any():
+        v = int(label[bad][0])
+        if v == BIASED_VALUE:
+            raise ValueError(f"{os.fspath(path)}: holds biased pixels ({BIASED_VALUE}) but --loss ce trains on labels "
+                             "without them (give the pseudo labels, or --loss mars for debiased labels)")
+        raise ValueError(f"{os.fspath(path)}: holds the value {v}; expected 0..{C} (--num-classes {C}), "
+                         f"{BIASED_VALUE} (biased) or {IGNORE_VALUE} (ignore)")
+
+
+class SampleError(ValueError):
+    """A training sample that could not be read, raised by :meth:`TrainFolder.__getitem__` with
+    one line naming the id and the file. In a DataLoader worker process torch re-raises it in
+    the main process with the worker's whole traceback as the message: :meth:`message_of`
+    recovers the one line."""
+
+    @staticmethod
+    def message_of(e: BaseException) -> str:
+        """The one-line message of a SampleError, raised here or re-raised from a worker."""
+        text = str(e)
+        # torch's re-raise ends with the worker's traceback, whose last line is
+        # "<module>.SampleError: <our line>"; raised in this process, the text is the line itself.
+        tag = f"{SampleError.__name__}: "
+        if tag in text:
+            text = text.rsplit(tag, 1)[1]
+        return " ".join(text.split())
+
+
 def epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:
     """The order of the images in one epoch (a permutation of 0..num-1, fixed by seed and epoch)."""
     return np.random.default_rng([seed, epoch, 0x5E6]).permutation(num)
@@ -148,6 +181,11 @@ class TrainFolder(Dataset):
         classes: {stem: [1-based class ids]}; an image missing from it takes the classes of its
             label (254 and 255 not counted).
         allow_biased: whether a label may hold 254 (MARS); plain CE trains on pseudo labels.
+        image_paths: {stem: image file} (default: :func:`find_image` in ``images_dir``): the
+            files :mod:`mars_plugin.commands.train_data` checked before step 1.
+
+    A sample that cannot be read (a file changed during the run) raises :class:`SampleError`
+    naming its id and file.
 
     Each item is a dict: ``image`` (3, crop, crop) float normalised, ``rgb`` (crop, crop, 3)
     uint8 (the teacher's CRF sees it), ``label`` (crop, crop) long with 254 kept, ``classes`` (C,)
@@ -156,7 +194,7 @@ class TrainFolder(Dataset):
 
     def __init__(self, images_dir: os.PathLike, labels_dir: os.PathLike, stems: Sequence[str], num_classes: int,
                  aug: Augmentation, seed: int, classes: Optional[Dict[str, List[int]]] = None,
-                 allow_biased: bool = True) -> None:
+                 allow_biased: bool = True, image_paths: Optional[Mapping[str, Path]] = None) -> None:
         if not stems:
             raise ValueError("no images to train on")
         self.images_dir, self.labels_dir = Path(images_dir), Path(labels_dir)
@@ -166,6 +204,7 @@ class TrainFolder(Dataset):
         self.seed = int(seed)
         self.classes = classes or {}
         self.allow_biased = allow_biased
+        self.image_paths = dict(image_paths) if image_paths is not None else None
         self._order: Tuple[int, Optional[np.ndarray]] = (-1, None)
 
     def __len__(self) -> int:  # positions are unbounded; one epoch's worth for DataLoader's sake
@@ -182,19 +221,13 @@ class TrainFolder(Dataset):
         """The image, the label bytes and the image's classes, checked."""
         lpath = self.labels_dir / f"{stem}.png"
         label = read_label(lpath, biased_value=None).numpy()
-        rgb = read_image(find_image(self.images_dir, stem))
+        ipath = self.image_paths[stem] if self.image_paths is not None else find_image(self.images_dir, stem)
+        rgb = read_image(ipath)
         if rgb.shape[:2] != label.shape:
             raise ValueError(f"{lpath}: label is {label.shape[0]}x{label.shape[1]} but its image is "
-                             f"{rgb.shape[0]}x{rgb.shape[1]} (H x W)")
+                             f"{rgb.shape[0]}x{rgb.shape[1]} (H x W, {ipath.name})")
+        check_train_label(label, lpath, self.num_classes, self.allow_biased)
         C = self.num_classes
-        bad = (label > C) & (label != IGNORE_VALUE) & ((label != BIASED_VALUE) | (not self.allow_biased))
-        if bad.any():
-            v = int(label[bad][0])
-            if v == BIASED_VALUE:
-                raise ValueError(f"{lpath}: holds biased pixels ({BIASED_VALUE}) but --loss ce trains on labels "
-                                 "without them (give the pseudo labels, or --loss mars for debiased labels)")
-            raise ValueError(f"{lpath}: holds the value {v}; expected 0..{C} (--num-classes {C}), "
-                             f"{BIASED_VALUE} (biased) or {IGNORE_VALUE} (ignore)")
         if stem in self.classes:
             cls = self.classes[stem]
         else:
@@ -204,7 +237,10 @@ class TrainFolder(Dataset):
     def __getitem__(self, position: int) -> Dict[str, object]:
         position = int(position)
         stem = self.stem_at(position)
-        rgb, label, cls = self.read(stem)
+        try:
+            rgb, label, cls = self.read(stem)
+        except Exception as e:  # noqa: BLE001 -- any failure to read a sample is that sample's, named
+            raise SampleError(f"{stem}: {' '.join(str(e).split()) or type(e).__name__}") from None
         rng = np.random.default_rng([self.seed, position])
         rgb_c, lab_c = augment(rgb, label, self.aug, rng)
         multi_hot = torch.zeros(self.num_classes, dtype=torch.bool)
