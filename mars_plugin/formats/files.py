@@ -85,11 +85,15 @@ def voc_palette(n: int = 256) -> List[int]:
 
 
 class WriteError(OSError):
-    """An atomic write that failed (a full disk, a quota, an I/O error): its message names the
-    file, the reason and that the file there before is unchanged; ``errno`` is the system's."""
+    """An atomic write that failed (a full disk, a quota, an I/O error): ``WriteError(errno,
+    reason, path)``, whose message names the file, the reason and, in ``after``, what became of
+    the file there before (a caller that knows more, a checkpoint's, sets ``after`` and ``what``)."""
+
+    what = ""
+    after = "the file there before, if any, is unchanged"
 
     def __str__(self) -> str:
-        return str(self.strerror)
+        return f"cannot write {self.what}{self.filename} ({self.strerror}); {self.after}"
 
 
 def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
@@ -116,8 +120,7 @@ def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
             os.unlink(tmp)
         if isinstance(e, OSError) and not isinstance(e, WriteError):
             reason = e.strerror or " ".join(str(e).split()) or type(e).__name__
-            raise WriteError(e.errno, f"cannot write {path} ({reason}); the file there before, if any, "
-                                      "is unchanged") from None
+            raise WriteError(e.errno, reason, path) from None
         raise
 
 

@@ -46,12 +46,13 @@ def save_checkpoint(path: PathLike, checkpoint: Dict[str, Any]) -> None:
     try:
         atomic_write(path, lambda tmp: save_torch(dict(checkpoint, format=CHECKPOINT_FORMAT), tmp))
     except OSError as e:
-        reason = os.strerror(e.errno) if e.errno else " ".join(str(e).split())
         space = " once there is space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        after = ("nothing is lost: the checkpoint there, of the last save, is intact, and the run resumes from it "
-                 f"when run again{space}") if had else \
+        err = WriteError(e.errno, e.strerror or " ".join(str(e).split()), os.fspath(path))
+        err.what = "the checkpoint "
+        err.after = ("nothing is lost: the checkpoint there, of the last save, is intact, and the run resumes from "
+                     f"it when run again{space}") if had else \
             f"no checkpoint had been saved yet: the run starts over when run again{space}"
-        raise WriteError(e.errno, f"cannot write the checkpoint {os.fspath(path)} ({reason}); {after}") from None
+        raise err from None
 
 
 def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
