@@ -10,6 +10,8 @@ Three calls between the pseudo-label and segmentation stages of any WSSS codebas
 # First, before torch loads libgomp: in the mars command, OpenMP threads sleep at a barrier
 # instead of spinning (mars_plugin/_wait_policy.py acts when imported); as a library, nothing.
 from mars_plugin import _wait_policy  # noqa: F401
+# Then, in the mars command, a Ctrl-C while torch imports ends with one line, not a traceback.
+from mars_plugin import _interrupt  # noqa: F401
 from mars_plugin.method.centroids import ImageCentroids, image_centroids
 from mars_plugin.method.complement import complement_labels
 from mars_plugin.engines.crf import DenseCRF, dense_crf

@@ -11,6 +11,7 @@ import re
 import sys
 from typing import List, Optional
 
+from mars_plugin import _interrupt
 from mars_plugin._checks import MAX_THREADS, check_int_param
 from mars_plugin.commands.cli_parser import build_parser
 
@@ -102,7 +103,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     Ctrl-C (KeyboardInterrupt, SIGINT) ends any command with one line on stderr and status 130
     (128 + SIGINT, what a shell reports for a program killed by it); every output is written
     atomically, so a run interrupted at any point resumes when it is run again. Worker processes
-    (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.commands.debias.debias_job`)."""
+    (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.commands.debias.debias_job`).
+    A Ctrl-C before this function runs (while torch imports) ends with the same line, status 130
+    (:mod:`mars_plugin._interrupt`), whose handler this function replaces by Python's own."""
+    _interrupt.restore()
     try:
         try:
             code = _main(argv)
@@ -121,11 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 141
 
 
-#: What an interrupted command leaves (the others write their outputs atomically at the end).
-_AFTER_INTERRUPT = {c: "run it again to resume (finished files are kept)"
-                    for c in ("features", "debias", "reproduce", "predict")}
-_AFTER_INTERRUPT["train"] = "run it again to resume from the last checkpoint"
-_AFTER_INTERRUPT["demo"] = "run it again to start over"
+#: What an interrupted command leaves (kept with the line's text in :mod:`mars_plugin._interrupt`).
+_AFTER_INTERRUPT = _interrupt.AFTER_INTERRUPT
 
 
 def _interrupted(argv: Optional[List[str]]) -> int:
@@ -133,10 +134,6 @@ def _interrupted(argv: Optional[List[str]]) -> int:
     import signal
     import threading
 
-    words = list(sys.argv[1:] if argv is None else argv)
-    commands = ("demo", "centroids", "debias", "evaluate", "features", "report", "reproduce", "sample", "predict",
-                "train")
-    name = next((w for w in words if w in commands), None)
     # A second Ctrl-C while this line is written must not print a traceback either.
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
@@ -145,8 +142,7 @@ def _interrupted(argv: Optional[List[str]]) -> int:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
-        print(f"mars{' ' + name if name else ''}: interrupted; {_AFTER_INTERRUPT.get(name, 'nothing was written')}",
-              file=sys.stderr, flush=True)
+        print(_interrupt.interrupt_line(argv), file=sys.stderr, flush=True)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)

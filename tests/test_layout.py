@@ -9,7 +9,7 @@ from typing import Dict, List, Set, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 
 #: What each layer may import (besides itself). "api" is mars_plugin/__init__.py, "base" the
-#: private helpers every layer shares (_checks, _wait_policy).
+#: private helpers every layer shares (_checks, _wait_policy, _interrupt).
 ALLOWED: Dict[str, Set[str]] = {
     "base": set(),
     "formats": {"base"},
@@ -39,7 +39,7 @@ def _layer_of_module(mod: str) -> str:
     if parts == ["mars_plugin"]:
         return "api"
     sub = parts[1]
-    if sub in ("_checks", "_wait_policy"):
+    if sub in ("_checks", "_wait_policy", "_interrupt"):
         return "base"
     if sub == "cli":
         return "cli"

@@ -486,16 +486,16 @@ def test_a_second_run_is_refused_and_a_killed_run_never_blocks(cmd_inputs, holde
     assert not lock.exists()  # a run that ends removes its lock file
 
 
-def test_a_file_system_without_flock_runs_unlocked_with_one_warning(tmp_path, monkeypatch, capsys):
+def test_a_file_system_without_record_locks_runs_unlocked_with_one_warning(tmp_path, monkeypatch, capsys):
     import errno
     import fcntl
 
     from mars_plugin.commands.run_lock import RunLock
 
-    def no_locks(fd, op):
+    def no_locks(fd, op, *args):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
     lock = RunLock(tmp_path / ".mars-run.lock", f"--out {tmp_path}").acquire()
     assert not lock.locked and not (tmp_path / ".mars-run.lock").exists()
     err = capsys.readouterr().err.splitlines()

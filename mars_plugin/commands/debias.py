@@ -276,12 +276,23 @@ def debias_job(
             error = e
     try:
         share_error(error, group)  # a refusal on rank 0 (another run, other settings) stops every rank
-    finally:
+    except BaseException:
         _free(group)
+        raise
     try:
-        return _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank)
+        summary, error = None, None
+        try:
+            summary = _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank)
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        # Every rank meets again at the end, also one whose shard failed (a bad file, a dead
+        # --workers process): a failure anywhere is raised everywhere, as in mars features,
+        # instead of the other ranks finishing as if all went well.
+        share_error(error, group)
+        return summary
     finally:
         record.close()
+        _free(group)
 
 
 def _input_ids(labels_dir: os.PathLike, features_dir: os.PathLike, images_dir: Optional[os.PathLike],

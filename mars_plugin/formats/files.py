@@ -42,6 +42,8 @@ __all__ = [
     "FEATURE_EXTENSIONS",
     "voc_palette",
     "atomic_write",
+    "save_torch",
+    "WriteError",
     "read_label",
     "write_label",
     "read_features",
@@ -84,8 +86,24 @@ def voc_palette(n: int = 256) -> List[int]:
     return pal
 
 
+class WriteError(OSError):
+    """An atomic write that failed (a full disk, a quota, an I/O error): ``WriteError(errno,
+    reason, path)``, whose message names the file, the reason and, in ``after``, what became of
+    the file there before (a caller that knows more, a checkpoint's, sets ``after`` and ``what``)."""
+
+    what = ""
+    after = "the file there before, if any, is unchanged"
+
+    def __str__(self) -> str:
+        return f"cannot write {self.what}{self.filename} ({self.strerror}); {self.after}"
+
+
 def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it to ``path``."""
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it to ``path``.
+
+    A write or rename that fails with an OSError (``ENOSPC``...) removes the temporary file and
+    raises :class:`WriteError`, one line that names ``path`` (not the temporary name) and says
+    that the file there before, if any, is unchanged."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -99,10 +117,22 @@ def atomic_write(path: PathLike, write: Callable[[str], None]) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            reason = e.strerror or " ".join(str(e).split()) or type(e).__name__
+            raise WriteError(e.errno, reason, path) from None
         raise
+
+
+def save_torch(obj: object, path: PathLike) -> None:
+    """``torch.save(obj, path)`` through an unbuffered Python file (for :func:`atomic_write`):
+    to a path, torch's zip writer reports a failed write (a full disk) as a RuntimeError ("unexpected
+    pos"), then another as it closes; through the file, the write's own OSError (``ENOSPC``)
+    comes out, which :func:`atomic_write` turns into one line naming the file."""
+    with open(path, "wb", buffering=0) as f:
+        torch.save(obj, f)
 
 
 def check_stem(stem: str) -> str:
@@ -400,7 +430,7 @@ def write_features(path: PathLike, features, *, dtype=np.float16) -> None:
     if suffix == ".pt":
         # astype copies already; the clone makes sure the saved storage holds exactly D*h*w values.
         t = torch.from_numpy(arr).clone(memory_format=torch.contiguous_format)
-        atomic_write(path, lambda tmp: torch.save(t, tmp))
+        atomic_write(path, lambda tmp: save_torch(t, tmp))
         return
 
     def write(tmp: str) -> None:

@@ -34,7 +34,7 @@ from mars_plugin._checks import (
     describe,
 )
 from mars_plugin.method.centroids import ImageCentroids, check_backend
-from mars_plugin.formats.files import atomic_write
+from mars_plugin.formats.files import atomic_write, save_torch
 from mars_plugin.engines.kmeans import l2_normalize
 from mars_plugin.method.selection_stream import _Accumulator, _iter_batches
 
@@ -120,7 +120,7 @@ class DebiasedCentroids:
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write to ``path`` atomically (temporary file in the same folder, then rename)."""
         state = self.state_dict()
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
+        atomic_write(path, lambda tmp: save_torch(state, tmp))
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> "DebiasedCentroids":

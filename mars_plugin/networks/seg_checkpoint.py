@@ -15,17 +15,19 @@ One file holds everything a resumed run needs to continue bit for bit, and every
 
 Everything in it is tensors, numbers, strings, lists and dicts, so it is written with
 ``torch.save`` and read back with ``torch.load(weights_only=True)``: no Python object is ever
-unpickled. Files are written atomically (temporary file, then rename).
+unpickled. Files are written atomically (temporary file, then rename): a save that fails (a full
+disk) leaves the previous checkpoint as it was, and says so in one line.
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from mars_plugin.formats.files import atomic_write
+from mars_plugin.formats.files import WriteError, atomic_write, save_torch
 
 __all__ = ["CHECKPOINT_FORMAT", "MODEL_KEYS", "save_checkpoint", "load_checkpoint", "model_from_checkpoint"]
 
@@ -41,7 +43,17 @@ def save_checkpoint(path: PathLike, checkpoint: Dict[str, Any]) -> None:
     missing = [k for k in ("model", "iteration", "student") if k not in checkpoint]
     if missing:
         raise ValueError(f"checkpoint: missing keys {missing}")
-    atomic_write(path, lambda tmp: torch.save(dict(checkpoint, format=CHECKPOINT_FORMAT), tmp))
+    had = os.path.isfile(path)
+    try:
+        atomic_write(path, lambda tmp: save_torch(dict(checkpoint, format=CHECKPOINT_FORMAT), tmp))
+    except OSError as e:
+        space = " once there is space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        err = WriteError(e.errno, e.strerror or " ".join(str(e).split()), os.fspath(path))
+        err.what = "the checkpoint "
+        err.after = ("nothing is lost: the checkpoint there, of the last save, is intact, and the run resumes from "
+                     f"it when run again{space}") if had else \
+            f"no checkpoint had been saved yet: the run starts over when run again{space}"
+        raise err from None
 
 
 def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
