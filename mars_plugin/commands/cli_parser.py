@@ -340,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "augmentation")
     t.add_argument("--no-amp", action="store_true", help="float32 on CUDA (AMP is on by default there)")
     t.add_argument("--device", default="auto", help="auto (CUDA if any; under torchrun: GPU LOCAL_RANK), cpu, cuda")
+    t.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
+                   help="memory budget per process in GiB: a step of --crop x --batch-size that needs more is refused "
+                        "before step 1 (default: 80%% of the device's memory: RAM on the CPU, the GPU's on cuda)"
+                   + "%(default).0s")
     t.add_argument("--workers", type=T.loader_workers, default=2, help="data-loading processes per training process")
     t.add_argument("--save-every", type=T.every, default=1000, help="checkpoint every N steps (and at the end)")
     t.add_argument("--log-every", type=T.every, default=10, help="a log.jsonl line every N steps")

@@ -121,6 +121,7 @@ def train(
     class_names: Optional[List[str]] = None,
     progress: bool = True,
     on_step: Optional[Callable[[int], None]] = None,
+    max_bytes: Union[None, str, int] = "auto",
 ) -> Dict[str, Any]:
     """Train a DeepLab network on a folder of images and (debiased) labels; see the module docstring.
 
@@ -154,6 +155,9 @@ def train(
         stems: train on these images only (default: every label in ``labels``).
         on_step: called with the number of steps done after each step (and its checkpoint, if
             one was due): progress hooks, tests.
+        max_bytes: the memory budget of one process (``--max-memory``): ``"auto"`` (80% of the
+            device's memory), bytes, or None (no limit); a step that needs more
+            (:func:`mars_plugin.networks.memory.train_memory_bytes`) is refused before any work.
 
     Returns:
         {"checkpoint": path, "iterations": done, "resumed_from": step, "loss": last logged loss}
@@ -217,8 +221,12 @@ def train(
         raise ValueError("bn='sync' (SyncBatchNorm) runs on CUDA only; on the CPU use bn='train' or 'frozen'")
 
     from mars_plugin.networks.deeplab import DEFAULT_OUTPUT_STRIDE
+    from mars_plugin.networks.memory import check_train_budget
 
     output_stride = int(DEFAULT_OUTPUT_STRIDE.get(arch, 16) if output_stride is None else output_stride)
+    check_train_budget(max_bytes, dev, arch=arch, backbone=backbone, output_stride=output_stride,
+                       num_classes=num_classes, crop=aug.crop, batch_size=batch_size, world=world, amp=use_amp,
+                       loss=loss, refine=refine, crf_params=crf_params, optimizer=optimizer, bn=bn)
     settings = dict(arch=arch, backbone=backbone, output_stride=output_stride, num_classes=num_classes,
                     loss=loss, refine=refine if loss == "mars" else None,
                     crf_params=crf_params if (loss == "mars" and refine) else None, iterations=iterations,
@@ -463,7 +471,7 @@ def run_train_command(args: Any) -> Dict[str, Any]:
         weight_decay=args.weight_decay, ema=args.ema, seed=args.seed, bn=args.bn, optimizer=args.optimizer,
         amp=not args.no_amp, device=args.device,
         workers=args.workers, save_every=args.save_every, log_every=args.log_every, class_names=names,
-        progress=not args.no_progress,
+        progress=not args.no_progress, max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30),
     )
     res["rank"] = _rank_world()[0]
     return res
