@@ -296,3 +296,20 @@ def test_the_model_grows_with_every_setting():
                                                                                             refine=None)
     assert train_memory_bytes(R18, 256, 8, loss="ce", refine=None) > t
     assert train_memory_bytes(R18, 256, 4, loss="ce", refine=None, amp=True) < t
+
+
+def test_debias_takes_the_same_flag_for_its_crf(tmp_path, capsys):
+    """``mars debias --max-memory`` is the CRF's max_bytes: an image over it is refused naming the flag."""
+    from mars_plugin.worlds.synthetic import write_world
+    from mars_plugin.worlds.synthetic_scenes import make_world
+
+    root = tmp_path / "world"
+    write_world(make_world(4, size=32, dim=16, seed=3), root)
+    common = ["--features", str(root / "features"), "--labels", str(root / "labels"), "--no-progress"]
+    assert main(["centroids", *common, "--num-classes", "6", "--out", str(tmp_path / "V.pt")]) == 0
+    debias = ["debias", *common, "--centroids", str(tmp_path / "V.pt"), "--images", str(root / "images")]
+    assert main([*debias, "--out", str(tmp_path / "small"), "--max-memory", "0.0001"]) == 2  # about 100 KB
+    err = capsys.readouterr().err
+    assert "needs about" in err and "more than --max-memory = 0.00 GiB" in err and "larger --max-memory GIB" in err, err
+    assert main([*debias, "--out", str(tmp_path / "db"), "--max-memory", "1"]) == 0
+    assert len(list((tmp_path / "db").glob("*.png"))) == 4

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs the crf extra)")
     b.add_argument("--device", default="cpu", help="where Eq. 4 and the CRF run: cpu, cuda, cuda:1, or auto")
     b.add_argument("--batch-size", type=T.batch_size, default=8, help="images per CRF call (64 suits a GPU)")
+    b.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
+                   help="the CRF's memory budget in GiB per worker: an image whose CRF needs more is refused by name "
+                        "(default: 6, the CRF's own)" + "%(default).0s")
     b.add_argument("--workers", type=T.workers, default=1,
                    help="processes, each with one thread (on a CPU with free cores: one per core)")
     b.add_argument("--class-names", default=None,

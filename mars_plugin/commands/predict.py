@@ -272,7 +272,8 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                 for s in scales:
                     _scaled_size(H, W, s)
                 if params is not None and num_classes is not None:  # before any work: its CRF's memory
-                    check_crf_image(params, H, W, num_classes + 1, max_bytes=max_bytes, name="--crf")
+                    check_crf_image(params, H, W, num_classes + 1, max_bytes=max_bytes, name="--crf",
+                                    budget_name=MEMORY_FLAG)
             except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
                 fail(stem, one_line(e))
                 continue

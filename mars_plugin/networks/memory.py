@@ -57,7 +57,9 @@ _TRACE_SIDE = 128
 #: What the traced tensors leave out, per device type. CPU: convolutions reorder their input and
 #: output into blocked layouts (oneDNN) and the allocator keeps freed pages: peak RSS growth /
 #: the traced tensors measured 1.0-1.5 on ResNet-18/50 DeepLabs at 200-300 px
-#: (tests/test_memory_budget.py). CUDA: the caching allocator's rounding and cuDNN's workspaces.
+#: (tests/test_memory_budget.py). CUDA: the caching allocator's rounding and cuDNN's workspaces,
+#: an estimate not yet measured against ``torch.cuda.max_memory_allocated`` (no GPU in the
+#: session that wrote this; benchmarks/ is where such a row belongs).
 _SLACK = {"cpu": 2.0, "cuda": 1.25}
 
 
