@@ -322,10 +322,14 @@ def check_inference_memory(config: Config, height: int, width: int, max_bytes: i
             f"{', CRF' if crf_labels is not None else ''}), more than {MEMORY_FLAG} {_gb(max_bytes)}; at most "
             f"about {_example_size(height, width, f)} fits; pass a larger {MEMORY_FLAG} GIB, smaller --scales, or "
             "downscale the image")
-    batch = 1
-    while batch < 1 << 10 and inference_memory_bytes(config, height, width, batch=batch * 2, **kw) <= max_bytes:
-        batch *= 2
-    return batch
+    lo, hi = 1, 1 << 10  # the most that fit, by bisection (the need grows with the batch)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if inference_memory_bytes(config, height, width, batch=mid, **kw) <= max_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def check_train_memory(config: Config, crop: int, batch_size: int, max_bytes: int, **kw: Any) -> int:
