@@ -63,6 +63,8 @@ BAD_FLAGS = [
     ("predict", "--scales", ",".join(["1"] * 17)), ("predict", "--class-threshold", "-0.1"),
     ("predict", "--class-threshold", "1.5"), ("predict", "--class-threshold", "nan"),
     ("predict", "--batch-size", "0"), ("predict", "--batch-size", "4097"), ("predict", "--threads", "0"),
+    ("predict", "--max-memory", "0"), ("predict", "--max-memory", "nan"), ("train", "--max-memory", "-1"),
+    ("debias", "--max-memory", "inf"),
     ("train", "--iterations", "0"), ("train", "--iterations", "10000001"), ("train", "--batch-size", "0"),
     ("train", "--crop", "7"), ("train", "--crop", "4097"), ("train", "--min-size", "7"),
     ("train", "--max-size", "8193"), ("train", "--lr", "0"), ("train", "--lr", "nan"), ("train", "--lr", "11"),

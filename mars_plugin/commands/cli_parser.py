@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs the crf extra)")
     b.add_argument("--device", default="cpu", help="where Eq. 4 and the CRF run: cpu, cuda, cuda:1, or auto")
     b.add_argument("--batch-size", type=T.batch_size, default=8, help="images per CRF call (64 suits a GPU)")
+    b.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
+                   help="the CRF's memory budget in GiB per worker: an image whose CRF needs more is refused by name "
+                        "(default: 6, the CRF's own)" + "%(default).0s")
     b.add_argument("--workers", type=T.workers, default=1,
                    help="processes, each with one thread (on a CPU with free cores: one per core)")
     b.add_argument("--class-names", default=None,
@@ -346,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "augmentation")
     t.add_argument("--no-amp", action="store_true", help="float32 on CUDA (AMP is on by default there)")
     t.add_argument("--device", default="auto", help="auto (CUDA if any; under torchrun: GPU LOCAL_RANK), cpu, cuda")
+    t.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
+                   help="memory budget per process in GiB: a step of --crop x --batch-size that needs more is refused "
+                        "before step 1 (default: 80%% of the device's memory: RAM on the CPU, the GPU's on cuda)"
+                   + "%(default).0s")
     t.add_argument("--workers", type=T.loader_workers, default=2, help="data-loading processes per training process")
     t.add_argument("--save-every", type=T.every, default=1000, help="checkpoint every N steps (and at the end)")
     t.add_argument("--log-every", type=T.every, default=10, help="a log.jsonl line every N steps")

@@ -61,6 +61,7 @@ __all__ = [
     "demo_epochs",
     "seg_scales",
     "class_threshold",
+    "max_memory",
     "MAX_RES",
     "MIN_RES",
     "MAX_STRIDE",
@@ -132,6 +133,7 @@ ema = real_in(0.0, 1.0, why="the teacher's EMA momentum; the paper's is 0.999")
 every = int_in(1, 10_000_000)
 loader_workers = int_in(0, MAX_WORKERS)
 class_threshold = real_in(0.0, 1.0)
+max_memory = real_in(0.0, 2.0 ** 20, low_open=True, why="the memory budget in GiB")
 
 
 def seg_scales(text: str) -> Tuple[float, ...]:

@@ -135,8 +135,8 @@ def _debias_read(stem: str) -> Dict[str, Any]:
             raise ValueError(f"image {image.shape[1]}x{image.shape[0]} and pseudo label "
                              f"{label.shape[1]}x{label.shape[0]} (width x height) differ in size")
         # this image's CRF edges (standard deviations for its size, its memory) fail it alone
-        check_crf_image(cfg["crf_params"], *label.shape, 2, name="--crf-params",
-                        max_bytes=DEFAULT_MAX_BYTES if cfg["crf_backend"] == "torch" else None)
+        check_crf_image(cfg["crf_params"], *label.shape, 2, name="--crf-params", budget_name="--max-memory",
+                        max_bytes=cfg["max_bytes"] if cfg["crf_backend"] == "torch" else None)
         item["image"] = torch.from_numpy(image).to(cfg["device"])
     return item
 
@@ -160,7 +160,8 @@ def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], D
         return results
     sims = [it["similarity"] for it in items]
     if cfg["refine"] == "crf":
-        masks = refine_mask(sims, [it["image"] for it in items], cfg["crf_params"], cfg["crf_backend"])
+        masks = refine_mask(sims, [it["image"] for it in items], cfg["crf_params"], cfg["crf_backend"],
+                            max_bytes=cfg["max_bytes"])
     else:
         masks = [m > cfg["threshold"] for m in sims]
     for it, mask in zip(items, masks):
@@ -207,6 +208,7 @@ def debias_job(
     progress: bool = True,
     fmt: Optional[LabelFormat] = None,
     stems: Optional[Sequence[str]] = None,
+    max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
 ) -> JobSummary:
     """Write one debiased label PNG per pseudo label (biased pixels as 254, see
     :data:`mars_plugin.formats.files.BIASED_VALUE`).
@@ -224,7 +226,9 @@ def debias_job(
     ``out_dir`` (a lock). ``workers`` > 1 runs batches in that many processes (one thread each);
     outputs do not depend on ``workers`` or ``batch_size``. Under torch.distributed each rank
     debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
-    :func:`label_format`). ``stems``: only these of the folder's labels.
+    :func:`label_format`). ``stems``: only these of the folder's labels. ``max_bytes``: the
+    CRF's memory budget per batch (``--max-memory``; default 6 GiB, the CRF's own, since each of
+    ``workers`` takes it); an image whose CRF needs more fails alone, by name.
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
@@ -257,6 +261,7 @@ def debias_job(
         images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
         threshold=threshold, ignore_index=ignore_index, crf_params=params, crf_backend=crf_backend,
         image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
+        max_bytes=max_bytes,
     )
     from mars_plugin.commands.run_record import FolderRecord
 
@@ -397,6 +402,7 @@ def run_debias_command(args: argparse.Namespace) -> JobSummary:
         batch_size=args.batch_size, device=args.device, crf_params=args.crf_params,
         crf_backend=args.crf_backend, ignore_index=args.ignore_index, on_error=args.on_error,
         progress=progress, fmt=fmt,
+        max_bytes=DEFAULT_MAX_BYTES if args.max_memory is None else int(args.max_memory * 2 ** 30),
     )
     print(f"debiased labels -> {args.out}: {s.line()}")
     if s.pixels:

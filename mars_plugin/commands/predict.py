@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -22,10 +23,10 @@ import torch.nn as nn
 
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, check_scales, describe
 from mars_plugin.engines.crf_memory import check_crf_image
-from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
 from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _crf_params,
                                            _scaled_size, labels_from_probs, multiscale_probs)
+from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, _label_like
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
@@ -94,6 +95,7 @@ def predict_job(
     progress: bool = True,
     settings: Optional[Mapping[str, Any]] = None,
     images_flag: str = "--images",
+    max_bytes: Union[None, str, int] = "auto",
 ) -> JobSummary:
     """Write ``<out_dir>/<stem>.png``, the predicted labels of every image of ``images_dir``
     (:func:`~mars_plugin.networks.inference.predict_labels`), P mode with the VOC palette, atomically.
@@ -112,6 +114,13 @@ def predict_job(
             :class:`~mars_plugin.commands.errors.JobError` naming it, ``"skip"`` records it and goes on.
         settings: what made ``model`` (its file, which weights), part of the folder's record.
         images_flag: the flag that named ``images_dir``, for messages.
+        max_bytes: the memory budget (``--max-memory``): ``"auto"`` (80% of ``device``'s memory,
+            :func:`~mars_plugin.networks.memory.default_max_bytes`), bytes, or None (no limit).
+            Before any work, every image whose prediction (the network of ``model.config`` over
+            the scales and flips, and its CRF: :func:`~mars_plugin.networks.memory.inference_memory_bytes`)
+            needs more is refused by name (skipped with ``on_error="skip"``), from its header
+            alone; a batch holds only as many images of one size as fit; the CRF takes the same
+            budget as its ``max_bytes``.
 
     Resume (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings
     (the model, scales, flip, CRF, class threshold, fp16; other settings are refused) and each
@@ -132,6 +141,7 @@ def predict_job(
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
     device = resolve_device(device) if isinstance(device, str) else device
+    max_bytes = resolve_max_bytes(max_bytes, device)
     preprocess = preprocess or _default_preprocess
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     rank, world = _rank_world()
@@ -171,6 +181,7 @@ def predict_job(
                            scales=scales, flip=flip, crf=crf, params=params, class_threshold=class_threshold,
                            batch_size=batch_size, device=device, fp16=fp16, preprocess=preprocess,
                            num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
+                           max_bytes=max_bytes,
                            desc="predict" if world == 1 else f"predict rank 0/{world}")
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
@@ -188,7 +199,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    summary: JobSummary, record: Any, *, scales: Tuple[float, ...], flip: bool, crf: Optional[str],
                    params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
                    fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
-                   on_error: str, progress: bool, desc: str) -> None:
+                   on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None) -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
     from mars_plugin.commands.identities import array_digest, file_id
 
@@ -222,7 +233,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
                              "background")
-        return labels_from_probs(probs, rgb, crf, class_threshold).cpu()
+        return labels_from_probs(probs, rgb, crf, class_threshold, max_bytes=max_bytes).cpu()
 
     def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
         stem, _, img = item
@@ -241,6 +252,11 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     try:
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
+        # Before any work: every image to predict against the memory budget, from its header.
+        refused, limits = _memory_plan(model, items, out_dir, record, max_bytes, scales=scales, flip=flip, fp16=fp16,
+                                       params=params, num_classes=num_classes, device=device)
+        if refused and on_error == "stop":
+            fail(*next(iter(refused.items())))
         batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
         for stem, path in items:
             inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
@@ -251,23 +267,66 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                 continue
             if exists:
                 again.add(stem)
+            if stem in refused:
+                fail(stem, refused[stem])
+                continue
             try:
                 rgb = read_image(path)
                 H, W = rgb.shape[:2]
                 for s in scales:
                     _scaled_size(H, W, s)
                 if params is not None and num_classes is not None:  # before any work: its CRF's memory
-                    check_crf_image(params, H, W, num_classes + 1, max_bytes=DEFAULT_MAX_BYTES, name="--crf")
+                    check_crf_image(params, H, W, num_classes + 1, max_bytes=max_bytes, name="--crf",
+                                    budget_name=MEMORY_FLAG)
             except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
                 fail(stem, one_line(e))
                 continue
             img = torch.from_numpy(rgb)
             key = (H, W)
-            batches.add(key, (stem, inputs, img))
+            batches.add(key, (stem, inputs, img), limits.get(key))
         batches.flush()
     finally:
         if bar is not None:
             bar.close()
+
+
+def _memory_plan(model: Any, items: List[Tuple[str, Path]], out_dir: Path, record: Any, max_bytes: Optional[int], *,
+                 scales: Tuple[float, ...], flip: bool, fp16: bool, params: Optional[Dict[str, float]],
+                 num_classes: Optional[int], device: torch.device
+                 ) -> Tuple[Dict[str, str], Dict[Tuple[int, int], int]]:
+    """Each image still to predict against ``max_bytes``, from its header (PIL reads the size
+    without decoding): ({stem: why} of those refused, {(H, W): the most images of that size a
+    batch holds}). Only a network that says what it is (``model.config``, the DeepLabs of
+    :func:`~mars_plugin.networks.deeplab.build_model`) is modelled; an unreadable file is left
+    to the reading, which names it."""
+    from PIL import Image
+    from mars_plugin.commands.identities import file_id
+
+    config = getattr(model, "config", None)
+    if max_bytes is None or not isinstance(config, dict) or "arch" not in config:
+        return {}, {}
+    refused: Dict[str, str] = {}
+    limits: Dict[Tuple[int, int], int] = {}
+    crf_labels = num_classes + 1 if params is not None and num_classes is not None else None
+    for stem, path in items:
+        if record.current(stem, out_dir / f"{stem}.png", {"image": file_id(path)})[0]:
+            continue
+        try:
+            with warnings.catch_warnings():  # a size PIL warns of is what this check is for
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(path) as im:
+                    W, H = im.size
+        except Exception:  # noqa: BLE001 -- read_image names an unreadable file with its reason
+            continue
+        if (H, W) in limits:
+            continue
+        try:
+            limits[(H, W)] = check_inference_memory(config, H, W, max_bytes, name=str(path), scales=scales, flip=flip,
+                                                    fp16=fp16, crf_labels=crf_labels, crf_params=params,
+                                                    device=device)
+        except ValueError as e:
+            refused[stem] = one_line(e)
+    return refused, limits
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +403,8 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
     s = predict_job(model, images_dir, out, scales=args.scales, flip=args.flip, crf=args.crf,
                     class_threshold=args.class_threshold, batch_size=args.batch_size, device=args.device,
                     fp16=args.fp16, num_classes=num_classes, on_error=args.on_error,
-                    progress=not args.no_progress, settings=settings, images_flag=flag)
+                    progress=not args.no_progress, settings=settings, images_flag=flag,
+                    max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30))
     return s, out
 
 
@@ -394,6 +454,10 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp16", action="store_true",
                    help="the network under half-precision autocast: bfloat16 (float16 on GPUs without it); softmax, "
                         "mean and CRF stay float32")
+    p.add_argument(MEMORY_FLAG, type=T.max_memory, default=None, metavar="GIB",
+                   help="the memory budget in GiB: an image whose prediction (network over the scales and flips, "
+                        "CRF) needs more is refused by name before any work (default: 80%% of the device's memory: "
+                        "RAM on the CPU, the GPU's on cuda)" + _OWN_DEFAULT)
     p.add_argument("--on-error", choices=ON_ERROR, default="stop",
                    help="an unreadable image: stop at the first with one line naming it (exit 2), or skip it, go "
                         "on, list every skipped file on stderr at the end and exit 1")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 class SizeBatches:
     """Items grouped by image size into batches of ``batch_size``: ``compute(batch)`` runs on each
@@ -20,11 +20,14 @@ class SizeBatches:
         self.buckets: "OrderedDict[Any, List[Any]]" = OrderedDict()
         self.buffered = 0
 
-    def add(self, key: Any, item: Any) -> None:
+    def add(self, key: Any, item: Any, limit: Optional[int] = None) -> None:
+        """Buffer ``item`` of size ``key``; ``limit``: at most this many of this size in one batch
+        (``mars predict``: the most its memory budget holds), fewer than ``batch_size``."""
         self.buckets.setdefault(key, []).append(item)
         self.buffered += 1
-        if len(self.buckets[key]) >= self.batch_size:
-            self.buffered -= self.batch_size
+        full = self.batch_size if limit is None else max(1, min(self.batch_size, int(limit)))
+        if len(self.buckets[key]) >= full:
+            self.buffered -= len(self.buckets[key])
             self.run(self.buckets.pop(key))
         elif self.buffered >= 4 * self.batch_size:  # many sizes: run the fullest bucket
             b = self.buckets.pop(max(self.buckets, key=lambda k: len(self.buckets[k])))

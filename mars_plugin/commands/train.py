@@ -113,6 +113,7 @@ def train(
     restart: bool = False,
     notes: Sequence[str] = (),
     on_step: Optional[Callable[[int], None]] = None,
+    max_bytes: Union[None, str, int] = "auto",
 ) -> Dict[str, Any]:
     """Train a DeepLab network on a folder of images and (debiased) labels; see the module docstring.
 
@@ -153,6 +154,9 @@ def train(
             step 1, with the warning of ``loss="mars"`` without ``image_labels``.
         on_step: called with the number of steps done after each step (and its checkpoint, if
             one was due): progress hooks, tests.
+        max_bytes: the memory budget of one process (``--max-memory``): ``"auto"`` (80% of the
+            device's memory), bytes, or None (no limit); a step that needs more
+            (:func:`mars_plugin.networks.memory.train_memory_bytes`) is refused before any work.
 
     Returns:
         {"checkpoint": path, "iterations": done, "resumed_from": step, "loss": last logged loss}
@@ -204,8 +208,12 @@ def train(
         raise ValueError("bn='sync' (SyncBatchNorm) runs on CUDA only; on the CPU use bn='train' or 'frozen'")
 
     from mars_plugin.networks.deeplab import DEFAULT_OUTPUT_STRIDE
+    from mars_plugin.networks.memory import check_train_budget
 
     output_stride = int(DEFAULT_OUTPUT_STRIDE.get(arch, 16) if output_stride is None else output_stride)
+    check_train_budget(max_bytes, dev, arch=arch, backbone=backbone, output_stride=output_stride,
+                       num_classes=num_classes, crop=aug.crop, batch_size=batch_size, world=world, amp=use_amp,
+                       loss=loss, refine=refine, crf_params=crf_params, optimizer=optimizer, bn=bn)
     settings = dict(arch=arch, backbone=backbone, output_stride=output_stride, num_classes=num_classes,
                     loss=loss, refine=refine if loss == "mars" else None,
                     crf_params=crf_params if (loss == "mars" and refine) else None, iterations=iterations,
@@ -457,6 +465,7 @@ def run_train_command(args: Any) -> Dict[str, Any]:
         amp=not args.no_amp, device=args.device,
         workers=args.workers, save_every=args.save_every, log_every=args.log_every, class_names=names,
         progress=not args.no_progress, restart=args.restart, notes=notes,
+        max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30),
     )
     res["rank"] = _rank_world()[0]
     return res

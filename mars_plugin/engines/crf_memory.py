@@ -87,17 +87,19 @@ def crf_memory_bytes(height: int, width: int, labels: int, params: Union[None, s
 
 
 def check_crf_image(params: Union[None, str, Mapping[str, Any]], height: int, width: int, labels: int, *,
-                    max_bytes: Optional[int] = DEFAULT_MAX_BYTES, name: str = "crf_params") -> Dict[str, float]:
+                    max_bytes: Optional[int] = DEFAULT_MAX_BYTES, name: str = "crf_params",
+                    budget_name: str = "max_bytes") -> Dict[str, float]:
     """What :func:`~mars_plugin.engines.crf.dense_crf` checks of one ``height`` x ``width`` image
     with ``labels`` labels before any work, for callers that want it per file first: the
     parameters (:func:`~mars_plugin.engines.crf_params.check_crf_params`), standard deviations
     that fit the image's size (:func:`~mars_plugin.engines.crf_params.check_crf_std_bounds`)
     and, unless ``max_bytes`` is None, its memory (:func:`crf_memory_bytes`). Messages call the
-    parameters ``name`` (``--crf-params`` on the command line). Returns the checked parameters."""
+    parameters ``name`` (``--crf-params`` on the command line) and the budget ``budget_name``
+    (``--max-memory``, in GiB, on the command line). Returns the checked parameters."""
     prm = check_crf_params(params)
     check_crf_std_bounds(prm, height, width, name)
     if max_bytes is not None:
-        _check_budget([(int(height), int(width))], int(labels), prm, max_bytes)
+        _check_budget([(int(height), int(width))], int(labels), prm, max_bytes, budget_name)
     return prm
 
 
@@ -127,17 +129,19 @@ def _pixels_within(max_bytes: float, L: int, p: Mapping[str, float],
     return int(max_bytes // cost)
 
 
-def _check_budget(shapes: Sequence[Tuple[int, int]], L: int, p: Mapping[str, float], max_bytes: float) -> None:
+def _check_budget(shapes: Sequence[Tuple[int, int]], L: int, p: Mapping[str, float], max_bytes: float,
+                  budget_name: str = "max_bytes") -> None:
     """Refuse, before any work, an image whose dense CRF alone needs more than ``max_bytes``."""
     for H, W in shapes:
         N = H * W
         need = _memory_model(N, L, _gaussian_points(N, p["gaussian_sxy"]), int(N * _BILATERAL_POINTS_PER_PIXEL) + 64)
         if need > max_bytes:
             fit = _pixels_within(max_bytes, L, p)
+            larger = "max_bytes (None: no limit)" if budget_name == "max_bytes" else f"{budget_name} GIB"
             raise ValueError(
                 f"the dense CRF of a {H}x{W} image with {L} labels needs about {_gb(need)} (crf_memory_bytes), more "
-                f"than max_bytes = {_gb(max_bytes)}; at {L} labels at most {fit:,} pixels fit (e.g. "
-                f"{_example_size((H, W), fit)}); pass a larger max_bytes (None: no limit) or downscale the image")
+                f"than {budget_name} = {_gb(max_bytes)}; at {L} labels at most {fit:,} pixels fit (e.g. "
+                f"{_example_size((H, W), fit)}); pass a larger {larger} or downscale the image")
 
 
 def _bilateral_points_within(max_bytes: float, N: int, L: int, Mg: int) -> int:

@@ -26,7 +26,7 @@ from mars_plugin._checks import (
     describe,
 )
 from mars_plugin.engines.crf import dense_crf
-from mars_plugin.engines.crf_params import check_crf_backend, check_crf_params
+from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_params
 from mars_plugin.engines.kmeans import l2_norm, l2_normalize
 from mars_plugin.method.selection import DebiasedCentroids
 
@@ -181,8 +181,10 @@ def refine_mask(
     image: Any,
     crf_params: Union[None, str, Mapping[str, Any]] = None,
     crf_backend: str = "torch",
+    max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
 ) -> Union[torch.Tensor, List[torch.Tensor]]:
-    """The binary mask M of Eq. 5 from the soft mask M_hat by the dense CRF.
+    """The binary mask M of Eq. 5 from the soft mask M_hat by the dense CRF (``max_bytes``:
+    its memory budget, :func:`mars_plugin.engines.crf.dense_crf`'s).
 
     Shapes:
         similarity: M_hat, (H, W), (B, H, W) or a list of (H_i, W_i) (images of different
@@ -202,8 +204,8 @@ def refine_mask(
     # Q[1] > Q[0], written out: torch's argmax over a leading axis of 2 is slow on the CPU.
     if isinstance(similarity, (list, tuple)):
         probs = [two_labels(m, f"similarity[{i}]") for i, m in enumerate(similarity)]
-        return [q[1] > q[0] for q in dense_crf(probs, image, crf_params, backend=crf_backend)]
-    q = dense_crf(two_labels(similarity, "similarity"), image, crf_params, backend=crf_backend)
+        return [q[1] > q[0] for q in dense_crf(probs, image, crf_params, backend=crf_backend, max_bytes=max_bytes)]
+    q = dense_crf(two_labels(similarity, "similarity"), image, crf_params, backend=crf_backend, max_bytes=max_bytes)
     return q[..., 1, :, :] > q[..., 0, :, :]
 
 

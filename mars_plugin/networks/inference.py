@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import check_real_param, check_scales, describe
 from mars_plugin.engines.crf import dense_crf
-from mars_plugin.engines.crf_params import CRF_PRESETS, check_crf_params
+from mars_plugin.engines.crf_params import CRF_PRESETS, DEFAULT_MAX_BYTES, check_crf_params
 
 __all__ = [
     "DEFAULT_SCALES",
@@ -172,7 +172,8 @@ def _crf_params(crf: Optional[str]) -> Optional[Dict[str, float]]:
 
 
 def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[str] = "mars",
-                      class_threshold: float = CLASS_THRESHOLD) -> torch.Tensor:
+                      class_threshold: float = CLASS_THRESHOLD, *,
+                      max_bytes: Optional[int] = DEFAULT_MAX_BYTES) -> torch.Tensor:
     """Labels from mean probabilities: step 4 of the module docstring.
 
     Shapes:
@@ -184,6 +185,8 @@ def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[s
         crf: ``"mars"`` (RS+EPM's DeepLab setting), ``"psa"``, or ``"none"`` / None (argmax).
         class_threshold: a class takes part in an image's CRF when its probability reaches
             this somewhere in the image (0: every class).
+        max_bytes: the CRF's memory budget (:func:`mars_plugin.engines.crf.dense_crf`'s; ``mars
+            predict``'s ``--max-memory``).
     """
     params = _crf_params(crf)
     class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
@@ -193,7 +196,7 @@ def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[s
         return probs.argmax(1)
     keys = probs.amax(dim=(2, 3)) >= class_threshold  # (B, L): the labels of each image's CRF
     keys[~keys.any(1)] = True  # no class reaches it: all take part (upstream fails here)
-    q = dense_crf(probs, images, params, valid=keys)
+    q = dense_crf(probs, images, params, valid=keys, max_bytes=max_bytes)
     # Labels left out have Q = 0 and the kept ones sum to 1: the argmax is a kept class.
     return q.argmax(1)
 
