@@ -11,7 +11,8 @@ The commands:
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
   :mod:`mars_plugin.networks`).
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_state.py`` (its record),
-  ``reproduce_plan.py`` (``--dry-run``), ``reproduce_report.py`` (``report.md``),
+  ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
+  ``reproduce_checks.py`` (its checks of every input), ``reproduce_report.py`` (``report.md``),
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).
 * ``demo.py`` -- ``mars demo``; its figures and the report's: ``label_images.py`` (labels in
   colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).

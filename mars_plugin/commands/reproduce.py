@@ -143,6 +143,7 @@ def reproduce(
     references: bool = True,
     on_error: str = "stop",
     dry_run: bool = False,
+    train: Optional[Mapping[str, Any]] = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> Dict[str, Any]:
@@ -172,6 +173,8 @@ def reproduce(
         batch_size, workers: images per CRF call, CPU processes for debias.
         references: score the other method folders of ``<root>/WSS/<data>/``.
         dry_run: read the tree and report, compute and write nothing (returns the plan).
+        train: the ``--train`` options the run will be followed by (``val_domain``, ``weights``,
+            ``arch``, ``backbone``, ``masks``), for the plan: their inputs are checked first too.
 
     The pseudo labels are P- or L-mode PNGs of class ids (0 background, 255 ignore); the image
     tags come from ``<domain>/xml`` read as DHR reads them (:mod:`mars_plugin.adapters.wsss.dhr`).
@@ -234,12 +237,17 @@ def reproduce(
             raise ValueError(f"--features {features_dir}: no .npy or .pt feature files in this folder")
         settings["features"] = os.fspath(feats.resolve())
     refs, ref_notes = (find_references(layout.root / "WSS" / data, domain, pseudo_dir) if references else ({}, []))
-    if dry_run:
-        from mars_plugin.commands.reproduce_plan import dry_run as plan
+    from mars_plugin.commands.reproduce_plan import plan_reproduce, refuse, show_plan
 
-        return plan(layout=layout, domain=domain, pseudo_dir=Path(pseudo_dir), out=out, stems=stems,
-                    class_names=class_names, feats=feats, compute_features=features_dir is None,
-                    settings=settings, references=refs, reference_notes=ref_notes, log=log)
+    # One plan, for the dry run and the real run alike: what the dry run says is what stops the run.
+    plan_args = dict(layout=layout, domain=domain, pseudo_dir=Path(pseudo_dir), out=out, stems=stems,
+                     class_names=class_names, feats=feats, settings=settings, references=refs,
+                     reference_notes=ref_notes, progress=progress, train=train,
+                     model=None if features_dir is not None else dict(
+                         uss=uss, checkpoint=checkpoint, backbone=backbone, heads=heads, trust_pickle=trust_pickle,
+                         scales=scales, flip=flip))
+    if dry_run:
+        return show_plan(plan_reproduce(**plan_args), log)
 
     rank, world = _rank_world()
     # The ranks meet after every stage; a stage of hours (features) must not hit torchrun's
@@ -253,6 +261,7 @@ def reproduce(
     error, data = None, None
     if rank == 0:
         try:
+            refuse(plan_reproduce(**plan_args), on_error)  # every refusal of the stages, before any of them
             lock.acquire()
             remove_stale_tmp(out)
             data = _State(out / "reproduce.json", settings).data
