@@ -118,7 +118,7 @@ def check_tree(stems: Sequence[str], images: Mapping[str, List[Path]], pseudo_di
                     _read_reference(folder / f"{s}.png", C, gt)
                 except Exception as e:  # noqa: BLE001 -- as score_references reads it
                     ref_bad[name].append(f"{s} ({one_line(e)})")
-    what = {"values": "label(s) or mask(s) that cannot be read or hold values other than 0..{C} and 255",
+    what = {"values": "unreadable label(s) or mask(s), or ones holding values other than 0..{C} and 255",
             "size": "pseudo label(s) whose size differs from the image or the mask",
             "unreadable": "unreadable image(s)"}
     for kind, ids in bad.items():

@@ -136,9 +136,9 @@ def plan_reproduce(
             return " (to do)"
         why = record.stale(stage, _stage_inputs(stage, inputs)) if not runs else f"after [{runs[-1]}]"
         if why is None:
-            return " (done: recorded as finished from the same inputs, kept)"
+            return " (recorded as finished from the same inputs: kept)"
         runs.append(stage)
-        return f" (stale: recorded as finished, runs again: {why})"
+        return f" (recorded as finished, runs again: {why})"
 
     n = len(stems)
     stages = {
