@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+import torch
+
 from mars_plugin.formats.files import IGNORE_VALUE, IMAGE_EXTENSIONS, list_stems, read_label
 from mars_plugin.commands.errors import one_line
 
@@ -73,7 +76,11 @@ def _values(path: Path, C: int) -> Tuple[Optional[Tuple[int, int]], Optional[str
 
     try:
         label = read_label(path, biased_value=None)
-        check_label_values(label, path, C, IGNORE_VALUE)
+        flat = label.numpy().ravel()
+        # The stages' check on the values present (a histogram) rather than on every pixel: the
+        # same verdict and message, a few times faster over a whole split.
+        present = torch.from_numpy(np.flatnonzero(np.bincount(flat))) if flat.size and flat.min() >= 0 else label
+        check_label_values(present, path, C, IGNORE_VALUE)
     except Exception as e:  # noqa: BLE001 -- any failure to read one file is that file's failure
         return None, one_line(e)
     return (int(label.shape[0]), int(label.shape[1])), None
