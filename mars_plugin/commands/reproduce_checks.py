@@ -92,7 +92,7 @@ def check_tree(stems: Sequence[str], images: Mapping[str, List[Path]], pseudo_di
     one per stem, readable, values 0..C and 255 (a reference: never 254), sizes equal. Every
     label and mask is decoded (the values; a bar with ``progress``), an image by its header.
     Problems go to ``problems``; returns {reference name: ids it covers}."""
-    from mars_plugin.commands.references import _read_reference
+    from mars_plugin.commands.references import _read_reference, check_references
 
     masks = set(list_stems(mask_dir, (".png",)))
     clash = [f"{s} ({' and '.join(sorted(p.name for p in images[s]))})" for s in stems if len(images.get(s, ())) > 1]
@@ -131,12 +131,10 @@ def check_tree(stems: Sequence[str], images: Mapping[str, List[Path]], pseudo_di
     for kind, ids in bad.items():
         if ids:
             problems.append(Problem(f"{len(ids)} {what[kind].format(C=C)}: {name_ids(ids)}"))
+    incomplete = check_references(dict(references), stems)
     for name, folder in references.items():
-        gone = [s for s in stems if s not in refs[name]]
-        if gone:
-            problems.append(Problem(f"reference {name} ({folder}): no mask for {len(gone)} of the {len(stems)} "
-                                    f"pseudo-labelled ids: {name_ids(gone)} (the run stops on it; --on-error skip "
-                                    "leaves the reference out)"))
+        if name in incomplete:  # the yardstick's own words
+            problems.append(Problem(f"reference {name}: {incomplete[name]}; use --on-error skip to leave it out"))
         if ref_bad[name]:
             problems.append(Problem(f"reference {name}: {len(ref_bad[name])} mask(s) the yardstick refuses (a "
                                     f"method's final mask: 0..{C} and 255, never 254, its image's size): "

@@ -83,12 +83,9 @@ def plan_reproduce(
 
     missing("image", images, image_dir)
     missing("ground-truth mask", masks, mask_dir)
-    missing("xml", xmls, xml_dir)
     bad_xml: List[str] = []
     tags: Dict[str, List[int]] = {}  # as the run writes them into image_labels.json
-    for s in stems:
-        if s not in xmls:
-            continue
+    for s in stems:  # a missing xml too: DHR's reader names the file
         try:
             hot = load_image_labels(xml_dir, class_names=class_names, ids=[s])[s]
         except Exception as e:  # noqa: BLE001 -- the run names any failure to read one xml
@@ -218,10 +215,11 @@ def refuse(plan: Plan, on_error: str) -> None:
     """The real run's stop on the plan's problems, before any stage: every problem with
     ``on_error="stop"``, those that are not one file's with ``"skip"`` (the stages skip and
     name the others). One line: the first problem and how many more ``--dry-run`` lists."""
-    stop = [p.line for p in plan.problems if on_error == "stop" or not p.per_file]
+    stop = [p for p in plan.problems if on_error == "stop" or not p.per_file]
     if stop:
         more = f" (and {len(stop) - 1} more problem(s): mars reproduce --dry-run lists them all)" if len(stop) > 1 else ""
-        raise JobError(f"{stop[0]}{more}")
+        # A bad file is a JobError, a bad flag or --out a ValueError, as the stages raise them.
+        raise (JobError if stop[0].per_file else ValueError)(f"{stop[0].line}{more}")
 
 
 def dry_run(*, log: Callable[[str], None] = print, **kwargs: Any) -> Dict[str, Any]:
