@@ -50,8 +50,10 @@ are unchanged, the debiased labels whose features, pseudo label, image, tags and
 unchanged (all of them are made again when the centroids changed); a debiased label of an id
 whose pseudo label is gone is removed. One run at a time per ``--out`` (a lock that a killed run
 never leaves stuck); holding it, the run removes the ``.tmp-*`` files a killed run left.
-``dry_run=True`` (``--dry-run``) reads the tree, computes nothing, and says what each stage
-would read and write and every mismatch it found.
+Before any stage the run checks its plan (:func:`~mars_plugin.commands.reproduce_plan.plan_reproduce`:
+every input a stage, or ``--train``'s, would refuse) and stops on its problems; ``dry_run=True``
+(``--dry-run``) prints that plan, what each stage would read and write and every problem,
+computing nothing.
 
 Under ``torchrun`` every stage is shared by the ranks: features and debiased labels in strided
 shards (each rank on GPU ``LOCAL_RANK`` with ``--device auto``), the centroids gathered as
