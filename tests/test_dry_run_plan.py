@@ -173,3 +173,20 @@ def test_dry_run_says_ok_exactly_when_the_real_run_does_not_refuse(sample, tmp_p
     assert (dry == 0) == (real == 0), f"dry run exit {dry}, real run exit {real}: {said}\n{err}"
     if real:
         assert err.split("error: ", 1)[1].split(" (and ")[0].strip() in said
+
+
+def test_under_on_error_skip_a_files_problem_is_skipped_and_a_flags_still_stops(sample, tmp_path, capsys):
+    r = _tree(sample, tmp_path, lambda r: _set_pixel(r / PSEUDO / f"{STEM}.png", 254))
+    skip = ["--on-error", "skip"]
+    assert cli.main(_argv(r, tmp_path / "dry", [], features=True) + skip + ["--dry-run"]) == 1
+    assert STEM in capsys.readouterr().out
+    # The stages skip the file and name it (exit 1), as before the plan.
+    assert cli.main(_argv(r, tmp_path / "out", [], features=True) + skip) == 1
+    assert STEM in capsys.readouterr().err
+    assert sorted(p.stem for p in (tmp_path / "out" / "debiased").glob("*.png")) == [
+        "2007_000001", "2007_000002", "2007_000004"]
+    # A flag's problem is no file to skip: refused whatever --on-error says, before any stage.
+    extra = ["--train", "--weights", str(r / "no_such_resnet.pth")]
+    assert cli.main(_argv(r, tmp_path / "out2", extra, features=True) + skip) == 2
+    assert "no_such_resnet.pth" in capsys.readouterr().err
+    assert not (tmp_path / "out2" / "centroids.pt").exists()
