@@ -2,17 +2,18 @@
 
 :func:`plan_reproduce` is the one function both ``--dry-run`` and the real run call: the dry run
 prints it (:func:`show_plan`), the real run calls it first and stops on its problems
-(:func:`refuse`) before any stage writes anything, so that the dry run's "no problem found"
+(:func:`refuse`) before any stage writes anything, so that the dry run's "no mismatch found"
 means the run will not refuse its inputs.
 
 What it reads: folder listings, the xml of the pseudo-labelled ids (as DHR reads them), the
 dataset json, the *values* of every pseudo label, ground-truth mask and reference mask of those
 ids (decoded, with the stages' own checks: a bar with ``progress``; about 6 ms a mask on a
-loaded CPU, a few minutes for VOC's 10,582 with two reference folders), image *headers* (the size, without decoding the pixels), ``reproduce.json`` of
-``--out``, the USS model files when the features stage would run (loaded weights-only, as the
-run loads them) and, with ``--train``, the ``--weights`` file and the validation split's images
-(headers) and masks (values). What it writes: nothing. Each problem is one line naming how many
-ids have it and the first few (:mod:`mars_plugin.commands.reproduce_checks`).
+loaded CPU, a few minutes for VOC's 10,582 with two reference folders), image *headers* (the
+size, without decoding the pixels), ``reproduce.json`` of ``--out``, the USS model files when
+the features stage would run (loaded weights-only, as the run loads them) and, with
+``--train``, the ``--weights`` file and the validation split's images (headers) and masks
+(values). What it writes: nothing. Each problem is one line naming how many ids have it and the
+first few (:mod:`mars_plugin.commands.reproduce_checks`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from mars_plugin.commands.errors import JobError
 from mars_plugin.commands.reproduce_checks import (Problem, check_model, check_tree, check_val_split, check_weights,
                                                    image_files, name_ids)
 
-__all__ = ["Plan", "plan_reproduce", "show_plan", "refuse", "dry_run"]
+__all__ = ["Plan", "plan_reproduce", "show_plan", "refuse"]
 
 
 @dataclass
@@ -217,11 +218,7 @@ def refuse(plan: Plan, on_error: str) -> None:
     name the others). One line: the first problem and how many more ``--dry-run`` lists."""
     stop = [p for p in plan.problems if on_error == "stop" or not p.per_file]
     if stop:
-        more = f" (and {len(stop) - 1} more problem(s): mars reproduce --dry-run lists them all)" if len(stop) > 1 else ""
+        more = f" (and {len(stop) - 1} more problem(s): mars reproduce --dry-run lists them all)" if stop[1:] else ""
         # A bad file is a JobError, a bad flag or --out a ValueError, as the stages raise them.
         raise (JobError if stop[0].per_file else ValueError)(f"{stop[0].line}{more}")
 
-
-def dry_run(*, log: Callable[[str], None] = print, **kwargs: Any) -> Dict[str, Any]:
-    """:func:`plan_reproduce` printed by :func:`show_plan` (``mars reproduce --dry-run``)."""
-    return show_plan(plan_reproduce(**kwargs), log)
