@@ -270,6 +270,8 @@ def _main(argv: Optional[List[str]]) -> int:
                 k_bg=args.k_bg, seed=args.seed, refine=args.refine, crf_params=args.crf_params, device=args.device,
                 fp16=args.fp16, batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
                 references=not args.no_references, on_error=args.on_error, dry_run=args.dry_run, progress=progress,
+                train=dict(val_domain=args.val_domain, weights=args.weights, arch=args.arch,
+                           backbone=args.train_backbone, masks=not args.no_masks) if args.train else None,
             )
             if args.dry_run:
                 return 1 if res["mismatches"] else 0

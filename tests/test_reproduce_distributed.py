@@ -115,13 +115,16 @@ def test_a_killed_run_resumes_on_two_ranks(setup, tmp_path):
 
 def test_a_failure_on_one_rank_stops_both(setup, tmp_path):
     args, _, world = setup
-    # A corrupt image of rank 1's share (id 3): both ranks stop, no hang, the file is named.
+    # A corrupt image of rank 1's share (id 3): both ranks stop, no hang, the file is named. A
+    # truncated JPEG: its header reads (the plan, which reads headers, passes it), its pixels do
+    # not, so the features stage meets it on rank 1.
     import mars_plugin
 
     root = Path(args(tmp_path)[2])
     tree = tmp_path / "root"
     shutil.copytree(root, tree)
-    (tree / DATA / "train_aug" / "image" / f"{world.stems[3]}.jpg").write_bytes(b"not a jpeg")
+    jpeg = tree / DATA / "train_aug" / "image" / f"{world.stems[3]}.jpg"
+    jpeg.write_bytes(jpeg.read_bytes()[:-40])
     a = args(tmp_path / "out")
     a[a.index("--root") + 1] = tree
     res = _cli(a, 2, timeout=240)

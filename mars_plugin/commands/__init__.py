@@ -12,7 +12,8 @@ The commands:
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_state.py`` (its record),
-  ``reproduce_plan.py`` (``--dry-run``), ``reproduce_report.py`` (``report.md``),
+  ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
+  ``reproduce_checks.py`` (its checks of every input), ``reproduce_report.py`` (``report.md``),
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).
 * ``demo.py`` -- ``mars demo``; its figures and the report's: ``label_images.py`` (labels in
   colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).

@@ -50,8 +50,10 @@ are unchanged, the debiased labels whose features, pseudo label, image, tags and
 unchanged (all of them are made again when the centroids changed); a debiased label of an id
 whose pseudo label is gone is removed. One run at a time per ``--out`` (a lock that a killed run
 never leaves stuck); holding it, the run removes the ``.tmp-*`` files a killed run left.
-``dry_run=True`` (``--dry-run``) reads the tree, computes nothing, and says what each stage
-would read and write and every mismatch it found.
+Before any stage the run checks its plan (:func:`~mars_plugin.commands.reproduce_plan.plan_reproduce`:
+every input a stage, or ``--train``'s, would refuse) and stops on its problems; ``dry_run=True``
+(``--dry-run``) prints that plan, what each stage would read and write and every problem,
+computing nothing.
 
 Under ``torchrun`` every stage is shared by the ranks: features and debiased labels in strided
 shards (each rank on GPU ``LOCAL_RANK`` with ``--device auto``), the centroids gathered as
@@ -143,6 +145,7 @@ def reproduce(
     references: bool = True,
     on_error: str = "stop",
     dry_run: bool = False,
+    train: Optional[Mapping[str, Any]] = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> Dict[str, Any]:
@@ -172,6 +175,8 @@ def reproduce(
         batch_size, workers: images per CRF call, CPU processes for debias.
         references: score the other method folders of ``<root>/WSS/<data>/``.
         dry_run: read the tree and report, compute and write nothing (returns the plan).
+        train: the ``--train`` options the run will be followed by (``val_domain``, ``weights``,
+            ``arch``, ``backbone``, ``masks``), for the plan: their inputs are checked first too.
 
     The pseudo labels are P- or L-mode PNGs of class ids (0 background, 255 ignore); the image
     tags come from ``<domain>/xml`` read as DHR reads them (:mod:`mars_plugin.adapters.wsss.dhr`).
@@ -239,12 +244,17 @@ def reproduce(
             raise ValueError(f"--features {features_dir}: no .npy or .pt feature files in this folder")
         settings["features"] = os.fspath(feats.resolve())
     refs, ref_notes = (find_references(layout.root / "WSS" / data, domain, pseudo_dir) if references else ({}, []))
-    if dry_run:
-        from mars_plugin.commands.reproduce_plan import dry_run as plan
+    from mars_plugin.commands.reproduce_plan import plan_reproduce, refuse, show_plan
 
-        return plan(layout=layout, domain=domain, pseudo_dir=Path(pseudo_dir), out=out, stems=stems,
-                    class_names=class_names, feats=feats, compute_features=features_dir is None,
-                    settings=settings, references=refs, reference_notes=ref_notes, log=log)
+    # One plan, for the dry run and the real run alike: what the dry run says is what stops the run.
+    plan_args = dict(layout=layout, domain=domain, pseudo_dir=Path(pseudo_dir), out=out, stems=stems,
+                     class_names=class_names, feats=feats, settings=settings, references=refs,
+                     reference_notes=ref_notes, progress=progress, train=train,
+                     model=None if features_dir is not None else dict(
+                         uss=uss, checkpoint=checkpoint, backbone=backbone, heads=heads, trust_pickle=trust_pickle,
+                         scales=scales, flip=flip))
+    if dry_run:
+        return show_plan(plan_reproduce(**plan_args), log)
 
     rank, world = _rank_world()
     # The ranks meet after every stage; a stage of hours (features) must not hit torchrun's
@@ -258,6 +268,7 @@ def reproduce(
     error, data = None, None
     if rank == 0:
         try:
+            refuse(plan_reproduce(**plan_args), on_error)  # every refusal of the stages, before any of them
             lock.acquire()
             remove_stale_tmp(out)
             data = _State(out / "reproduce.json", settings).data
