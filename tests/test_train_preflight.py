@@ -70,7 +70,11 @@ BAD = [_undecodable_label, _size_mismatch, _value_above_c, _biased_with_ce, _two
 def test_a_bad_file_is_refused_before_step_1_naming_it(tree, tmp_path, monkeypatch, bad):
     from mars_plugin.networks import deeplab
 
+    real = deeplab.build_model
+
     def no_network(*a, **k):  # refused before the network is built, not by the first step
+        if torch.get_default_device().type == "meta":  # the memory budget's trace: shapes only, no weights
+            return real(*a, **k)
         raise AssertionError("the network was built")
 
     monkeypatch.setattr(deeplab, "build_model", no_network)

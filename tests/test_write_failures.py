@@ -54,7 +54,7 @@ def test_mars_train_on_a_full_disk_says_the_last_checkpoint_is_intact(tree, tmp_
     capsys.readouterr()
     assert _train(tree, out) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [
+    assert [line for line in err.splitlines() if not line.startswith("mars train: warning: ")] == [
         f"mars train: error: cannot write the checkpoint {out / CHECKPOINT_NAME} (No space left on device); "
         "nothing is lost: the checkpoint there, of the last save, is intact, and the run resumes from it when "
         "run again once there is space"], err
@@ -72,7 +72,7 @@ def test_mars_train_on_a_full_disk_before_any_checkpoint(tree, tmp_path, monkeyp
     capsys.readouterr()
     assert _train(tree, out) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [
+    assert [line for line in err.splitlines() if not line.startswith("mars train: warning: ")] == [
         f"mars train: error: cannot write the checkpoint {out / CHECKPOINT_NAME} (No space left on device); "
         "no checkpoint had been saved yet: the run starts over when run again once there is space"], err
     assert not (out / CHECKPOINT_NAME).exists()
