@@ -250,18 +250,19 @@ def reproduce(
     # lock held, other settings recorded) stops every rank. Holding it, rank 0 removes the
     # temporary files a killed run left and reads the record; the ranks follow its reading.
     lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars reproduce")
-    error, data = None, None
+    # ``record``, not ``data``: ``data`` is DHR's dataset name, which report.md's title shows.
+    error, record = None, None
     if rank == 0:
         try:
             lock.acquire()
             remove_stale_tmp(out)
-            data = _State(out / "reproduce.json", settings).data
+            record = _State(out / "reproduce.json", settings).data
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             lock.release()
             error = e
     share_error(error, group)
     try:
-        state = _State(out / "reproduce.json", settings, write=rank == 0, data=broadcast_object(data, group))
+        state = _State(out / "reproduce.json", settings, write=rank == 0, data=broadcast_object(record, group))
         fmt = LabelFormat(mode="P")
         total = JobSummary()
         # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop
