@@ -14,7 +14,17 @@ from mars_plugin.engines.crf_params import CRF_BACKENDS
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Every flag's default in ``--help``, except where it says nothing: a required flag ends
+    with "(required)", and a None default (the help text says what leaving the flag out does)
+    is not shown as "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required and action.option_strings:
+            return text + " (required)"
+        if action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def add_threads(p: argparse.ArgumentParser) -> None:
@@ -179,14 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(e)
     add_threads(e)
 
+    from mars_plugin.adapters.uss.extractor import uss_names_text
     from mars_plugin.adapters.uss.multiscale import DHR_SCALES
     from mars_plugin.commands.features import _OWN_DEFAULT, scales_argument, add_features_arguments
     from mars_plugin.commands.reproduce import USS_CHOICES
 
     f = sub.add_parser("features", formatter_class=_Formatter,
-                       help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
+                       help=f"USS embeddings ({uss_names_text()}) for a folder of images",
                        description="Write one float16 (D, h, w) <stem>.npy (or <stem>.pt with --format pt) per image "
-                                   "with a STEGO or Leopart checkpoint read from disk (nothing is downloaded); "
+                                   f"with a {uss_names_text()} model read from disk (nothing is downloaded); "
                                    "resumable, atomic writes.")
     add_features_arguments(f)
     add_threads(f)

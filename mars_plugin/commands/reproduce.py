@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from mars_plugin.adapters.uss.extractor import USS_MODELS
 from mars_plugin.formats.files import atomic_write, list_stems
 from mars_plugin.commands.centroids import centroids_job
 from mars_plugin.commands.debias import debias_job
@@ -87,8 +88,8 @@ __all__ = ["PAPER_VOC_VAL_IOU", "PAPER_VOC_TRAIN", "PAPER_SOURCES", "reproduce",
 PathLike = Union[str, os.PathLike]
 
 STAGES = ("features", "centroids", "debias", "evaluate", "report")
-#: ``--uss`` of ``mars reproduce``: the models ``mars features`` loads.
-USS_CHOICES = ("stego", "cause", "dinov2", "leopart")
+#: ``--uss`` of ``mars reproduce``: the models ``mars features`` loads (the adapters' registry).
+USS_CHOICES = USS_MODELS
 
 
 def default_domain(data: str, root: Optional[PathLike] = None) -> str:
