@@ -70,3 +70,38 @@ def test_centroids_summary_explains_its_numbers(world_dir, tmp_path, capsys):
     assert {name for name, _, _ in rows} >= {world.class_names[c] for c in world.problematic}
     for _, kept, found in rows:  # K = ceil(alpha N), as the explanation says
         assert int(kept) == max(1, math.ceil(0.3 * int(found)))
+
+
+def _evaluate(argv, capsys) -> str:
+    assert main(["evaluate", *map(str, argv), "--no-progress"]) == 0
+    return capsys.readouterr().out
+
+
+def test_evaluate_names_the_classes_from_the_json_beside_gt(world_dir, capsys):
+    root, world = world_dir
+    out = _evaluate(["--pred", root / "labels", "--gt", root / "gt", "--num-classes", "6"], capsys)
+    assert all(name in out for name in world.class_names) and "class 1" not in out
+    assert f"class names from {(root / 'classes.json').resolve()}" in out
+
+
+def test_evaluate_names_the_classes_of_dhrs_tree_and_of_wsss(world_dir, tmp_path, capsys):
+    root, world = world_dir
+    mask = tmp_path / "root" / "SYN" / "train_aug" / "mask"
+    mask.mkdir(parents=True)
+    for p in (root / "gt").iterdir():
+        (mask / p.name).write_bytes(p.read_bytes())
+    names = ["background"] + [f"thing{c}" for c in range(1, 7)]
+    (tmp_path / "root" / "SYN" / "SYN.json").write_text(json.dumps({"names": names, "ignore": 255}))
+    out = _evaluate(["--pred", root / "labels", "--gt", mask, "--num-classes", "6"], capsys)
+    assert all(n in out for n in names) and "class 1" not in out
+    out = _evaluate(["--pred", root / "labels", "--gt", mask, "--num-classes", "6", "--wsss", "dhr"], capsys)
+    assert all(n in out for n in names) and "class names from --wsss dhr" in out
+    # VOC's names for SEAM's codebase; --class-names still wins over everything
+    out = _evaluate(["--pred", root / "labels", "--gt", root / "gt", "--num-classes", "20", "--wsss", "seam"], capsys)
+    assert "aeroplane" in out and "tvmonitor" in out and "class 20" not in out
+    out = _evaluate(["--pred", root / "labels", "--gt", mask, "--num-classes", "6", "--wsss", "dhr",
+                     "--class-names", root / "classes.json"], capsys)
+    assert all(n in out for n in world.class_names) and "thing1" not in out and "class names from" not in out
+    # a names file that does not fit --num-classes is not guessed from
+    out = _evaluate(["--pred", root / "labels", "--gt", mask, "--num-classes", "7"], capsys)
+    assert "class 7" in out and "thing1" not in out

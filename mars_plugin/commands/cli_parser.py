@@ -9,6 +9,7 @@ import argparse
 import json
 
 from mars_plugin.commands import cli_types as T
+from mars_plugin.commands.label_formats import WSSS_ADAPTERS
 from mars_plugin.method.centroids import BACKENDS
 from mars_plugin.engines.crf_params import CRF_BACKENDS
 
@@ -53,7 +54,7 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 
 
 def _add_wsss(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wsss", choices=("irnet", "advcam", "seam", "rsepm", "dhr"), default=None,
+    p.add_argument("--wsss", choices=WSSS_ADAPTERS, default=None,
                    help="read/write that WSSS repository's formats through mars_plugin.adapters "
                         "(skips IRNet/AdvCAM _palette.png siblings, reads its image-label file, writes its PNG mode)")
     p.add_argument("--dataset", choices=("voc", "coco"), default="voc", help="class set for --wsss rsepm tags")
@@ -184,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gt", required=True, help="folder of ground-truth label PNGs")
     e.add_argument("--num-classes", type=T.num_classes, required=True, help="C, the number of foreground classes")
     e.add_argument("--class-names", default=None,
-                   help="JSON list of names (background first), classes.json or DHR's <data>.json")
+                   help="JSON list of names (background first), classes.json or DHR's <data>.json; default: "
+                        "--wsss's names, else a classes.json beside --gt or DHR's <data>.json above it, else "
+                        "'class c'")
+    e.add_argument("--wsss", choices=WSSS_ADAPTERS, default=None,
+                   help="name the classes as that WSSS codebase does (dhr: the dataset json above --gt, else VOC's)")
+    e.add_argument("--dataset", choices=("voc", "coco"), default="voc", help="class set for --wsss rsepm")
     e.add_argument("--json", default=None, help="also write the scores to this JSON file")
     _add_common(e)
     add_threads(e)
