@@ -11,7 +11,7 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_features, read_image, read_label
-from mars_plugin.commands.sample_trees import LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
+from mars_plugin.commands.sample_trees import CHEAP_TRAIN, LAYOUTS, TREES, VOC_IDS, sample_commands, write_sample_tree
 from mars_plugin.worlds.synthetic_scenes import make_world
 from mars_plugin.commands.demo import WORLD_NOISE
 
@@ -97,6 +97,11 @@ def test_every_printed_command_runs(tree, capsys):
     if name == "dhr":
         assert "| boat |" in printed["evaluate"]  # --class-names: DHR's dataset json
         assert (out / "reproduce_stego" / "report.md").is_file() and (out / "reproduce_cause" / "report.md").is_file()
+        # the cheap `--train` line trained and wrote the MARS masks; the README shows the same flags
+        assert (out / "reproduce_stego" / "train" / "checkpoint.pt").is_file()
+        assert len(list((out / "reproduce_stego" / "masks").glob("*.png"))) == len(IDS)
+        readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ").split())
+        assert CHEAP_TRAIN in readme
 
 
 def test_mars_sample_prints_the_commands_and_refuses_a_used_folder(tmp_path, capsys):
