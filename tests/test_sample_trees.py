@@ -81,6 +81,7 @@ def test_the_weights_load_weights_only(tree):
     assert d.shape == (1, 192, 2, 3)
 
 
+@pytest.mark.slow  # every command on each tree, a reproduce --train included: minutes on 2 cores
 def test_every_printed_command_runs(tree, capsys):
     name, out = tree
     capsys.readouterr()
