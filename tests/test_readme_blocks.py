@@ -108,6 +108,9 @@ def _check_sample_reproduce(cwd: Path, scope: dict) -> None:
     scores = json.loads((cwd / "scratch" / "sample_reproduce" / "scores.json").read_text())
     assert scores["pseudo"]["num_images"] == 8 and "debiased" in scores
     assert (cwd / "scratch" / "sample_reproduce" / "report.md").is_file()
+    if (cwd / "scratch" / "sample_reproduce" / "train").is_dir():  # after the cheap --train line
+        assert (cwd / "scratch" / "sample_reproduce" / "train" / "checkpoint.pt").is_file()
+        assert len(list((cwd / "scratch" / "sample_reproduce" / "masks").glob("*.png"))) == 8
 
 
 CHECKS: Dict[str, Callable[[Path, dict], None]] = {

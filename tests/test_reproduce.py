@@ -89,6 +89,9 @@ def test_features_given_runs_every_stage_and_scores_match_evaluate(tree, tmp_pat
     tags = json.loads((out / "image_labels.json").read_text())
     assert tags == {s: world.class_ids(i) for i, s in enumerate(world.stems)}
     text = (out / "report.md").read_text()
+    # The title names the dataset, split and tree; the run record stays in reproduce.json, not in the text.
+    assert text.splitlines()[0] == f"# MARS reproduction report: {DATA} train_aug (DHR tree at `{root.resolve()}`)"
+    assert "'settings'" not in text and "reproduce.json" in text
     assert "boat" in text and "Table 6" in text and "not shown" in text  # 7 classes: no VOC per-class columns
     pictures = [line[line.index("](") + 2:-1] for line in text.splitlines() if line.startswith("![")]
     assert pictures and all((out / p).is_file() for p in pictures)

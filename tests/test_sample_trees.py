@@ -12,7 +12,7 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_features, read_image, read_label
-from mars_plugin.commands.sample_trees import (COCO_IDS, DHR_DATA, LAYOUTS, TREES, class_ids, image_ids,
+from mars_plugin.commands.sample_trees import (CHEAP_TRAIN, COCO_IDS, DHR_DATA, LAYOUTS, TREES, class_ids, image_ids,
                                                sample_commands, write_sample_tree)
 from mars_plugin.worlds.synthetic_scenes import make_world
 from mars_plugin.commands.demo import WORLD_NOISE
@@ -86,6 +86,7 @@ def test_the_weights_load_weights_only(tree):
     assert d.shape == (1, 192, 2, 3)
 
 
+@pytest.mark.slow  # every command on each tree, a reproduce --train included: minutes on 2 cores
 def test_every_printed_command_runs(tree, capsys):
     name, out = tree
     capsys.readouterr()
@@ -104,6 +105,12 @@ def test_every_printed_command_runs(tree, capsys):
         assert "| boat |" in printed["evaluate"]  # --class-names: DHR's dataset json
         assert (out / "reproduce_stego" / "report.md").is_file() and (out / "reproduce_cause" / "report.md").is_file()
         assert "mIoU of the labels" in printed["reproduce"]
+    if name == "dhr":
+        # the cheap `--train` line trained and wrote the MARS masks; the README shows the same flags
+        assert (out / "reproduce_stego" / "train" / "checkpoint.pt").is_file()
+        assert len(list((out / "reproduce_stego" / "masks").glob("*.png"))) == len(image_ids(name, 4))
+        readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ").split())
+        assert CHEAP_TRAIN in readme
 
 
 def test_mars_sample_prints_the_commands_and_refuses_a_used_folder(tmp_path, capsys):

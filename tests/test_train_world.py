@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from test_readme_blocks import ROOT, _blocks
 
 # The README block at 48 px, 200 training images, 60 held-out ones and 200 steps (about 2 minutes
@@ -34,6 +36,7 @@ def _world_block() -> str:
     return code
 
 
+@pytest.mark.slow  # about 4 minutes on 2 cores (docs/benchmarks.md: 248 s)
 def test_mars_beats_ce_on_the_biased_classes_of_the_demo_world(tmp_path):
     code = _world_block()
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -47,10 +47,23 @@ __all__ = [
     "multiscale",
     "DHR_SCALES",
     "DHR_SETTINGS",
+    "USS_MODELS",
+    "USS_NAMES",
+    "uss_names_text",
 ]
 
 PathLike = Union[str, os.PathLike]
-USS_MODELS = ("stego", "leopart", "dinov2", "cause")
+#: The USS models :func:`load_extractor` builds: ``--uss`` value -> the model's name. ``--help``
+#: and ``mars features``/``mars reproduce``'s choices are read from here, so a new model is named
+#: everywhere by adding it once.
+USS_NAMES: Dict[str, str] = {"stego": "STEGO", "leopart": "Leopart", "dinov2": "DINOv2", "cause": "CAUSE"}
+USS_MODELS = tuple(USS_NAMES)
+
+
+def uss_names_text(conjunction: str = "or") -> str:
+    """The registry's model names for help texts: ``STEGO, Leopart, DINOv2 or CAUSE``."""
+    names = list(USS_NAMES.values())
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
 
 
 @runtime_checkable

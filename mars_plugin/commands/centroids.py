@@ -198,7 +198,8 @@ def centroids_job(
 
 def run_centroids_command(args: argparse.Namespace) -> JobSummary:
     """``mars centroids``: :func:`centroids_job` on the parsed flags, then its summary on stdout
-    (per class: candidates kept of those found, and the cut distance)."""
+    (what the numbers mean, then per class: candidate centroids kept of those found, and the cut
+    distance)."""
     progress = not args.no_progress
     fmt = label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
     # read before the work: a bad file fails fast
@@ -214,10 +215,16 @@ def run_centroids_command(args: argparse.Namespace) -> JobSummary:
               "the same settings")
     else:
         print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
+    alpha, k_fg = V.config.get("alpha", args.alpha), V.config.get("k_fg", args.k_fg)
+    # What the two numbers and the distance are (selection.py, Eq. 1-2), once, before the classes.
+    print(f"per class: K of N candidate centroids kept (N: K-means centroids of the class, up to {k_fg} per "
+          f"image that has it; K = ceil(alpha {alpha:g} x N), those farthest from the training set's "
+          "background, Eq. 1, are averaged into its debiased centroid, Eq. 2); cut distance: the Eq. 1 "
+          "distance (0..1) of the last one kept")
     for c in range(1, V.num_classes + 1):
         if bool(V.valid[c]):
-            print(f"  {_class_label(names, c)}: {int(V.num_selected[c])}/{int(V.num_candidates[c])} "
-                  f"candidates, cut distance {float(V.cut_distance[c]):.4f}")
+            print(f"  {_class_label(names, c)}: {int(V.num_selected[c])} of {int(V.num_candidates[c])} "
+                  f"candidate centroids kept, cut distance {float(V.cut_distance[c]):.4f}")
         else:
             print(f"  {_class_label(names, c)}: never seen, no centroid")
     return s

@@ -9,12 +9,23 @@ import argparse
 import json
 
 from mars_plugin.commands import cli_types as T
+from mars_plugin.commands.label_formats import WSSS_ADAPTERS
 from mars_plugin.method.centroids import BACKENDS
 from mars_plugin.engines.crf_params import CRF_BACKENDS
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Every flag's default in ``--help``, except where it says nothing: a required flag ends
+    with "(required)", and a None default (the help text says what leaving the flag out does)
+    is not shown as "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required and action.option_strings:
+            return text + " (required)"
+        if action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def add_threads(p: argparse.ArgumentParser) -> None:
@@ -43,7 +54,7 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 
 
 def _add_wsss(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wsss", choices=("irnet", "advcam", "seam", "rsepm", "dhr"), default=None,
+    p.add_argument("--wsss", choices=WSSS_ADAPTERS, default=None,
                    help="read/write that WSSS repository's formats through mars_plugin.adapters "
                         "(skips IRNet/AdvCAM _palette.png siblings, reads its image-label file, writes its PNG mode)")
     p.add_argument("--dataset", choices=("voc", "coco"), default="voc", help="class set for --wsss rsepm tags")
@@ -178,19 +189,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gt", required=True, help="folder of ground-truth label PNGs")
     e.add_argument("--num-classes", type=T.num_classes, required=True, help="C, the number of foreground classes")
     e.add_argument("--class-names", default=None,
-                   help="JSON list of names (background first), classes.json or DHR's <data>.json")
+                   help="JSON list of names (background first), classes.json or DHR's <data>.json; default: "
+                        "--wsss's names, else a classes.json beside --gt or DHR's <data>.json above it, else "
+                        "'class c'")
+    e.add_argument("--wsss", choices=WSSS_ADAPTERS, default=None,
+                   help="name the classes as that WSSS codebase does (dhr: the dataset json above --gt, else VOC's)")
+    e.add_argument("--dataset", choices=("voc", "coco"), default="voc", help="class set for --wsss rsepm")
     e.add_argument("--json", default=None, help="also write the scores to this JSON file")
     _add_common(e)
     add_threads(e)
 
+    from mars_plugin.adapters.uss.extractor import uss_names_text
     from mars_plugin.adapters.uss.multiscale import DHR_SCALES
     from mars_plugin.commands.features import _OWN_DEFAULT, scales_argument, add_features_arguments
     from mars_plugin.commands.reproduce import USS_CHOICES
 
     f = sub.add_parser("features", formatter_class=_Formatter,
-                       help="USS embeddings (STEGO or Leopart checkpoint) for a folder of images",
+                       help=f"USS embeddings ({uss_names_text()}) for a folder of images",
                        description="Write one float16 (D, h, w) <stem>.npy (or <stem>.pt with --format pt) per image "
-                                   "with a STEGO or Leopart checkpoint read from disk (nothing is downloaded); "
+                                   f"with a {uss_names_text()} model read from disk (nothing is downloaded); "
                                    "resumable, atomic writes.")
     add_features_arguments(f)
     add_threads(f)

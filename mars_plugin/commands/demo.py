@@ -239,11 +239,12 @@ def _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class:
             classes = ", ".join(names[k] for k in val.class_ids(i))
             rows.append((f"{names[c]}: {val.stems[i]} (classes: {classes})", [
                 ("image", img),
-                ("ground truth", label_images.blend(img, val.gt[i])),
-                ("WSSS pseudo", label_images.blend(img, val.pseudo[i])),
-                ("removed", label_images.removed_mask_image(img, val.pseudo[i], db_val[i])),
-                ("plain CE", label_images.blend(img, pred_plain[i])),
-                ("MARS", label_images.blend(img, pred_mars[i])),
+                # labels unblended, in the legend's exact colours (as mars report's panels)
+                ("ground truth", val.gt[i]),
+                ("WSSS pseudo", val.pseudo[i]),
+                ("removed", label_images.removed_mask_image(img, val.pseudo[i], db_val[i], tint=1.0)),
+                ("plain CE", pred_plain[i]),
+                ("MARS", pred_mars[i]),
             ]))
     return rows
 

@@ -11,7 +11,7 @@ from mars_plugin._checks import check_ignore_byte, check_num_classes
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, read_label, stem_path
 from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail
 from mars_plugin.commands.metrics import confusion_matrix, segmentation_scores
-from mars_plugin.commands.label_formats import _names_for
+from mars_plugin.commands.label_formats import evaluate_names
 from mars_plugin.commands.inputs import _progress, _stems, check_input_folder, check_label_values, no_valid_pixel
 
 __all__ = ["evaluate_job", "run_evaluate_command", "write_scores_json"]
@@ -92,10 +92,12 @@ def run_evaluate_command(args: argparse.Namespace) -> Tuple[JobSummary, Dict[str
     from mars_plugin.commands.metrics import format_scores_table
 
     progress = not args.no_progress
-    names = _names_for(args.class_names, args.num_classes)
+    names, source = evaluate_names(args)
     scores, s = evaluate_job(args.pred, args.gt, args.num_classes, ignore_index=args.ignore_index,
                              on_error=args.on_error, progress=progress)
     print(format_scores_table(names[: args.num_classes + 1], {"": scores}))
+    if source is not None:
+        print(f"class names from {source}")
     print(f"{s.line('evaluated')}")
     return s, dict(scores, class_names=names[: args.num_classes + 1])
 

@@ -114,13 +114,49 @@ def _wsss_class_names(args: argparse.Namespace) -> Optional[List[str]]:
     adapter = _adapter(args.wsss)
     if args.wsss == "rsepm":
         return list(adapter.class_names(args.dataset))
-    if args.wsss == "dhr" and args.image_labels is not None:
-        xml = Path(args.image_labels)
-        xml = xml / "xml" if (xml / "xml").is_dir() else xml
-        layout = adapter._json_beside_xml(xml) if xml.is_dir() else None
+    # DHR's dataset json sits two levels above any of <root>/<data>/<domain>/{xml,mask} folders
+    folder = getattr(args, "image_labels", None) or getattr(args, "gt", None)
+    if args.wsss == "dhr" and folder is not None:
+        sub = Path(folder)
+        sub = sub / "xml" if (sub / "xml").is_dir() else sub
+        layout = adapter._json_beside_xml(sub) if sub.is_dir() else None
         if layout is not None:
             return list(layout.class_names())
     return list(adapter.CLASS_NAMES)
+
+
+def _names_beside(folder: os.PathLike) -> Optional[Tuple[List[str], Path]]:
+    """(names, file) of the dataset json kept beside a label folder, if any: ``classes.json``
+    beside it (``mars demo``'s world: ``val/{gt,classes.json}``), or DHR's ``<root>/<data>/<data>.json``
+    two levels above ``<root>/<data>/<domain>/mask``."""
+    here = Path(folder).resolve()
+    data_dir = here.parent.parent
+    for path in (here.parent / "classes.json", data_dir / f"{data_dir.name}.json"):
+        if path.is_file():
+            try:
+                return _class_names(os.fspath(path)), path
+            except ValueError:  # not a names file: nothing to infer from it
+                return None
+    return None
+
+
+def evaluate_names(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
+    """Names of classes 0..C for ``mars evaluate``, and where they came from (None: given or
+    unknown): ``--class-names``; else ``--wsss``'s (DHR: the dataset json above ``--gt``); else a
+    dataset json beside ``--gt`` with exactly C + 1 names; else "class c"."""
+    C = args.num_classes
+    if args.class_names is not None:
+        return _names_for(args.class_names, C), None
+    names = _wsss_class_names(args)
+    if names is not None:
+        if len(names) < C + 1:
+            raise ValueError(f"--wsss {args.wsss}: its {len(names) - 1} classes are fewer than --num-classes {C}; "
+                             "give --class-names")
+        return names, f"--wsss {args.wsss}"
+    found = _names_beside(args.gt)
+    if found is not None and len(found[0]) == C + 1:
+        return found[0], os.fspath(found[1])
+    return _names_for(None, C), None
 
 
 def _names_for(path: Optional[str], num_classes: int) -> List[str]:

@@ -73,7 +73,8 @@ def report_job(
       its ``per_class`` images with the largest share of that class's pixels removed (ties: more
       removed pixels first), only images where some were removed (none when 0).
 
-    Both overlay grids carry a colour legend (class name -> colour, removed, ignore); their
+    Both overlay grids carry a colour legend (class name -> colour, removed, ignore) and draw every
+    label in its exact colours: the label panels unblended, beside the image; their
     panels are at most :data:`PANEL_SIDE` pixels on the longer side. One run at a time writes
     into ``out_dir`` (a lock, :class:`~mars_plugin.commands.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
@@ -250,10 +251,12 @@ def _report_outputs(stage, class_names, num_classes, share, total, ranking, exam
             y = read_label(Path(labels_dir) / f"{stem}.png", biased_value=None)
             d = read_label(Path(debiased_dir) / f"{stem}.png")
             img, y, d = _fit_panel(img, y, d)
+            # Label panels unblended, and the removed panel's labelled pixels untinted: every colour
+            # is then the legend's exactly (blending with the image changes it); the image is beside.
             panels[stem] = ([
-                ("image", img), ("pseudo label", label_images.blend(img, y)),
-                ("removed pixels", label_images.removed_mask_image(img, y, d)),
-                ("debiased label", label_images.blend(img, d)),
+                ("image", img), ("pseudo label", y),
+                ("removed pixels", label_images.removed_mask_image(img, y, d, tint=1.0)),
+                ("debiased label", d),
             ], {c for c in torch.unique(y).tolist() if 0 < c <= num_classes})
         return caption, panels[stem][0]
 

@@ -69,6 +69,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from mars_plugin.adapters.uss.extractor import USS_MODELS
 from mars_plugin.formats.files import atomic_write, list_stems
 from mars_plugin.commands.centroids import centroids_job
 from mars_plugin.commands.debias import debias_job
@@ -89,8 +90,8 @@ __all__ = ["PAPER_VOC_VAL_IOU", "PAPER_VOC_TRAIN", "PAPER_SOURCES", "reproduce",
 PathLike = Union[str, os.PathLike]
 
 STAGES = ("features", "centroids", "debias", "evaluate", "report")
-#: ``--uss`` of ``mars reproduce``: the models ``mars features`` loads.
-USS_CHOICES = ("stego", "cause", "dinov2", "leopart")
+#: ``--uss`` of ``mars reproduce``: the models ``mars features`` loads (the adapters' registry).
+USS_CHOICES = USS_MODELS
 
 
 def default_domain(data: str, root: Optional[PathLike] = None) -> str:
@@ -265,19 +266,20 @@ def reproduce(
     # lock held, other settings recorded) stops every rank. Holding it, rank 0 removes the
     # temporary files a killed run left and reads the record; the ranks follow its reading.
     lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars reproduce")
-    error, data = None, None
+    # ``record``, not ``data``: ``data`` is DHR's dataset name, which report.md's title shows.
+    error, record = None, None
     if rank == 0:
         try:
             refuse(plan_reproduce(**plan_args), on_error)  # every refusal of the stages, before any of them
             lock.acquire()
             remove_stale_tmp(out)
-            data = _State(out / "reproduce.json", settings).data
+            record = _State(out / "reproduce.json", settings).data
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             lock.release()
             error = e
     share_error(error, group)
     try:
-        state = _State(out / "reproduce.json", settings, write=rank == 0, data=broadcast_object(data, group))
+        state = _State(out / "reproduce.json", settings, write=rank == 0, data=broadcast_object(record, group))
         fmt = LabelFormat(mode="P")
         total = JobSummary()
         # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop

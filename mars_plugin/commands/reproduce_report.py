@@ -204,13 +204,15 @@ def format_report(
     paper = paper_columns(class_names)
     coco = paper is not None and len(class_names) == 81
     lines = [
-        "# MARS reproduction report",
+        f"# MARS reproduction report: {info['data']} {info['domain']} (DHR tree at `{info['root']}`)",
         "",
         f"- tree: `{info['root']}`, data `{info['data']}`, domain `{info['domain']}`; "
         f"{pseudo['num_images']} images with a pseudo label evaluated against `{info['domain']}/mask`",
         f"- pseudo labels: `{info['pseudo']}`",
         f"- features: {info['features']}",
         f"- settings: {info['method']}",
+        "- run record (settings, input fingerprints, stage times and skipped files): `reproduce.json` beside "
+        "this file",
         "- stage times (s, this run; 0 when the stage was already done): "
         + ", ".join(f"{k} {v:.1f}" for k, v in info["times"].items()),
         "",
