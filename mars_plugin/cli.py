@@ -106,8 +106,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.commands.debias.debias_job`).
     A Ctrl-C before this function runs (while torch imports) ends with the same line, status 130
     (:mod:`mars_plugin._interrupt`), whose handler this function replaces by Python's own."""
-    _interrupt.restore()
     try:
+        # Inside the try: a Ctrl-C that lands just after the swap of handlers (Python's own
+        # raises KeyboardInterrupt) is this function's to report, not a traceback.
+        _interrupt.restore()
         try:
             code = _main(argv)
         except SystemExit:  # argparse: --help, --version, usage errors
