@@ -65,6 +65,7 @@ def _run(root, out, fault):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["init", "crash"])
 def test_a_failing_worker_ends_the_run_with_one_line(world, tmp_path, fault):
     r = _run(world, tmp_path / "out", fault)
@@ -76,6 +77,7 @@ def test_a_failing_worker_ends_the_run_with_one_line(world, tmp_path, fault):
         assert "simulated start-up failure" in lines[0]
 
 
+@pytest.mark.slow
 def test_workers_never_read_the_centroid_file(world, tmp_path):
     """The centroids go to the workers as tensors: a file gone after the start changes nothing."""
     r = _run(world, tmp_path / "out", "no-file")

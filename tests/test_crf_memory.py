@@ -72,6 +72,7 @@ def _measure(backend):
     return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_peak_memory_is_within_twice_pydensecrf_and_within_the_model():
     ours = _measure("torch")

@@ -98,6 +98,7 @@ COLD_WARM_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_cold_and_warm_numba_cache_give_the_same_bits(tmp_path):
     # The reproduction of the flaky float16 test: a first process compiles (and caches) the
     # float16 call only; a second one loads it from the cache and also runs float32.

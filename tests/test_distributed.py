@@ -88,6 +88,7 @@ def test_shard_indices_cover_the_list_once():
     assert shards[1] == [1, 4, 7, 10]
 
 
+@pytest.mark.slow
 def test_torchrun_mars_centroids_equals_one_process(tmp_path):
     """`torchrun --nproc_per_node 2 -m mars_plugin.cli centroids ...` writes the single-process result."""
     import shutil

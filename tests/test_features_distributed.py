@@ -29,6 +29,8 @@ from mars_plugin.commands.distributed import all_ok, barrier, share_error, sync_
 from test_distributed import _free_port
 from test_reproduce import _tiny_stego_files
 
+pytestmark = pytest.mark.slow  # minutes of processes on 2 cores: left out of the fast subset
+
 REPO = Path(__file__).resolve().parents[1]
 #: 7 images: rank 0 of 2 takes img0, img2, img4, img6 and rank 1 img1, img3, img5.
 SIZES = [(16, 24), (24, 16), (32, 32), (16, 16), (24, 32), (32, 24), (16, 32)]

@@ -423,6 +423,7 @@ def slow_debias(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the worker processes from /proc")
 @pytest.mark.parametrize("when", ["while the workers start", "while they work"])
 def test_sigint_to_debias_with_workers_is_one_line_and_resumes(slow_debias, tmp_path, when):

@@ -54,6 +54,7 @@ def _read_only_copy(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_import_and_compile_without_any_cache_folder(tmp_path):
     root = _read_only_copy(tmp_path)
     blocker = tmp_path / "blocker"

@@ -355,6 +355,7 @@ print("READ", sorted(set(p for p in seen if not inside(p))))
 @pytest.mark.parametrize("argv", [["sample", "--tree", "dhr", "--num-images", "2", "--size", "32"],
                                   ["demo", "--num-train", "3", "--num-val", "2", "--size", "32", "--epochs", "1",
                                    "--refine", "threshold"]], ids=["sample", "demo"])
+@pytest.mark.slow
 def test_demo_and_sample_read_no_file_of_the_user(argv, tmp_path):
     """``mars demo`` and ``mars sample`` generate their world: they have no input flag, open or
     list nothing in the user's folders but their own ``--out`` (traced with an audit hook), and

@@ -520,6 +520,7 @@ def test_root_without_method_or_out_is_one_line(dhr, capsys):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_write_what_one_process_writes(world, tmp_path, capsys):
     from test_distributed import _free_port
     from test_features_distributed import _env

@@ -189,6 +189,7 @@ def test_the_readme_has_its_blocks_and_every_skip_says_why():
         assert "/issues" not in b.code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block_runs_as_written(block: Block, scratch: Path, monkeypatch):
     if block.skip is not None:

@@ -368,6 +368,7 @@ def _deeplab_tree(base: Path, program: str) -> Path:
     return work
 
 
+@pytest.mark.slow
 def test_deeplab_template_runs_unchanged_on_clean_labels(tmp_path):
     """Control: the loop itself is sound (plain CE on labels without 254)."""
     work = _deeplab_tree(tmp_path, DEEPLAB)
@@ -426,6 +427,7 @@ def advcam_uninterrupted(tmp_path_factory):
     return work, r
 
 
+@pytest.mark.slow
 def test_advcam_recipe_trains_with_the_crf_teacher(advcam_uninterrupted):
     work, r = advcam_uninterrupted
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
@@ -437,6 +439,7 @@ def test_advcam_recipe_trains_with_the_crf_teacher(advcam_uninterrupted):
         assert set(state["hook"]["teacher"]) == {"module." + k for k in model}
 
 
+@pytest.mark.slow
 def test_advcam_recipe_resumed_gives_the_uninterrupted_teacher(advcam_uninterrupted, tmp_path):
     """Killed at iteration 3 (after checkpoint 2), resumed with MARS_RESUME=checkpoint_2.pth: the same
     final teacher, student and optimizer as the uninterrupted run, bit for bit."""
@@ -454,6 +457,7 @@ def test_advcam_recipe_resumed_gives_the_uninterrupted_teacher(advcam_uninterrup
                     torch.load(ref / "data" / "models" / "voc12" / name, weights_only=True))
 
 
+@pytest.mark.slow
 def test_advcam_recipe_without_match_logits_says_what_to_pass(tmp_path):
     """The fault the recipe avoids: refine="crf" with match="labels" on MSC's stride-4 outputs
     stops before the teacher runs, and the error names match='logits'."""
@@ -650,6 +654,7 @@ def seam_uninterrupted(tmp_path_factory):
     return work, _run(work, {}, PROBE + SEAM_CHECKS.format(n=5))
 
 
+@pytest.mark.slow
 def test_seam_recipe_runs_from_the_experiment_folder_with_the_crf_teacher(seam_uninterrupted):
     work, r = seam_uninterrupted
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
@@ -659,6 +664,7 @@ def test_seam_recipe_runs_from_the_experiment_folder_with_the_crf_teacher(seam_u
                      "deeplabv1_resnet38_VOCDataset_itr5_all.pth", "deeplabv1_resnet38_VOCDataset_itr5_all_mars.pth"]
 
 
+@pytest.mark.slow
 def test_seam_recipe_resumed_gives_the_uninterrupted_teacher(seam_uninterrupted, tmp_path):
     """Killed at itr 3 (epoch 1; epoch 0 saved), resumed with TRAIN_CKPT = epoch 0's file and
     TRAIN_MINEPOCH = 1, the codebase's own resume: the same final teacher and student."""
@@ -676,6 +682,7 @@ def test_seam_recipe_resumed_gives_the_uninterrupted_teacher(seam_uninterrupted,
         _same_state(torch.load(models / name, weights_only=True), torch.load(ref_models / name, weights_only=True))
 
 
+@pytest.mark.slow
 def test_seam_old_path_does_not_resolve_from_the_experiment_folder(tmp_path):
     """The recipe's old "../SEAM/..." is <codebase>/experiment/SEAM from train.py's folder."""
     old = [(after, a, b, tok, [l.replace("../../../SEAM/", "../SEAM/") for l in new])

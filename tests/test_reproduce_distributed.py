@@ -17,6 +17,8 @@ from test_distributed import _free_port
 from test_features_distributed import _env
 from test_reproduce import DATA, _tiny_stego_files, make_tree
 
+pytestmark = pytest.mark.slow  # minutes of processes on 2 cores: left out of the fast subset
+
 N = 7  # rank 0 of 2 takes ids 0, 2, 4, 6 (4 images), rank 1 ids 1, 3, 5 (3)
 
 

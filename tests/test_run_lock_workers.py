@@ -164,6 +164,7 @@ def _children(pid: int):
     return kids
 
 
+@pytest.mark.slow
 def test_mars_train_restarts_at_once_after_kill_9_with_workers(tree, tmp_path, capsys):
     """`mars train --workers 2` killed with kill -9 while its data-loading workers live (stopped
     here, so that they outlive it for as long as the test needs): the restart runs."""

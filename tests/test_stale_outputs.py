@@ -241,6 +241,7 @@ def _rank(rank, world_size, port, images, out, result_dir):
     (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow
 def test_under_two_ranks_rank_0_alone_removes(syn, tmp_path):
     job = Job("features", syn, tmp_path)
     job.run()

@@ -126,6 +126,7 @@ class _Stop(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_to_the_same_weights(tree, tmp_path):
     """Stopped after step 3 (last checkpoint at 2), run again: student, teacher, optimizer and
     the log equal an uninterrupted run's."""
@@ -196,6 +197,7 @@ def _cli_args(tree, out, extra=()):
             "--log-every", "1", "--no-progress", *extra]
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one_process(tree, tmp_path):
     """torchrun, 2 CPU processes, each half of the global batch of 4 (DeepLabv2, frozen BN as
     deeplab-pytorch): the same weights and losses as one process, to float rounding."""
@@ -254,6 +256,7 @@ class _nothing:
         return False
 
 
+@pytest.mark.slow
 def test_reproduce_train_runs_the_second_step_on_dhr_tree(tmp_path, capsys):
     """mars reproduce --train on a sample DHR tree (a copy of train_aug as validation): the
     network is trained on the debiased labels with the xml tags, the validation split is predicted

@@ -86,6 +86,7 @@ def test_importing_the_library_changes_nothing(code, watch):
     assert watch([sys.executable, "-c", code]) == ["None"]
 
 
+@pytest.mark.slow
 def test_worker_processes_inherit_the_policy(watch, tmp_path):
     from mars_plugin.cli import main
     from mars_plugin.worlds.synthetic import write_world
@@ -149,6 +150,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="idle OpenMP threads need a second core")
 def test_the_documented_library_line_makes_idle_threads_sleep():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}

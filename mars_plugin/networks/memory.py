@@ -57,10 +57,11 @@ _TRACE_SIDE = 128
 #: What the traced tensors leave out, per device type. CPU: convolutions reorder their input and
 #: output into blocked layouts (oneDNN) and the allocator keeps freed pages: peak RSS growth /
 #: the traced tensors measured 1.0-1.5 on ResNet-18/50 DeepLabs at 200-300 px
-#: (tests/test_memory_budget.py). CUDA: the caching allocator's rounding and cuDNN's workspaces,
+#: (tests/test_memory_budget.py), and 2.06 in one run of the suite (DeepLabv3+ R18, 256x192,
+#: three scales and flip): 2.5 keeps a margin over that. CUDA: the caching allocator's rounding and cuDNN's workspaces,
 #: an estimate not yet measured against ``torch.cuda.max_memory_allocated`` (no GPU in the
 #: session that wrote this; benchmarks/ is where such a row belongs).
-_SLACK = {"cpu": 2.0, "cuda": 1.25}
+_SLACK = {"cpu": 2.5, "cuda": 1.25}
 
 
 def _slack(device: Union[str, torch.device]) -> float:
