@@ -505,6 +505,7 @@ def _doc_block(marker: str) -> str:
     return blocks[0]
 
 
+@pytest.mark.slow
 def test_own_loop_runs_on_dhr_files(tmp_path, monkeypatch):
     """The docs' own training loop with the DHR set-up lines in place of its three."""
     rng = np.random.default_rng(9)

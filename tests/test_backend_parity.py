@@ -154,6 +154,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_k_of_ten_million_on_sixteen_pixels_allocates_little():
     # In a fresh process: the peak resident size may only grow by what K-means of 16 pixels
     # needs (a (10**7, 18) float64 draw table alone would be 1.4 GB), and the Python/numpy

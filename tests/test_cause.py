@@ -492,6 +492,7 @@ def test_release_key_names_are_causes():
     assert sorted(set(sd) - set(head) - {k for k in sd if k.startswith("head.")}) == sorted(cause_files_mod._RELEASE_EXTRA_KEYS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["folder", "segment_file", "beside", "both"])
 def test_release_forms_give_the_dhr_forms_features_exactly(tmp_path, form):
     where = {"beside": ("beside",), "both": ("upstream", "beside")}.get(form, ("upstream",))

@@ -139,6 +139,7 @@ def test_debias_writes_voc_pngs_equal_to_the_library_and_resumes(world_dir, tmp_
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.slow
 def test_two_workers_and_crf_equal_one_worker(world_dir, tmp_path):
     root, _ = world_dir
     _centroids(root, tmp_path / "V.pt")
@@ -148,6 +149,7 @@ def test_two_workers_and_crf_equal_one_worker(world_dir, tmp_path):
         assert np.array_equal(np.array(Image.open(f)), np.array(Image.open(tmp_path / "w2" / f.name)))
 
 
+@pytest.mark.slow
 def test_crf_debias_equals_the_library_for_any_batch_size_and_preset(world_dir, tmp_path):
     root, world = world_dir
     _centroids(root, tmp_path / "V.pt")
@@ -246,6 +248,7 @@ def test_evaluate_equals_a_hand_computed_confusion_matrix(world_dir, tmp_path, c
     assert "boat" in table and "mIoU" in table
 
 
+@pytest.mark.slow
 def test_report_ranks_the_problematic_classes_first(tmp_path):
     # The demo's image size: at 32 px the (now larger) birds span one or two 4x4 feature cells,
     # mixed with the sky, and a threshold-refined report rightly removes many of their pixels.

@@ -147,6 +147,7 @@ def _argv(cmd, root, d, on_error):
             "--class-names", str(root / "classes.json"), "--out", str(d / "out"), *common]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_error", ["stop", "skip"])
 @pytest.mark.parametrize("kind,cmd", CASES, ids=[f"{k}-{c}" for k, c in CASES])
 def test_bad_file_matrix(world, tmp_path, capsys, kind, cmd, on_error):

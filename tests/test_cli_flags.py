@@ -122,6 +122,7 @@ def test_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"mars {mars_plugin.__version__}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--help"], ["evaluate"]], ids=["help", "evaluate"])
 def test_a_reader_closing_the_pipe_ends_quietly(world, argv):
     """`mars ... | head -1` where head has already gone: nothing on stderr, exit 141 (--help:

@@ -71,6 +71,7 @@ def _job_worker(rank, world_size, port, root, out, result_dir):
     (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow
 def test_a_bad_file_on_rank_1_stops_both_spawned_ranks(world, tmp_path):
     out = tmp_path / "out"
     ctx = tmp.spawn(_job_worker, args=(2, _free_port(), str(world), str(out), str(tmp_path)), nprocs=2, join=False)
@@ -88,6 +89,7 @@ def test_a_bad_file_on_rank_1_stops_both_spawned_ranks(world, tmp_path):
     assert {"s0.png", "s2.png", "s4.png"} <= set(written) <= {f"{s}.png" for s in STEMS if s != BAD}, written
 
 
+@pytest.mark.slow
 def test_torchrun_mars_debias_a_bad_file_on_one_rank_fails_every_rank(world, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

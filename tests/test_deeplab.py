@@ -243,6 +243,7 @@ def test_default_output_stride_per_arch():
 # --- forward --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["deeplabv3+", "deeplabv2"])
 @pytest.mark.parametrize("os_", [8, 16])
 @pytest.mark.parametrize("hw", [(65, 65), (25, 38)])
@@ -355,6 +356,7 @@ def test_numpy_integers_are_accepted():
 # --- ImageNet weights -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,with_tracked", [("deeplabv3+", True), ("deeplabv2", False)])
 def test_load_backbone_weights_round_trip(tmp_path, arch, with_tracked):
     state = torchvision_state("resnet18", seed=1, with_tracked=with_tracked)
@@ -489,6 +491,7 @@ BAD_FILES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
 def test_bad_weight_files_are_one_line_errors(tmp_path, kind, r18_state, r18_model):
     path = _write_bad(tmp_path, kind, r18_state)
@@ -602,6 +605,7 @@ def test_normalize_refuses_bad_images(bad, exc, pattern):
 # --- checkpoints ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["deeplabv3+", "deeplabv2"])
 def test_checkpoint_round_trip(tmp_path, arch):
     model = tiny(arch, 8, num_classes=5, seed=5)
@@ -673,6 +677,7 @@ def _reference_resnet(x, sd, name, os_):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,os_", [("resnet18", 16), ("resnet18", 8), ("resnet50", 8)])
 def test_backbone_forward_is_torchvisions(name, os_):
     state = torchvision_state(name, seed=4, with_fc=False)

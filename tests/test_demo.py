@@ -28,6 +28,7 @@ def _tiny(out, **kw):
     return run_demo(out=str(out), **args)
 
 
+@pytest.mark.slow
 def test_rerun_replaces_exactly_its_own_files(tmp_path):
     out = tmp_path / "demo"
     _tiny(out, num_train=14, num_val=6)
@@ -91,6 +92,7 @@ def test_an_interrupted_run_is_cleaned_up_by_the_next(tmp_path, monkeypatch):
     assert sorted(json.loads((out / MANIFEST).read_text())["files"] + [MANIFEST]) == _files(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refine", ["threshold", "crf"])
 def test_the_world_split_reproduces_columns_a_and_b(tmp_path, capsys, refine):
     out = tmp_path / "demo"

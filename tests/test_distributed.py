@@ -56,6 +56,7 @@ def _spawn(tmp_path, mode):
     tmp.spawn(_worker, args=(2, _free_port(), str(tmp_path), mode), nprocs=2, join=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "spill"])
 def test_two_gloo_ranks_equal_one_process(tmp_path, mode):
     _spawn(tmp_path, mode)
@@ -75,6 +76,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, mode):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]  # spill folders removed
 
 
+@pytest.mark.slow
 def test_an_error_on_one_rank_reaches_every_rank(tmp_path):
     _spawn(tmp_path, "bad")
     for rank in (0, 1):

@@ -282,6 +282,7 @@ def _labels(folder):
     return {p.stem: read_label(p, biased_value=None) for p in sorted(folder.glob("*.png"))}
 
 
+@pytest.mark.slow
 def test_centroids_and_debias_are_the_same_on_pt_npy_and_mixed(worlds, tmp_path):
     root, stems = worlds
     assert sorted(os.listdir(root / "pt" / "features")) == [f"{s}.pt" for s in stems]

@@ -94,6 +94,7 @@ def _predict(images, out, ck, *extra):
                  "--scales", "1", "--no-progress", *extra])
 
 
+@pytest.mark.slow
 def test_a_huge_image_is_refused_by_name_before_any_work(folder, monkeypatch, capsys):
     root, images, ck = folder
     calls = []
@@ -124,6 +125,7 @@ def test_skip_names_the_huge_image_and_writes_the_others(folder, monkeypatch, ca
     assert "huge" in err and "needs about" in err and "--max-memory 2.00 GiB" in err, err
 
 
+@pytest.mark.slow
 def test_max_memory_lets_a_moderate_image_through(tmp_path, monkeypatch, capsys):
     images = tmp_path / "images"
     _image(images / "m.png", 300, 400)
@@ -180,6 +182,7 @@ def test_a_batch_holds_only_what_fits(tmp_path, monkeypatch):
     assert len(list((tmp_path / "out").glob("*.png"))) == 4
 
 
+@pytest.mark.slow
 def test_train_refuses_a_step_over_the_budget_before_step_1(tmp_path, monkeypatch, capsys):
     from mars_plugin.networks import deeplab
 
@@ -217,6 +220,7 @@ def test_train_refuses_a_step_over_the_budget_before_step_1(tmp_path, monkeypatc
     assert "--batch-size 3 or --crop 224 fits" in err or " fits; " in err, err
 
 
+@pytest.mark.slow
 def test_train_under_the_budget_runs(tmp_path):
     from mars_plugin.commands.train import train
 
@@ -263,6 +267,7 @@ _MEASURE = textwrap.dedent("""
     ({"arch": "deeplabv2", "backbone": "resnet18", "output_stride": 8, "num_classes": 4}, 256, 192, [1.0, 0.5, 1.5]),
     ({"arch": "deeplabv3+", "backbone": "resnet50", "output_stride": 16, "num_classes": 20}, 240, 320, [1.0]),
 ])
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures peak RSS with Linux's /proc")
 def test_the_model_bounds_the_measured_peak(cfg, H, W, scales):
     """Peak RSS growth (Linux's VmHWM, reset first: ru_maxrss would start at the parent's peak)
@@ -280,6 +285,7 @@ def test_the_model_bounds_the_measured_peak(cfg, H, W, scales):
     assert grow <= model <= 4 * grow, (grow / 2 ** 20, model / 2 ** 20)
 
 
+@pytest.mark.slow
 def test_the_model_grows_with_every_setting():
     """More pixels, scales, batch, classes, a deeper backbone, a finer stride: more memory;
     half precision: less. A check that the trace sees each architecture."""

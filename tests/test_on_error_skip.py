@@ -88,6 +88,7 @@ def test_reproduce_bad_xml_stop_names_the_file(tree, tmp_path, capsys, kind):
     assert not (tmp_path / "out" / "centroids.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(BAD_XML))
 def test_reproduce_bad_xml_skip_names_it_once_and_runs_the_rest(tree, tmp_path, capsys, kind):
     world, _, pseudo, feats = tree

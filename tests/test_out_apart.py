@@ -128,6 +128,7 @@ CLI_CASES = [(cmd, flag, spelling)
              if (on_dir if kind == DIR else on_file)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd,flag,spelling", CLI_CASES, ids=["-".join(c) for c in CLI_CASES])
 def test_every_command_refuses_an_output_on_its_input(cmd, flag, spelling, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -192,6 +193,7 @@ def test_an_output_stays_out_of_what_root_holds(cmd, out, word, where, tmp_path,
     assert f"--out {out} {word} --root {where} (" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["predict", "train", "reproduce"])
 def test_an_output_elsewhere_under_root_is_not_refused(cmd, tmp_path, monkeypatch, capsys):
     """``--out`` beside the data under ``--root`` (DHR's checkout, ``runs/``: what the README and

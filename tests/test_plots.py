@@ -254,6 +254,7 @@ def test_save_overlay_grid_rejects_bad_rows(tmp_path):
 # --------------------------------------------------------------------------- bar charts
 
 
+@pytest.mark.slow
 def test_bar_chart_png_with_nan_highlight_and_deterministic_bytes(tmp_path):
     pytest.importorskip("matplotlib")
     a, b = tmp_path / "a.png", tmp_path / "b.png"

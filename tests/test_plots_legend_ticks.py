@@ -105,6 +105,7 @@ def _no_overlap(fig):
     return boxes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names, k", [(VOC, 4), (VOC, 1), (LONG, 1), (LONG[:4], 4), (VOC[:3], 4)])
 def test_tick_labels_do_not_overlap(names, k):
     pytest.importorskip("matplotlib")

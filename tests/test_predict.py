@@ -343,6 +343,7 @@ def _read(path: Path) -> torch.Tensor:
         return torch.from_numpy(np.asarray(im).astype(np.int64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["student", "teacher"])
 def test_predict_then_evaluate(world, tmp_path, capsys, which):
     out = tmp_path / "pred"
@@ -358,6 +359,7 @@ def test_predict_then_evaluate(world, tmp_path, capsys, which):
     assert code == 0 and "5 evaluated" in said, err
 
 
+@pytest.mark.slow
 def test_flags_reach_the_computation(world, tmp_path, capsys):
     out = tmp_path / "pred"
     more = ["--scales", "1,0.75", "--no-flip", "--crf", "psa", "--class-threshold", "0.2", "--batch-size", "2"]
@@ -369,6 +371,7 @@ def test_flags_reach_the_computation(world, tmp_path, capsys):
         assert torch.equal(_read(out / f"{stem}.png"), want), stem
 
 
+@pytest.mark.slow
 def test_a_rerun_keeps_finished_files_and_refuses_other_settings(world, tmp_path, capsys):
     out = tmp_path / "pred"
     assert _run(world.argv(out, "--crf", "none"), capsys)[0] == 0
@@ -478,6 +481,7 @@ def dhr(tmp_path_factory, world):
     return root, _checkpoint(world.root / "voc.pt", 20, seed=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("domain", [None, "validation"])
 def test_root_and_method_write_dhr_wss_masks(dhr, capsys, domain):
     from mars_plugin.adapters.wsss.dhr import load_pseudo_labels

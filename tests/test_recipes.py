@@ -468,6 +468,7 @@ def test_advcam_recipe_without_match_logits_says_what_to_pass(tmp_path):
     assert r.returncode != 0 and "match='logits'" in r.stderr.splitlines()[-1], r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_old_advcam_recipe_is_caught(tmp_path):
     """Replacing only L157 (the recipe before this fix) leaves `criterion.to(device)`: NameError."""
     old = [(after, a, (157 if a == 157 else b), tok, new) for after, a, b, tok, new in recipe("advcam")]

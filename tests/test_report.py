@@ -75,6 +75,7 @@ def test_report_counts_shares_and_per_class_examples_by_hand(tmp_path):
             assert (arr == np.array(BIASED_COLOR, np.uint8)).all(-1).sum() >= (SWATCH - 2) ** 2
 
 
+@pytest.mark.slow
 def test_more_examples_per_class_give_a_taller_grid_and_zero_gives_none(tmp_path):
     root, *_ = _folders(tmp_path, seed=1)
     sizes = {}
@@ -114,6 +115,7 @@ def test_cli_per_class_flag(tmp_path, capsys):
         assert f"{100 * c['share_removed']:.1f}% of {c['pixels']:,} pixels" in line
 
 
+@pytest.mark.slow
 def test_photographs_make_grids_of_bounded_size_and_per_class_keeps_the_top_classes(tmp_path, monkeypatch):
     """Photo-sized images are shrunk to PANEL_SIDE (at 3x a 500 px photo, a VOC per-class grid
     passed PIL's decompression-bomb limit), small ones keep their 3x, and per_class.png shows the

@@ -67,6 +67,7 @@ def _run(root, pseudo, out, **kw):
     return res, logs
 
 
+@pytest.mark.slow
 def test_features_given_runs_every_stage_and_scores_match_evaluate(tree, tmp_path):
     world, root, pseudo, feats = tree
     out = tmp_path / "out"
@@ -98,6 +99,7 @@ def test_features_given_runs_every_stage_and_scores_match_evaluate(tree, tmp_pat
     assert res["summary"].failed == []
 
 
+@pytest.mark.slow
 def test_resume_keeps_finished_stages_and_refuses_other_settings(tree, tmp_path):
     world, root, pseudo, feats = tree
     out = tmp_path / "out"
@@ -137,6 +139,7 @@ def _tiny_stego_files(tmp: Path, width: int = 192, dim: int = 5, patch: int = 8)
     return b, h
 
 
+@pytest.mark.slow
 def test_features_stage_from_dhr_files_through_the_cli(tree, tmp_path, capsys):
     world, root, pseudo, _ = tree
     b, h = _tiny_stego_files(tmp_path)
@@ -192,6 +195,7 @@ def test_missing_tree_is_named(tmp_path, capsys):
     assert "VOC2012/train_aug" in err and "is not a folder" in err
 
 
+@pytest.mark.slow
 def test_skip_names_a_bad_pseudo_label_and_exits_1(tree, tmp_path, capsys):
     world, root, pseudo, feats = tree
     bad = tmp_path / "pseudo"

@@ -94,6 +94,7 @@ def _run_cli(root, pseudo, out, *extra):
                      "--no-progress", "--threads", "1", *map(str, extra)])
 
 
+@pytest.mark.slow
 def test_references_are_scored_like_ours_and_agreement_matches_numpy(wss_tree, tmp_path, capsys):
     world, root, rsepm, feats = wss_tree
     out = tmp_path / "out"
@@ -222,6 +223,7 @@ def test_score_references_directly_equals_the_numpy_definition():
 # -- the model flags of mars features --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stego_lightning_checkpoint_and_cause_files_run_the_features_stage(wss_tree, tmp_path, capsys):
     from test_cause import dhr_files
     from test_stego import FakeDictConfig, lightning_ckpt, stego_state_dict
@@ -346,6 +348,7 @@ def make_coco_tree(tmp: Path, n: int = 10, size: int = 40, seed: int = 0):
     return root, pseudo, feats, stems
 
 
+@pytest.mark.slow
 def test_coco2014_with_81_classes_runs_every_stage(tmp_path, capsys):
     root, pseudo, feats, stems = make_coco_tree(tmp_path)
     out = tmp_path / "out"

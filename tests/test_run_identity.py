@@ -126,6 +126,7 @@ CHANGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CHANGES))
 def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(base, tmp_path, kind):
     world, root, pseudo, feats = _copy(base, tmp_path)
@@ -178,6 +179,7 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
     assert all(f"[{name}] done before, kept" in logs for name in STAGES), logs
 
 
+@pytest.mark.slow
 def test_dry_run_says_which_recorded_stages_run_again(base, tmp_path):
     world, root, pseudo, feats = _copy(base, tmp_path)
     out = tmp_path / "out"
@@ -199,6 +201,7 @@ def test_dry_run_says_which_recorded_stages_run_again(base, tmp_path):
 
 @pytest.mark.parametrize("setting, value, key", [("alpha", 0.5, "alpha"), ("k_fg", 3, "k_fg"),
                                                  ("refine", "crf", "refine")])
+@pytest.mark.slow
 def test_reproduce_refuses_other_settings_in_one_out(base, tmp_path, setting, value, key):
     world, root, pseudo, feats = _copy(base, tmp_path)
     out = tmp_path / "out"
@@ -466,6 +469,7 @@ def _lock_of(cmd: str, out: Path) -> Path:
     return out.parent / f".{out.name}.lock" if cmd == "centroids" else out / ".mars-run.lock"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["features", "centroids", "debias", "report", "reproduce"])
 def test_a_second_run_is_refused_and_a_killed_run_never_blocks(cmd_inputs, holder, tmp_path, capsys, cmd):
     out = tmp_path / ("V.pt" if cmd == "centroids" else "out")
@@ -512,6 +516,7 @@ STALE = [".tmp-abcd1234.png", ".tmp-x_9y8z7w", ".tmp-qwertyui.json"]
 FOREIGN = [".tmp-Mine.txt", "notes.tmp", ".tmp-short.png"]  # not names mars's atomic writes make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["report", "reproduce", "debias", "features"])
 def test_the_next_run_removes_the_tmp_files_a_killed_run_left(cmd_inputs, holder, tmp_path, capsys, cmd):
     out = tmp_path / "out"

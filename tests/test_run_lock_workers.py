@@ -62,6 +62,7 @@ def _kill_all(pids) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_forked_children_of_a_killed_run_never_block_its_restart(tmp_path):
     lock = tmp_path / LOCK_NAME
     proc = subprocess.Popen([sys.executable, "-c", HOLD_AND_FORK, str(lock), "2"], stdout=subprocess.PIPE,
@@ -84,6 +85,7 @@ def test_forked_children_of_a_killed_run_never_block_its_restart(tmp_path):
         proc.kill()
 
 
+@pytest.mark.slow
 def test_a_forked_child_that_releases_its_copy_keeps_the_parents_lock(tmp_path):
     """A child ending (its ``with`` block, or a ``release()`` it inherited) neither unlocks nor
     removes the lock its parent holds."""
@@ -104,6 +106,7 @@ def test_a_forked_child_that_releases_its_copy_keeps_the_parents_lock(tmp_path):
         held.release()
 
 
+@pytest.mark.slow
 def test_a_second_lock_in_the_same_process_is_refused_and_keeps_the_first(tmp_path):
     """A record lock never conflicts with its own process, and closing a second descriptor of the
     file would drop it: the second RunLock (under another spelling of the path) is refused, and
@@ -127,6 +130,7 @@ BARE = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
         "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nprint('locked', flush=True)\ntime.sleep(300)")
 
 
+@pytest.mark.slow
 def test_a_refusal_says_when_the_recorded_pid_no_longer_runs(tmp_path):
     lock = tmp_path / LOCK_NAME
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -54,6 +54,7 @@ def _fresh(pairs):
 @pytest.mark.parametrize("reader", [_one_buffer_torch, _one_buffer_numpy])
 @pytest.mark.parametrize("label_dtype,feature_dtype", [(np.int64, np.float32), (np.uint8, np.float32),
                                                        (np.int32, np.float16), (np.float32, np.float64)])
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 4, 64])
 def test_one_buffer_stream_equals_fresh_tensors(backend, reader, label_dtype, feature_dtype, batch_size):
     if backend == "compiled" and feature_dtype == np.float64:

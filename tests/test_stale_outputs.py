@@ -199,6 +199,7 @@ def test_debias_a_removed_feature_file_removes_the_label(syn, tmp_path):
     assert not (job.out / f"{gone}.png").exists() and (job.out / STALE_DIR / f"{gone}.png").is_file()
 
 
+@pytest.mark.slow
 def test_mars_predict_prints_the_removed_and_the_kept(syn, tmp_path, capsys):
     from mars_plugin.cli import main
     from test_predict import _checkpoint

@@ -63,6 +63,7 @@ def test_poly_lr_is_dhr_polylr():
     assert poly_lr(1e-3, 100, 100) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ce", "mars"])
 def test_one_step_equals_a_loop_from_the_definitions(tree, tmp_path, loss):
     """The first step's weights equal those of a loop written from the paper/DHR: the same crops,
@@ -157,6 +158,7 @@ def test_interrupted_run_resumes_to_the_same_weights(tree, tmp_path):
     assert again["resumed_from"] == 5
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
     train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1))
     from mars_plugin.commands.errors import JobError
@@ -165,6 +167,7 @@ def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
         train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1, lr=0.01))
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tree, tmp_path, capsys):
     from mars_plugin.commands.run_lock import LOCK_NAME, RunLock
 
@@ -217,6 +220,7 @@ def test_two_gloo_processes_equal_one_process(tree, tmp_path):
     assert json.loads((two / "train.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_cli_trains_and_the_checkpoint_rebuilds_the_network(tree, tmp_path, capsys):
     out = tmp_path / "c"
     assert cli.main(_cli_args(tree, out, ("--loss", "ce", "--labels", str(tree / "pseudo")))) == 0

@@ -58,6 +58,7 @@ def test_num_classes_from_the_image_labels_is_said(tree, tmp_path, capsys):
                    "--num-classes if the dataset has more classes)"], err
 
 
+@pytest.mark.slow
 def test_num_classes_from_the_root_dataset(tmp_path):
     from mars_plugin.commands.sample_trees import write_sample_tree
 
@@ -86,6 +87,7 @@ def test_labels_with_nothing_to_learn_are_refused(tree, tmp_path, capsys, value,
     assert len(err) == 1 and "every pixel of all 6 labels is 254 (biased) or 255 (ignore)" in err[0], err
 
 
+@pytest.mark.slow
 def test_debiased_labels_without_image_labels_train_with_a_warning(tree, tmp_path, capsys):
     argv = _argv(tree, tmp_path / "run", "--num-classes", str(C), "--refine", "none", labels="debiased", loss="mars")
     assert cli.main(argv) == 0

@@ -91,6 +91,7 @@ def _other_image_labels(tree):
 
 @pytest.mark.parametrize("change", [_change_labels_folder, _replace_a_label, _change_an_image, _remove_an_id,
                                     _add_an_id, _other_image_labels])
+@pytest.mark.slow
 def test_a_killed_run_resumed_on_other_data_is_refused_naming_what_changed(tree, tmp_path, change):
     out = tmp_path / "run"
     _killed_run(tree, out, image_labels={"s0": [1]})
@@ -104,6 +105,7 @@ def test_a_killed_run_resumed_on_other_data_is_refused_naming_what_changed(tree,
     assert _state(out) == before  # the checkpoint, the log and train.json as they were
 
 
+@pytest.mark.slow
 def test_a_finished_run_run_again_on_other_data_is_refused_and_train_json_kept(tree, tmp_path, capsys):
     out = tmp_path / "run"
     argv = _cli_args(tree, out, ("--loss", "ce", "--labels", str(tree / "pseudo")))
@@ -120,6 +122,7 @@ def test_a_finished_run_run_again_on_other_data_is_refused_and_train_json_kept(t
     assert _state(out) == before
 
 
+@pytest.mark.slow
 def test_restart_trains_again_from_step_0_on_the_new_data(tree, tmp_path):
     out = tmp_path / "run"
     _killed_run(tree, out)
@@ -135,6 +138,7 @@ def test_restart_trains_again_from_step_0_on_the_new_data(tree, tmp_path):
     assert again["resumed_from"] == 3
 
 
+@pytest.mark.slow
 def test_a_restart_killed_before_its_first_checkpoint_leaves_no_old_one(tree, tmp_path):
     """--restart removes the old run's checkpoint: killed before its own first one, the next
     run (without --restart) starts from step 0 instead of meeting the other data's checkpoint."""
@@ -148,6 +152,7 @@ def test_a_restart_killed_before_its_first_checkpoint_leaves_no_old_one(tree, tm
     assert train(tree / "images", tree / "pseudo", out, C, **RUN)["resumed_from"] == 0
 
 
+@pytest.mark.slow
 def test_restart_refused_by_a_bad_file_keeps_the_old_run(tree, tmp_path):
     out = tmp_path / "run"
     _killed_run(tree, out)
@@ -158,6 +163,7 @@ def test_restart_refused_by_a_bad_file_keeps_the_old_run(tree, tmp_path):
     assert _state(out) == before
 
 
+@pytest.mark.slow
 def test_the_same_data_resumes_even_from_a_moved_folder(tree, tmp_path):
     """The identities (name, size, mtime) decide, not the folder's name: a tree moved with mv
     (or copied with cp -a) is the same data and resumes."""
@@ -169,6 +175,7 @@ def test_the_same_data_resumes_even_from_a_moved_folder(tree, tmp_path):
     assert train(tree / "images", tree / "moved", out, C, **RUN)["resumed_from"] == 3
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_a_data_record_is_refused(tree, tmp_path):
     out = tmp_path / "run"
     _killed_run(tree, out)

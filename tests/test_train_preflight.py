@@ -96,6 +96,7 @@ def test_the_command_line_refuses_in_one_line(tree, tmp_path, capsys, bad):
     assert re.search(says, err[0]), err
 
 
+@pytest.mark.slow
 def test_the_check_reads_every_file_once_with_a_progress_bar(tree, tmp_path, capsys):
     train(tree / "images", tree / "pseudo", tmp_path / "run", C, **dict(RUN, iterations=1, progress=True))
     err = capsys.readouterr().err

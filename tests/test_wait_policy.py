@@ -75,6 +75,7 @@ def test_the_mars_command_sets_passive_before_torch_loads(entry, watch, tmp_path
 
 @pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "passive"},
                                   {"GOMP_SPINCOUNT": "300000"}])
+@pytest.mark.slow
 def test_a_users_own_wait_setting_is_kept(user, watch):
     seen = watch([sys.executable, "-m", "mars_plugin.cli", "centroids", "--help"], **user)
     assert seen == [user.get("OMP_WAIT_POLICY", "None")]

@@ -48,6 +48,7 @@ def _train(tree, out, *extra):
     return cli.main(argv)
 
 
+@pytest.mark.slow
 def test_mars_train_on_a_full_disk_says_the_last_checkpoint_is_intact(tree, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     _full_disk(monkeypatch, ".pt", after=1)  # the checkpoint of step 1 is written, that of step 2 is not
