@@ -70,8 +70,10 @@ def train_after_reproduce(
     rank, _ = _rank_world()
     log(f"[train] {opts.get('arch', 'deeplabv3+')} {opts.get('backbone', 'resnet101')}, "
         f"{opts.get('iterations', 30000)} steps on {len(tags)} debiased labels -> {out / 'train'}")
+    # require_biased=False: these are debias's own labels; where it marked nothing (a tree whose
+    # pseudo labels hold no biased object), MARS trains on them as they are.
     res = train(layout.image_dir(domain), debiased, out / "train", C, image_labels=tags, class_names=names,
-                device=device, progress=progress, stems=sorted(tags), **opts)
+                device=device, progress=progress, stems=sorted(tags), require_biased=False, **opts)
     ck = res["checkpoint"]
     model, meta = load_model(ck)
     settings = {"file": weight_file_id(ck), "which": "student", "network": meta["model"]}

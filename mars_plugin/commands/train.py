@@ -112,6 +112,7 @@ def train(
     progress: bool = True,
     restart: bool = False,
     notes: Sequence[str] = (),
+    require_biased: bool = True,
     on_step: Optional[Callable[[int], None]] = None,
     max_bytes: Union[None, str, int] = "auto",
 ) -> Dict[str, Any]:
@@ -150,6 +151,9 @@ def train(
         stems: train on these images only (default: every label in ``labels``).
         restart: train from step 0, removing a checkpoint and log in ``out`` (once the files
             passed their check).
+        require_biased: with ``loss="mars"``, refuse labels without a single biased pixel (254), the
+            sign of pseudo labels given for debiased ones; False where the labels are known to be
+            ``mars debias``'s output (``mars reproduce --train``), which may mark nothing biased.
         notes: lines printed on stderr (``mars train: <line>``) once the checks passed, before
             step 1, with the warning of ``loss="mars"`` without ``image_labels``.
         on_step: called with the number of steps done after each step (and its checkpoint, if
@@ -247,7 +251,7 @@ def train(
         if rank == 0:
             try:
                 ck = open_run(out, settings, record, restart=restart, check=lambda: check_train_files(
-                    ds, num_classes, loss, workers=workers, progress=progress))
+                    ds, num_classes, loss, workers=workers, progress=progress, require_biased=require_biased))
             except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
                 err = e
         try:

@@ -160,7 +160,7 @@ def data_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> List[str]:
 
 
 def check_train_files(dataset: Any, num_classes: int, loss: str, *, workers: int = 1,
-                      progress: bool = True) -> None:
+                      progress: bool = True, require_biased: bool = True) -> None:
     """Read every sample of ``dataset`` (a :class:`~mars_plugin.networks.seg_data.TrainFolder`)
     once, with threads (decoding releases the GIL: ``workers`` or torch's CPU threads, whichever
     is more; nothing else runs yet) and a progress bar; a JobError of
@@ -196,7 +196,7 @@ def check_train_files(dataset: Any, num_classes: int, loss: str, *, workers: int
     if not learnable:
         raise JobError(f"--labels {labels}: every pixel of all {len(stems)} labels is {BIASED_VALUE} (biased) or "
                        f"{IGNORE_VALUE} (ignore): no class 0..{C} to learn from; is it the right folder?")
-    if loss == "mars" and not biased:
+    if loss == "mars" and require_biased and not biased:
         raise JobError(f"--labels {labels}: --loss mars, but none of the {len(stems)} labels holds a biased pixel "
                        f"({BIASED_VALUE}): pseudo labels, not debiased ones? Give mars debias's --out, or --loss ce to "
                        "train plain CE on these labels")
