@@ -45,6 +45,14 @@ def _env():
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
+def _refused_in_another_process(lock) -> None:
+    """A fresh process trying ``lock`` is refused, naming this process as the holder."""
+    probe = subprocess.run([sys.executable, "-c", "import sys\nfrom mars_plugin.commands.run_lock import RunLock\n"
+                            "RunLock(sys.argv[1], 'a test').acquire()", str(lock)],
+                           capture_output=True, text=True, env=_env())
+    assert probe.returncode != 0 and f"in use by another run (pid {os.getpid()} on host " in probe.stderr
+
+
 
 def _alive(pid: int) -> bool:
     """Running, or stopped; not a zombie, not gone."""
@@ -98,10 +106,7 @@ def test_a_forked_child_that_releases_its_copy_keeps_the_parents_lock(tmp_path):
             os._exit(0)
         os.waitpid(pid, 0)
         assert lock.is_file()
-        probe = subprocess.run([sys.executable, "-c", "import sys\nfrom mars_plugin.commands.run_lock import RunLock\n"
-                                "RunLock(sys.argv[1], 'a test').acquire()", str(lock)],
-                               capture_output=True, text=True, env=_env())
-        assert probe.returncode != 0 and f"in use by another run (pid {os.getpid()} on host " in probe.stderr
+        _refused_in_another_process(lock)
     finally:
         held.release()
 
@@ -116,10 +121,7 @@ def test_a_second_lock_in_the_same_process_is_refused_and_keeps_the_first(tmp_pa
     try:
         with pytest.raises(JobError, match=rf"in use by another run \(pid {os.getpid()} on host .*mars first;"):
             RunLock(tmp_path / "." / ".." / tmp_path.name / LOCK_NAME, "a test").acquire()
-        probe = subprocess.run([sys.executable, "-c", "import sys\nfrom mars_plugin.commands.run_lock import RunLock\n"
-                                "RunLock(sys.argv[1], 'a test').acquire()", str(lock)],
-                               capture_output=True, text=True, env=_env())
-        assert probe.returncode != 0 and f"in use by another run (pid {os.getpid()} on host " in probe.stderr
+        _refused_in_another_process(lock)
     finally:
         held.release()
     RunLock(lock, "a test").acquire().release()  # free again
