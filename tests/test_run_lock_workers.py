@@ -45,13 +45,13 @@ def _env():
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
+
 def _refused_in_another_process(lock) -> None:
     """A fresh process trying ``lock`` is refused, naming this process as the holder."""
     probe = subprocess.run([sys.executable, "-c", "import sys\nfrom mars_plugin.commands.run_lock import RunLock\n"
                             "RunLock(sys.argv[1], 'a test').acquire()", str(lock)],
                            capture_output=True, text=True, env=_env())
     assert probe.returncode != 0 and f"in use by another run (pid {os.getpid()} on host " in probe.stderr
-
 
 
 def _alive(pid: int) -> bool:
