@@ -32,12 +32,13 @@ from mars_plugin._checks import (
     check_seed,
     check_varying_features,
 )
-from mars_plugin.formats.files import BIASED_VALUE, feature_shape, find_features, find_image, list_stems, read_label
+from mars_plugin.formats.files import (BIASED_VALUE, IMAGE_EXTENSIONS, feature_shape, find_features, find_image,
+                                       list_stems, read_label)
 from mars_plugin.commands.errors import JobError, one_line
 from mars_plugin.method.selection import DebiasedCentroids
 
 __all__ = ["load_centroids", "check_job_params", "no_valid_pixel", "check_any_valid", "check_label_values",
-           "check_features", "check_input_folder", "check_images_folder", "check_out_apart",
+           "check_features", "check_input_folder", "check_images_folder", "list_images", "check_out_apart",
            "root_reads"]
 
 
@@ -387,6 +388,30 @@ def check_images_folder(images_dir: os.PathLike, stems: Sequence[str], *, flag: 
     if looked:
         raise JobError(f"{flag} {p}: holds label maps, not RGB images ({len(looked)} of {len(looked)} looked at are "
                        f"class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
+
+
+def list_images(images_dir: Path, flag: str) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
+    """(stem, path) of every image of ``images_dir`` sorted by stem, and the stems of several
+    files (``a.jpg`` and ``a.png``); a missing, empty or label-map folder is a JobError naming
+    ``flag``."""
+    if not images_dir.exists():
+        raise JobError(f"{flag} {images_dir}: no such folder")
+    if not images_dir.is_dir():
+        raise JobError(f"{flag} {images_dir}: not a folder")
+    by_stem: Dict[str, List[Path]] = {}
+    for p in images_dir.iterdir():
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
+            by_stem.setdefault(p.stem, []).append(p)
+    if not by_stem:
+        raise JobError(f"{flag} {images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
+    items = [(s, ps[0]) for s, ps in sorted(by_stem.items()) if len(ps) == 1]
+    clashes = {s: sorted(p.name for p in ps) for s, ps in by_stem.items() if len(ps) > 1}
+    # The masks or pseudo labels given as the images would be "predicted" without complaint.
+    looked = [_label_like(p, None) for _, p in items[:8]]
+    if looked and all(looked):
+        raise JobError(f"{flag} {images_dir}: holds label maps, not RGB images ({len(looked)} of {len(looked)} "
+                       f"looked at are class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
+    return items, clashes
 
 
 def _only(found: List[str], wanted: Optional[Sequence[str]]) -> List[str]:

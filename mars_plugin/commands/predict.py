@@ -23,11 +23,11 @@ import torch.nn as nn
 
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, check_scales, describe
 from mars_plugin.engines.crf_memory import check_crf_image
-from mars_plugin.formats.files import IMAGE_EXTENSIONS, read_image, write_label
+from mars_plugin.formats.files import read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _crf_params,
                                            _scaled_size, labels_from_probs, multiscale_probs)
 from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
-from mars_plugin.commands.inputs import _check_out_dir, _label_like
+from mars_plugin.commands.inputs import _check_out_dir, list_images
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
 from mars_plugin.commands.distributed import _rank_world, resolve_device, share_error, sync_group
@@ -51,30 +51,6 @@ def _default_preprocess(rgb: torch.Tensor) -> torch.Tensor:
     from mars_plugin.networks.deeplab import normalize
 
     return normalize(rgb)
-
-
-def _image_paths(images_dir: Path, flag: str) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
-    """(stem, path) of every image of ``images_dir`` sorted by stem, and the stems of several
-    files (``a.jpg`` and ``a.png``); a missing, empty or label-map folder is a JobError naming
-    ``flag``."""
-    if not images_dir.exists():
-        raise JobError(f"{flag} {images_dir}: no such folder")
-    if not images_dir.is_dir():
-        raise JobError(f"{flag} {images_dir}: not a folder")
-    by_stem: Dict[str, List[Path]] = {}
-    for p in images_dir.iterdir():
-        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
-            by_stem.setdefault(p.stem, []).append(p)
-    if not by_stem:
-        raise JobError(f"{flag} {images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
-    items = [(s, ps[0]) for s, ps in sorted(by_stem.items()) if len(ps) == 1]
-    clashes = {s: sorted(p.name for p in ps) for s, ps in by_stem.items() if len(ps) > 1}
-    # The masks or pseudo labels given as the images would be "predicted" without complaint.
-    looked = [_label_like(p, None) for _, p in items[:8]]
-    if looked and all(looked):
-        raise JobError(f"{flag} {images_dir}: holds label maps, not RGB images ({len(looked)} of {len(looked)} "
-                       f"looked at are class-id PNGs, e.g. {looked[0]}); give the folder of the photographs")
-    return items, clashes
 
 
 def predict_job(
@@ -157,7 +133,7 @@ def predict_job(
         items: List[Tuple[str, Path]] = []
         clashes: Dict[str, List[str]] = {}
         try:
-            items, clashes = _image_paths(images_dir, images_flag)
+            items, clashes = list_images(images_dir, images_flag)
             if rank == 0:
                 _check_out_dir(out_dir, "--out")
                 record.open({s for s, _ in items} | set(clashes), (".png",))  # the label of any other id is stale

@@ -174,13 +174,13 @@ def check_val_split(layout, val_domain: str, C: int, problems: List[Problem], pr
     """The validation split ``--train`` predicts and scores: predict's image listing (one file
     per stem, photographs), a mask per image, of its image's size, of values 0..C and 255.
     Returns the number of images, or None when the split is absent (the run skips it)."""
-    from mars_plugin.commands.predict import _image_paths
+    from mars_plugin.commands.inputs import list_images
 
     images, masks = Path(layout.image_dir(val_domain)), Path(layout.mask_dir(val_domain))
     if not images.is_dir() or not masks.is_dir():
         return None
     try:
-        items, clashes = _image_paths(images, f"--val-domain {val_domain}: images")
+        items, clashes = list_images(images, f"--val-domain {val_domain}: images")
     except Exception as e:  # noqa: BLE001 -- predict would stop on it
         problems.append(Problem(one_line(e), per_file=False))
         return 0

@@ -5,7 +5,7 @@ The other resumable commands record every input's identity and compare it on the
 
 * :func:`list_train_files`: the ids (the label stems, or the ``stems`` asked for), exactly one
   image per id (``a.jpg`` beside ``a.png`` is refused, as ``mars predict`` and ``mars features``
-  refuse it: :func:`mars_plugin.commands.predict._image_paths` lists them), an image for every
+  refuse it: :func:`mars_plugin.commands.inputs.list_images` lists them), an image for every
   label.
 * :func:`data_record`: the run's data: both folders (resolved), each id's image and label
   identity (:func:`~mars_plugin.commands.identities.file_id`: name, size, mtime) and the image
@@ -81,7 +81,7 @@ def _few(ids: Sequence[str]) -> str:
 def list_train_files(images: os.PathLike, labels: os.PathLike, stems: Optional[Sequence[str]] = None) -> TrainFiles:
     """The ids and files of a run (see the module docstring); a ValueError or JobError of one
     line naming the flag otherwise."""
-    from mars_plugin.commands.predict import _image_paths
+    from mars_plugin.commands.inputs import list_images
 
     images, labels = Path(images), Path(labels)
     for folder, flag in ((images, "--images"), (labels, "--labels")):
@@ -96,7 +96,7 @@ def list_train_files(images: os.PathLike, labels: os.PathLike, stems: Optional[S
             raise ValueError(f"--labels {labels}: no label for {len(missing)} image(s), e.g. {missing[:3]}")
     if not stems:
         raise ValueError(f"--labels {labels}: no .png label files in this folder")
-    items, clashes = _image_paths(images, "--images")
+    items, clashes = list_images(images, "--images")
     clash = [s for s in stems if s in clashes]
     if clash:
         raise JobError(f"--images {images}: {len(clash)} id(s) have several images ({clash[0]}: "
