@@ -33,14 +33,11 @@ Where upstream is ambiguous or surprising (each is also said at the field):
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-import re
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from mars_plugin._checks import check_int_param, check_real_param, describe
-from mars_plugin.engines.crf_params import CRF_PRESETS
+from mars_plugin._checks import check_int_param, describe
+from mars_plugin.networks.recipe_checks import CHOICES, META_FIELDS, check_bool, check_field
 
 __all__ = [
     "Recipe",
@@ -53,29 +50,8 @@ __all__ = [
     "poly_factor",
     "recipe_to_dict",
     "recipe_from_dict",
+    "CHOICES",
 ]
-
-#: The choices of each string field (the first is not a default: every recipe sets every field).
-CHOICES: Dict[str, Tuple[str, ...]] = {
-    "arch": ("deeplabv3+dhr", "deeplabv3+", "deeplabv2", "deeplabv1-wr38"),
-    "backbone": ("resnet50", "resnet101", "wr38"),
-    "weights_format": ("torchvision", "deeplab-pytorch", "wr38"),
-    "normalization": ("imagenet-rgb", "caffe-bgr"),
-    "augmentation": ("dhr", "deeplab-pytorch", "seam"),
-    "optimizer": ("sgd",),
-    "bn": ("train", "frozen"),
-    "bn_head": ("train", "frozen"),
-    "bn_affine": ("trained", "fixed"),
-    "loss_grid": ("logits", "input"),
-    "predict_weights": ("ema", "student"),
-    "test_fusion": ("mean-softmax", "max-logits", "mean-logits"),
-    "crf_image": ("denormalized", "file", "mean-subtracted"),
-}
-#: Fields that say where a recipe comes from: never overridden.
-META_FIELDS = ("name", "rows", "upstream", "sources")
-_UPSTREAM = re.compile(r"^[\w.-]+/[\w.-]+@[0-9a-f]{7,40}$")
-_SOURCE = re.compile(r"^[\w./+-]+:\d+(-\d+)?$")
-
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -149,7 +125,7 @@ class Recipe:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _check_field(f.name, getattr(self, f.name)))
+            object.__setattr__(self, f.name, check_field(f.name, getattr(self, f.name)))
         if (self.epochs is None) == (self.iterations is None):
             raise ValueError(f"recipe {self.name!r}: exactly one of epochs and iterations must be set, got "
                              f"epochs={self.epochs!r}, iterations={self.iterations!r}")
@@ -158,122 +134,6 @@ class Recipe:
         unknown = sorted(set(self.sources) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise ValueError(f"recipe {self.name!r}: sources names unknown fields {unknown}")
-
-
-def _real_tuple(value: Any, name: str, n: Optional[int], low: float, high: float, low_open: bool) -> Tuple[float, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or (n is not None and len(value) != n):
-        size = f"{n} numbers" if n is not None else "numbers"
-        raise TypeError(f"{name} must be a tuple of {size}, got {describe(value)}")
-    return tuple(check_real_param(v, f"{name}[{i}]", low, high, low_open=low_open) for i, v in enumerate(value))
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {describe(value)}")
-    return value
-
-
-def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"{name} must be a non-empty string, got {describe(value)}")
-    return value
-
-
-def _optional(check: Any) -> Any:
-    return lambda v, name: None if v is None else check(v, name)
-
-
-def _pairs(value: Any, name: str) -> Tuple[Tuple[str, Any], ...]:
-    if isinstance(value, Mapping):
-        value = tuple(value.items())
-    if not isinstance(value, (tuple, list)) or not all(
-            isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in value):
-        raise TypeError(f"{name} must be a tuple of (name, value) pairs, got {describe(value)}")
-    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in value)
-
-
-def _sources(value: Any, name: str) -> Mapping[str, str]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise TypeError(f"{name} must map field names to 'path:line' strings, got {describe(value)}")
-    for k, v in value.items():
-        if v != "override" and not _SOURCE.match(v):
-            raise ValueError(f"{name}[{k!r}] must be 'path:line', 'path:first-last' or 'override', got {v!r}")
-    return MappingProxyType(dict(value))
-
-
-def _crf(value: Any, name: str) -> str:
-    value = _str(value, name)
-    if value != "none" and value not in CRF_PRESETS:
-        raise ValueError(f"{name} must be 'none' or a CRF preset {sorted(CRF_PRESETS)}, got {value!r}")
-    return value
-
-
-def _upstream(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not _UPSTREAM.match(value):
-        raise ValueError(f"{name} must be 'owner/repo@commit', got {describe(value)}")
-    return value
-
-
-_POS = dict(low=0.0, high=math.inf, low_open=True)
-_CHECKS: Dict[str, Any] = {
-    "name": _str,
-    "rows": lambda v, n: tuple(_str(r, f"{n}[{i}]") for i, r in enumerate(_seq(v, n))),
-    "upstream": _upstream,
-    "output_stride": lambda v, n: _choice(check_int_param(v, n, 1), n, (8, 16)),
-    "init_weights": _str,
-    "crop": lambda v, n: check_int_param(v, n, 1),
-    "augmentation_params": _pairs,
-    "lr": lambda v, n: check_real_param(v, n, **_POS),
-    "momentum": lambda v, n: check_real_param(v, n, 0.0, 1.0, high_open=True),
-    "nesterov": _bool,
-    "weight_decay": lambda v, n: check_real_param(v, n, 0.0, math.inf),
-    "lr_mults": lambda v, n: _real_tuple(v, n, 4, 0.0, math.inf, True),
-    "decay": lambda v, n: tuple(_bool(b, f"{n}[{i}]") for i, b in enumerate(_seq(v, n, 4))),
-    "bn_momentum": lambda v, n: check_real_param(v, n, 0.0, 1.0, low_open=True),
-    "batch_size": lambda v, n: check_int_param(v, n, 1),
-    "iter_size": lambda v, n: check_int_param(v, n, 1),
-    "epochs": _optional(lambda v, n: check_int_param(v, n, 1)),
-    "iterations": _optional(lambda v, n: check_int_param(v, n, 1)),
-    "drop_last": _bool,
-    "poly_power": lambda v, n: check_real_param(v, n, 0.0, math.inf),
-    "lr_step": lambda v, n: check_int_param(v, n, 1),
-    "msc_scales": lambda v, n: _real_tuple(v, n, None, 0.0, 8.0, True),
-    "test_scales": lambda v, n: _nonempty(_real_tuple(v, n, None, 0.0, 8.0, True), n),
-    "test_flip": _bool,
-    "crf": _crf,
-    "class_threshold": _optional(lambda v, n: check_real_param(v, n, 0.0, 1.0, high_open=True)),
-    "sources": _sources,
-    "frozen_layers": lambda v, n: tuple(_str(r, f"{n}[{i}]") for i, r in enumerate(_seq(v, n))),
-    "poly_max_offset": lambda v, n: check_int_param(v, n, 0),
-    "ema_decay": _optional(lambda v, n: check_real_param(v, n, 0.0, 1.0, low_open=True, high_open=True)),
-}
-
-
-def _seq(value: Any, name: str, n: Optional[int] = None) -> Tuple[Any, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or (n is not None and len(value) != n):
-        raise TypeError(f"{name} must be a tuple{f' of {n}' if n else ''}, got {describe(value)}")
-    return tuple(value)
-
-
-def _nonempty(value: Tuple[Any, ...], name: str) -> Tuple[Any, ...]:
-    if not value:
-        raise ValueError(f"{name} must not be empty")
-    return value
-
-
-def _choice(value: Any, name: str, choices: Tuple[Any, ...]) -> Any:
-    if value not in choices or isinstance(value, bool):
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _check_field(field: str, value: Any) -> Any:
-    """``value`` checked (and normalised: lists to tuples, ints to floats) for ``field``."""
-    if field in CHOICES:
-        if not isinstance(value, str):
-            raise TypeError(f"{field} must be one of {list(CHOICES[field])}, got {describe(value)}")
-        return _choice(value, field, CHOICES[field])
-    return _CHECKS[field](value, field)
 
 
 # -- the recipes -------------------------------------------------------------------------------
@@ -472,7 +332,7 @@ def iterations_for_epochs(num_images: int, epochs: int, global_batch: int, drop_
     epochs = check_int_param(epochs, "epochs", 1)
     global_batch = check_int_param(global_batch, "global_batch", 1)
     world = check_int_param(world, "world", 1)
-    _bool(drop_last, "drop_last")
+    check_bool(drop_last, "drop_last")
     if global_batch % world:
         raise ValueError(f"global_batch ({global_batch}) must be a multiple of world ({world}): each of the "
                          f"{world} processes takes global_batch // world images")
