@@ -22,7 +22,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "augmentation": ("dhr", "deeplab-pytorch", "seam"),
     "optimizer": ("sgd",),
     "bn": ("train", "frozen"),
-    "bn_head": ("train", "frozen"),
+    "bn_head": ("train", "frozen", "none"),
     "bn_affine": ("trained", "fixed"),
     "loss_grid": ("logits", "input"),
     "predict_weights": ("ema", "student"),
@@ -32,7 +32,8 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
 #: Fields that say where a recipe comes from: never overridden.
 META_FIELDS = ("name", "rows", "upstream", "sources")
 _UPSTREAM = re.compile(r"^[\w.-]+/[\w.-]+@[0-9a-f]{7,40}$")
-_SOURCE = re.compile(r"^[\w./+-]+:\d+(-\d+)?$")
+#: "path:line" or "path:first-last", several joined by " + " (the first is the main one)
+_SOURCE = re.compile(r"^[\w./-]+:\d+(-\d+)?( \+ [\w./-]+:\d+(-\d+)?)*$")
 
 def _real_tuple(value: Any, name: str, n: Optional[int], low: float, high: float, low_open: bool) -> Tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or (n is not None and len(value) != n):
@@ -71,7 +72,7 @@ def _sources(value: Any, name: str) -> Mapping[str, str]:
         raise TypeError(f"{name} must map field names to 'path:line' strings, got {describe(value)}")
     for k, v in value.items():
         if v != "override" and not _SOURCE.match(v):
-            raise ValueError(f"{name}[{k!r}] must be 'path:line', 'path:first-last' or 'override', got {v!r}")
+            raise ValueError(f"{name}[{k!r}] must be 'path:line' or 'path:first-last' (several joined by ' + ') or 'override', got {v!r}")
     return MappingProxyType(dict(value))
 
 
@@ -117,7 +118,7 @@ _CHECKS: Dict[str, Any] = {
     "crf": _crf,
     "class_threshold": _optional(lambda v, n: check_real_param(v, n, 0.0, 1.0, high_open=True)),
     "sources": _sources,
-    "frozen_layers": lambda v, n: tuple(_str(r, f"{n}[{i}]") for i, r in enumerate(_seq(v, n))),
+    "bn_batch": _optional(lambda v, n: check_int_param(v, n, 1)),
     "poly_max_offset": lambda v, n: check_int_param(v, n, 0),
     "ema_decay": _optional(lambda v, n: check_real_param(v, n, 0.0, 1.0, low_open=True, high_open=True)),
 }
