@@ -284,7 +284,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType({
         name="seam", rows=("SEAM WR38",), upstream=_SEAM,
         arch=("deeplabv1-wr38", f"{_SEAM_CFG}:29"),
         backbone=("wr38", f"{_SEAM_CFG}:30"),
-        output_stride=(8, " + ".join(f"lib/net/backbone/resnet38d.py:{n}" for n in (130, 132, 136, 140, 147, 151, 153))),
+        output_stride=(8, " + ".join(f"lib/net/backbone/resnet38d.py:{n}"  # every block's stride
+                                     for n in (130, 132, 136, 140, 147, 151, 153))),
         init_weights=("ilsvrc-cls_rna-a1_cls1000_ep-0001.params", "lib/net/backbone/resnet38d.py:7"),
         weights_format=("wr38", "lib/net/backbone/resnet38d.py:270"),
         normalization=("imagenet-rgb", f"{_SEAM_CFG}:19-20 + lib/datasets/VOCDataset.py:65"),
