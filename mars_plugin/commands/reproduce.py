@@ -24,6 +24,11 @@ masks. This module runs, on that tree (VOC2012 with ``train_aug``, COCO2014 with
    (:mod:`mars_plugin.commands.reproduce_report`), which puts the paper's published figures and the
    reference folders beside the measured ones.
 
+The run's settings are one record, :class:`~mars_plugin.commands.reproduce_settings.ReproduceSettings`
+(the command line builds it, :func:`reproduce` builds it from keywords, :func:`run_reproduce`
+takes it), checked once before anything is read; the run is a few stages, one method each of
+``_Run``.
+
 Every stage resumes (:mod:`mars_plugin.commands.run_record`): ``reproduce.json``
 (:mod:`mars_plugin.commands.reproduce_state`) records the settings, the finished stages and, per
 stage, a digest of the inputs it read (the ids; each image, pseudo label, mask and given feature
