@@ -200,7 +200,7 @@ def test_the_identity_round_trips_through_reproduce_json(tmp_path):
     identity = prepare(settings).identity
     assert stored == json.loads(json.dumps(identity)) and settings_diff(stored, identity) == []
     # What changes no output is no part of it: the run resumes with every stage kept.
-    other = replace(settings, device="cpu", workers=2, batch_size=3, num_examples=1, on_error="skip",
+    other = replace(settings, device="auto", workers=2, batch_size=3, num_examples=1, on_error="skip",
                     train={"masks": False})
     assert prepare(other).identity == identity
     logs = []
