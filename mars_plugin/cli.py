@@ -64,7 +64,7 @@ _FLAGS.update(images_dir="--images", features_dir="--features", labels_dir="--la
 # One-word parameters are also English words ("the heads file"): written as flags only where the
 # sentence is about the parameter ("workers must be >= 1", "refine='crf'").
 _WORD_FLAGS = ("workers", "device", "alpha", "threshold", "refine", "seed", "size", "epochs", "stride", "res",
-               "scales", "uss", "backend", "iterations")
+               "scales", "uss", "backend", "iterations", "data", "domain")
 _EDGE = r"(?<![\w/\\.-])"  # not inside a path or a longer name
 _END = r"(?![\w/\\-]|\.\w)"
 
@@ -262,19 +262,11 @@ def _main(argv: Optional[List[str]]) -> int:
             if args.json:  # once s is known: a failed write still lists the skipped files
                 evaluate.write_scores_json(args.json, scores)
         elif args.command == "reproduce":
-            from mars_plugin.commands.reproduce import reproduce
+            from mars_plugin.commands.reproduce import run_reproduce
+            from mars_plugin.commands.reproduce_settings import settings_from_args
 
             joined = _maybe_init_distributed()
-            res = reproduce(
-                args.root, args.pseudo, args.out, uss=args.uss, checkpoint=args.checkpoint, backbone=args.backbone,
-                heads=args.heads, trust_pickle=args.trust_pickle, features_dir=args.features, data=args.data,
-                domain=args.domain, scales=args.scales, flip=not args.no_flip, alpha=args.alpha, k_fg=args.k_fg,
-                k_bg=args.k_bg, seed=args.seed, refine=args.refine, crf_params=args.crf_params, device=args.device,
-                fp16=args.fp16, batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
-                references=not args.no_references, on_error=args.on_error, dry_run=args.dry_run, progress=progress,
-                train=dict(val_domain=args.val_domain, weights=args.weights, arch=args.arch,
-                           backbone=args.train_backbone, masks=not args.no_masks) if args.train else None,
-            )
+            res = run_reproduce(settings_from_args(args), dry_run=args.dry_run, progress=progress)
             if args.dry_run:
                 return 1 if res["mismatches"] else 0
             p, d = res["pseudo"], res["debiased"]

@@ -100,11 +100,12 @@ def _python_parameters():
     from mars_plugin.adapters.uss import extractor
     from mars_plugin.commands import features
     from mars_plugin.engines.crf_params import check_crf_params
+    from mars_plugin.commands.reproduce_settings import ReproduceSettings
 
     names = set()
     for fn in (centroids.centroids_job, debias.debias_job, evaluate.evaluate_job, report.report_job,
                features.features_job, extractor.load_extractor, reproduce.reproduce, demo.run_demo, select_centroids, check_crf_params,
-               distributed.resolve_device):
+               distributed.resolve_device, ReproduceSettings):
         names |= set(inspect.signature(fn).parameters)
     return names
 

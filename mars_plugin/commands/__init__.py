@@ -11,7 +11,8 @@ The commands:
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint.
-* ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_state.py`` (its record),
+* ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_settings.py`` (its settings record,
+  checked once), ``reproduce_state.py`` (its record),
   ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
   ``reproduce_checks.py`` (its checks of every input), ``reproduce_report.py`` (``report.md``),
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).

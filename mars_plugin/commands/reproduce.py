@@ -24,6 +24,11 @@ masks. This module runs, on that tree (VOC2012 with ``train_aug``, COCO2014 with
    (:mod:`mars_plugin.commands.reproduce_report`), which puts the paper's published figures and the
    reference folders beside the measured ones.
 
+The run's settings are one record, :class:`~mars_plugin.commands.reproduce_settings.ReproduceSettings`
+(the command line builds it, :func:`reproduce` builds it from keywords, :func:`run_reproduce`
+takes it), checked once before anything is read; the run is a few stages, one method each of
+``_Run``.
+
 Every stage resumes (:mod:`mars_plugin.commands.run_record`): ``reproduce.json``
 (:mod:`mars_plugin.commands.reproduce_state`) records the settings, the finished stages and, per
 stage, a digest of the inputs it read (the ids; each image, pseudo label, mask and given feature
@@ -67,7 +72,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mars_plugin.adapters.uss.extractor import USS_MODELS
 from mars_plugin.formats.files import atomic_write, list_stems
@@ -77,386 +82,326 @@ from mars_plugin.commands.evaluate import evaluate_job
 from mars_plugin.commands.label_formats import LabelFormat
 from mars_plugin.commands.report import report_job
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
-from mars_plugin.commands.identities import model_files_id
 from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 from mars_plugin.commands.run_record import broadcast_object
+from mars_plugin.commands.reproduce_settings import ReproduceInputs, ReproduceSettings, default_domain, prepare
 from mars_plugin.commands.reproduce_state import _input_ids, _stage_inputs, _State
-from mars_plugin.commands.references import find_references, reference_summary, score_references, scores_key
+from mars_plugin.commands.references import reference_summary, score_references, scores_key
 from mars_plugin.commands.reproduce_report import PAPER_SOURCES, PAPER_VOC_TRAIN, PAPER_VOC_VAL_IOU, PICTURES, format_report
 
-__all__ = ["PAPER_VOC_VAL_IOU", "PAPER_VOC_TRAIN", "PAPER_SOURCES", "reproduce", "STAGES", "default_domain",
-           "USS_CHOICES"]
-
-PathLike = Union[str, os.PathLike]
+__all__ = ["PAPER_VOC_VAL_IOU", "PAPER_VOC_TRAIN", "PAPER_SOURCES", "reproduce", "run_reproduce", "ReproduceSettings",
+           "STAGES", "default_domain", "USS_CHOICES"]
 
 STAGES = ("features", "centroids", "debias", "evaluate", "report")
 #: ``--uss`` of ``mars reproduce``: the models ``mars features`` loads (the adapters' registry).
 USS_CHOICES = USS_MODELS
 
 
-def default_domain(data: str, root: Optional[PathLike] = None) -> str:
-    """DHR's training split of ``data``: ``train_aug`` for VOC2012 (RS+EPM's layout) and for any
-    tree that has a ``<root>/<data>/train_aug`` folder, ``train`` for COCO2014 and DHR's other sets
-    (DHR's README, "Preparing datasets")."""
-    if data == "VOC2012" or (root is not None and (Path(root) / data / "train_aug").is_dir()):
-        return "train_aug"
-    return "train"
+def reproduce(root: os.PathLike, pseudo_dir: os.PathLike, out_dir: os.PathLike, *, dry_run: bool = False,
+              progress: bool = True, log: Callable[[str], None] = print, **settings: Any) -> Dict[str, Any]:
+    """Features -> centroids -> debias -> evaluate -> report on a DHR-layout tree: :func:`run_reproduce`
+    on ``ReproduceSettings(root, pseudo_dir, out_dir, **settings)``.
+
+    ``settings``: the keywords of :class:`~mars_plugin.commands.reproduce_settings.ReproduceSettings`
+    (``uss``, ``checkpoint``, ``backbone``, ``heads``, ``trust_pickle`` or ``features_dir``; ``data``,
+    ``domain``, ``scales``, ``flip``, ``alpha``, ``k_fg``, ``k_bg``, ``seed``, ``refine``,
+    ``crf_params``, ``device``, ``fp16``, ``feature_batch_size``, ``batch_size``, ``workers``,
+    ``num_examples``, ``references``, ``on_error``, ``train``), each checked there, naming it.
+    """
+    return run_reproduce(ReproduceSettings(root, pseudo_dir, out_dir, **settings), dry_run=dry_run,
+                         progress=progress, log=log)
 
 
-def _model_settings(uss: str, checkpoint, backbone, heads, trust_pickle: bool) -> Dict[str, Any]:
-    """The model files of the features stage, checked the way ``mars features`` checks them."""
-    if uss not in USS_CHOICES:
-        raise ValueError(f"--uss must be one of {', '.join(USS_CHOICES)}, got {uss!r}")
-    files = {"checkpoint": checkpoint, "backbone": backbone, "heads": heads}
-    for flag, f in files.items():
-        if f is not None and not Path(f).exists():
-            raise ValueError(f"--{flag} {f}: no such file or folder")
-    out = model_files_id(uss, checkpoint, backbone, heads)
-    out["trust_pickle"] = bool(trust_pickle)
-    return out
-
-
-def reproduce(
-    root: PathLike,
-    pseudo_dir: PathLike,
-    out_dir: PathLike,
-    *,
-    uss: str = "stego",
-    checkpoint: Optional[PathLike] = None,
-    backbone: Optional[PathLike] = None,
-    heads: Optional[PathLike] = None,
-    trust_pickle: bool = False,
-    features_dir: Optional[PathLike] = None,
-    data: str = "VOC2012",
-    domain: Optional[str] = None,
-    scales: Optional[Sequence[float]] = None,
-    flip: bool = True,
-    alpha: float = 0.4,
-    k_fg: int = 2,
-    k_bg: int = 2,
-    seed: int = 0,
-    refine: str = "crf",
-    crf_params: Union[str, Mapping[str, Any]] = "mars",
-    device: str = "cpu",
-    fp16: bool = False,
-    feature_batch_size: int = 1,
-    batch_size: int = 8,
-    workers: int = 1,
-    num_examples: int = 8,
-    references: bool = True,
-    on_error: str = "stop",
-    dry_run: bool = False,
-    train: Optional[Mapping[str, Any]] = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> Dict[str, Any]:
-    """Features -> centroids -> debias -> evaluate -> report on a DHR-layout tree.
-
-    Args:
-        root: the folder holding ``<data>/<domain>/{image,mask,xml}`` (DHR's ``--root``) and,
-            optionally, ``WSS/<data>/<method>/<domain>/`` (other methods' masks: the yardstick).
-        pseudo_dir: the WSSS method's pseudo labels, one PNG per image id (RS+EPM:
-            ``experiments/pseudo-labels/<tag>/train``; DHR: ``<root>/WSS/<data>/RSEPM/<domain>``).
-        out_dir: everything this run writes (see the module docstring); resumable.
-        uss, checkpoint, backbone, heads, trust_pickle: the USS model, exactly as ``mars features``
-            takes it (:func:`~mars_plugin.adapters.uss.extractor.load_extractor`): ``stego`` from a
-            Lightning ``checkpoint`` (a pickle: needs ``trust_pickle``) or from DINO's backbone +
-            DHR's ``STEGO_<data>.pt``; ``cause`` from DINOv2's backbone + DHR's ``CAUSE_<data>.pt``
-            or CAUSE's own release; ``dinov2`` from one ``backbone``; ``leopart`` from a
-            ``checkpoint``. ``.pt``/``.pth`` state dicts are read with ``weights_only=True``. Or instead:
-        features_dir: a folder of ``<id>.pt``/``<id>.npy`` features already computed.
-        data, domain: DHR's ``--data`` and ``--domain`` (default :func:`default_domain`:
-            ``train_aug`` for VOC2012, ``train`` otherwise). Class names come from
-            ``<root>/<data>/<data>.json`` (VOC's 21 names when VOC2012 has none).
-        scales, flip: the multi-scale inference of the features (default: DHR's scales 2, 1,
-            1.5, 0.5, and the flip).
-        alpha, k_fg, k_bg, seed: Eq. 1-3 (the paper's 0.4, 2, 2).
-        refine, crf_params: Eq. 5's refinement (see ``mars debias``).
-        device, fp16, feature_batch_size: where the features and the K-means/CRF run.
-        batch_size, workers: images per CRF call, CPU processes for debias.
-        references: score the other method folders of ``<root>/WSS/<data>/``.
-        dry_run: read the tree and report, compute and write nothing (returns the plan).
-        train: the ``--train`` options the run will be followed by (``val_domain``, ``weights``,
-            ``arch``, ``backbone``, ``masks``), for the plan: their inputs are checked first too.
-
-    The pseudo labels are P- or L-mode PNGs of class ids (0 background, 255 ignore); the image
-    tags come from ``<domain>/xml`` read as DHR reads them (:mod:`mars_plugin.adapters.wsss.dhr`).
+def run_reproduce(settings: ReproduceSettings, *, dry_run: bool = False, progress: bool = True,
+                  log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """The run of ``settings`` (see the module docstring); ``dry_run``: read the tree and report,
+    compute and write nothing (returns the plan, :func:`~mars_plugin.commands.reproduce_plan.show_plan`).
 
     Returns a dict with the score sets (``pseudo``, ``debiased``, ``references``,
-    ``agreement``), the paths written and the run's :class:`~mars_plugin.commands.errors.JobSummary`.
+    ``agreement``), the paths written (``out``, ``report``), the run's
+    :class:`~mars_plugin.commands.errors.JobSummary` (``summary``), ``rank`` and ``world_size``.
     """
-    from mars_plugin.adapters.wsss.dhr import load_image_labels
-    from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-    from mars_plugin._checks import check_scales
-    from mars_plugin.adapters.uss.multiscale import DHR_SCALES
-    from mars_plugin.commands.inputs import check_job_params
-    from mars_plugin.commands.distributed import _rank_world, share_error, sync_group
+    from mars_plugin.commands.reproduce_plan import plan_reproduce, show_plan
 
     t_all = time.perf_counter()
-    # Before anything is read or computed: a bad value must not stop the run after its features.
-    check_job_params(alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, feature_batch_size=feature_batch_size,
-                     batch_size=batch_size, workers=workers, num_examples=num_examples)
-    out = Path(out_dir)
-    domain = default_domain(data, root) if domain is None else domain
-    from mars_plugin.commands.inputs import check_out_apart, root_reads  # an output is never an input
-
-    check_out_apart(out_dir, "--out", {"--root": root_reads(root, data, [domain], references), "--pseudo": pseudo_dir,
-                                       "--features": features_dir, "--checkpoint": checkpoint, "--backbone": backbone,
-                                       "--heads": heads})
-    given = [f for f, v in (("--checkpoint", checkpoint), ("--backbone", backbone), ("--heads", heads)) if v]
-    if features_dir is not None and given:
-        raise ValueError(f"give either the USS model files ({', '.join(given)}) or --features (features already "
-                         "computed), not both")
-    if features_dir is None and not given:
-        raise ValueError("give the USS model files (--uss with --checkpoint FILE, or --backbone FILE [--heads "
-                         "FILE], as mars features takes them) or --features (features already computed)")
-    scales = DHR_SCALES if scales is None else check_scales(scales)
-    layout = DHRLayout(root, data)
-    image_dir, mask_dir, xml_dir = layout.image_dir(domain), layout.mask_dir(domain), layout.xml_dir(domain)
-    for d in (image_dir, mask_dir, xml_dir):
-        if not Path(d).is_dir():
-            raise ValueError(f"--root {root}: {d} is not a folder; expected <root>/{data}/{domain}/{{image,mask,xml}} "
-                             "(DHR's layout)")
-    if not Path(pseudo_dir).is_dir():
-        raise ValueError(f"--pseudo {pseudo_dir}: {'not a folder' if Path(pseudo_dir).exists() else 'no such folder'}"
-                         "; expected a folder of pseudo-label PNGs")
-    class_names = list(layout.class_names())
-    C = len(class_names) - 1
-    stems = list_stems(pseudo_dir, (".png",))
-    if not stems:
-        raise ValueError(f"--pseudo {pseudo_dir}: no .png pseudo labels")
-
-    settings: Dict[str, Any] = {
-        "root": os.fspath(Path(root).resolve()), "data": data, "domain": domain,
-        "pseudo": os.fspath(Path(pseudo_dir).resolve()), "alpha": alpha, "k_fg": k_fg,
-        "k_bg": k_bg, "seed": seed, "refine": refine, "crf_params": crf_params,
-    }
-    feature_settings: Optional[Dict[str, Any]] = None  # the record of --out/features: the model
-    if features_dir is None:
-        model = _model_settings(uss, checkpoint, backbone, heads, trust_pickle)
-        feature_settings = dict(model, scales=[float(s) for s in scales], flip=bool(flip), dhr=True)
-        settings.update(model, scales=[float(s) for s in scales], flip=bool(flip), fp16=bool(fp16))
-        feats = out / "features"
-    else:
-        feats = Path(features_dir)
-        if not feats.is_dir():
-            raise ValueError(f"--features {features_dir}: not a folder")
-        if not list_stems(feats, (".npy", ".pt")):
-            raise ValueError(f"--features {features_dir}: no .npy or .pt feature files in this folder")
-        settings["features"] = os.fspath(feats.resolve())
-    refs, ref_notes = (find_references(layout.root / "WSS" / data, domain, pseudo_dir) if references else ({}, []))
-    from mars_plugin.commands.reproduce_plan import plan_reproduce, refuse, show_plan
-
-    # One plan, for the dry run and the real run alike: what the dry run says is what stops the run.
-    plan_args = dict(layout=layout, domain=domain, pseudo_dir=Path(pseudo_dir), out=out, stems=stems,
-                     class_names=class_names, feats=feats, settings=settings, references=refs,
-                     reference_notes=ref_notes, progress=progress, train=train,
-                     model=None if features_dir is not None else dict(
-                         uss=uss, checkpoint=checkpoint, backbone=backbone, heads=heads, trust_pickle=trust_pickle,
-                         scales=scales, flip=flip))
+    inputs = prepare(settings)  # every check of a value or a folder, before anything is read or computed
     if dry_run:
-        return show_plan(plan_reproduce(**plan_args), log)
-
-    rank, world = _rank_world()
-    # The ranks meet after every stage; a stage of hours (features) must not hit torchrun's
-    # 30-minute default timeout while the others wait, hence a group of its own.
-    group = sync_group()
-    out.mkdir(parents=True, exist_ok=True)
-    # One run at a time into --out: rank 0 holds the lock for the whole run, and a refusal (the
-    # lock held, other settings recorded) stops every rank. Holding it, rank 0 removes the
-    # temporary files a killed run left and reads the record; the ranks follow its reading.
-    lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars reproduce")
-    # ``record``, not ``data``: ``data`` is DHR's dataset name, which report.md's title shows.
-    error, record = None, None
-    if rank == 0:
-        try:
-            refuse(plan_reproduce(**plan_args), on_error)  # every refusal of the stages, before any of them
-            lock.acquire()
-            remove_stale_tmp(out)
-            record = _State(out / "reproduce.json", settings).data
-        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
-            lock.release()
-            error = e
-    share_error(error, group)
+        return show_plan(plan_reproduce(inputs, progress=progress), log)
+    run = _Run(inputs, progress, log)
+    record = run.lock_out()
     try:
-        state = _State(out / "reproduce.json", settings, write=rank == 0, data=broadcast_object(record, group))
-        fmt = LabelFormat(mode="P")
-        total = JobSummary()
-        # Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot stop
-        # the run), in the {id: [1-based class ids]} JSON the jobs take. An id whose xml is bad
-        # (missing, unreadable, an unknown class) is named; with --on-error skip it is skipped: named
-        # once, as "<id> (tags)", and left out of every stage (``work``), not failed again by each.
-        tags: Dict[str, List[int]] = {}
-        for stem in stems:
+        run.start(record)
+        run.features()
+        run.centroids()
+        run.debias()
+        run.evaluate()
+        return run.report(t_all)
+    finally:
+        run.lock.release()
+
+
+class _Run:
+    """The stages of one run on one rank: what they share (the inputs, the record, the tags, the
+    ranks' meeting points) and one method per stage. Under torchrun every rank makes one."""
+
+    def __init__(self, inputs: ReproduceInputs, progress: bool, log: Callable[[str], None]):
+        from mars_plugin.commands.distributed import _rank_world, sync_group
+
+        self.inputs, self.s, self.progress, self.log = inputs, inputs.settings, progress, log
+        self.out = inputs.out
+        self.image_dir, self.mask_dir, self.xml_dir = inputs.dirs()
+        self.rank, self.world = _rank_world()
+        # The ranks meet after every stage; a stage of hours (features) must not hit torchrun's
+        # 30-minute default timeout while the others wait, hence a group of its own.
+        self.group = sync_group()
+        self.total = JobSummary()
+        self.fmt = LabelFormat(mode="P")
+        self.times: Dict[str, float] = {}
+        self.ran: List[str] = []  # the stages run by this call: every stage after one of them runs too
+        self.image_labels = self.out / "image_labels.json"
+        self.centroids_path, self.debiased = self.out / "centroids.pt", self.out / "debiased"
+        self.scores_path = self.out / "scores.json"
+
+    def lock_out(self) -> Optional[Dict[str, Any]]:
+        """One run at a time into --out: rank 0 holds the lock for the whole run, and a refusal
+        (the plan's problems, the lock held, other settings recorded) stops every rank. Holding
+        it, rank 0 removes the temporary files a killed run left and reads the record, which it
+        returns (the ranks follow its reading)."""
+        from mars_plugin.commands.distributed import share_error
+        from mars_plugin.commands.reproduce_plan import plan_reproduce, refuse
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.lock = RunLock(self.out / LOCK_NAME, f"--out {self.out}", "mars reproduce")
+        error, record = None, None
+        if self.rank == 0:
             try:
-                hot = load_image_labels(xml_dir, class_names=class_names, ids=[stem])[stem]
-            except Exception as e:  # noqa: BLE001 -- any failure to read one xml is that file's failure
-                if on_error == "stop":
-                    raise JobError(one_line(e)) from None
-                total.failed.append((f"{stem} (tags)", one_line(e)))
-                continue
-            tags[stem] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
-        work = [s for s in stems if s in tags]
-        if not work:
-            raise JobError(f"no pseudo-labelled id of --pseudo {pseudo_dir} has readable tags in {xml_dir} "
-                           f"({len(stems)} skipped)")
-        image_labels = out / "image_labels.json"
-        tags_text = json.dumps(tags, indent=0, sort_keys=True)
-        error, inputs = None, None
-        if rank == 0:
+                # every refusal of the stages, before any of them
+                refuse(plan_reproduce(self.inputs, progress=self.progress), self.s.on_error)
+                self.lock.acquire()
+                remove_stale_tmp(self.out)
+                record = _State(self.out / "reproduce.json", self.inputs.identity).data
+            except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+                self.lock.release()
+                error = e
+        share_error(error, self.group)
+        return record
+
+    def start(self, record: Optional[Dict[str, Any]]) -> None:
+        """The record (rank 0's reading), the tags, and the digests of every input, taken before
+        any stage reads it: a file changed while the run reads it shows on the next run."""
+        from mars_plugin.commands.distributed import share_error
+
+        self.state = _State(self.out / "reproduce.json", self.inputs.identity, write=self.rank == 0,
+                            data=broadcast_object(record, self.group))
+        tags_text = self._read_tags()
+        error, digests = None, None
+        if self.rank == 0:
             try:
-                atomic_write(image_labels, lambda tmp: Path(tmp).write_text(tags_text))
-                # What each stage reads, as one digest per role (see STAGE_INPUTS), taken before
-                # any stage reads it: a file changed while the run reads it shows on the next run.
-                inputs = _input_ids(stems, image_dir, Path(pseudo_dir), mask_dir, tags_text,
-                                    None if features_dir is None else feats, refs)
+                atomic_write(self.image_labels, lambda tmp: Path(tmp).write_text(tags_text))
+                # What each stage reads, as one digest per role (see STAGE_INPUTS).
+                digests = _input_ids(self.inputs.stems, self.image_dir, Path(self.s.pseudo_dir), self.mask_dir,
+                                     tags_text, None if self.s.features_dir is None else self.inputs.feats,
+                                     self.inputs.references)
             except Exception as e:  # noqa: BLE001 -- raised on every rank just below
                 error = e
-        share_error(error, group)
-        inputs = broadcast_object(inputs, group)
-        times: Dict[str, float] = {}
-        ran: List[str] = []  # the stages run by this call: every stage after one of them runs too
+        share_error(error, self.group)
+        self.digests = broadcast_object(digests, self.group)
 
-        def stage(name: str, fn: Callable[[], Dict[str, Any]], everyone: bool = True) -> None:
-            """Run a stage on every rank (``everyone``) or on rank 0, then meet; record it once."""
-            deps = _stage_inputs(name, inputs)
-            why = state.stale(name, deps) if not ran else f"after [{ran[-1]}]"
-            if why is None:
-                if rank == 0:
-                    log(f"[{name}] done before, kept")
-                times[name] = 0.0
-                return
-            ran.append(name)
-            if rank == 0:
-                log(f"[{name}] ..." + (f" ({why})" if why else ""))
-            t = time.perf_counter()
-            info, error = {}, None
-            if everyone or rank == 0:
-                try:
-                    info = fn()
-                except BaseException as e:  # every rank must learn of it, or the others wait forever
-                    error = e
-            share_error(error, group)
-            times[name] = time.perf_counter() - t
-            state.finish(name, seconds=round(times[name], 3), inputs=deps, **info)
+    def _read_tags(self) -> str:
+        """Tags as DHR reads them, for the pseudo-labelled ids only (an xml no stage uses cannot
+        stop the run), as the {id: [1-based class ids]} JSON the jobs take. An id whose xml is
+        bad (missing, unreadable, an unknown class) is named; with --on-error skip it is skipped:
+        named once, as "<id> (tags)", and left out of every stage (``work``)."""
+        from mars_plugin.adapters.wsss.dhr import load_image_labels
 
+        tags: Dict[str, List[int]] = {}
+        stems = self.inputs.stems
+        for stem in stems:
+            try:
+                hot = load_image_labels(self.xml_dir, class_names=self.inputs.class_names, ids=[stem])[stem]
+            except Exception as e:  # noqa: BLE001 -- any failure to read one xml is that file's failure
+                if self.s.on_error == "stop":
+                    raise JobError(one_line(e)) from None
+                self.total.failed.append((f"{stem} (tags)", one_line(e)))
+                continue
+            tags[stem] = [int(i) + 1 for i in hot.nonzero().flatten().tolist()]
+        self.work = [s for s in stems if s in tags]
+        if not self.work:
+            raise JobError(f"no pseudo-labelled id of --pseudo {self.s.pseudo_dir} has readable tags in "
+                           f"{self.xml_dir} ({len(stems)} skipped)")
+        return json.dumps(tags, indent=0, sort_keys=True)
+
+    def _stage(self, name: str, fn: Callable[[], Dict[str, Any]], everyone: bool = True) -> None:
+        """Run a stage on every rank (``everyone``) or on rank 0, then meet; record it once."""
+        from mars_plugin.commands.distributed import share_error
+
+        deps = _stage_inputs(name, self.digests)
+        why = self.state.stale(name, deps) if not self.ran else f"after [{self.ran[-1]}]"
+        if why is None:
+            if self.rank == 0:
+                self.log(f"[{name}] done before, kept")
+            self.times[name] = 0.0
+            return
+        self.ran.append(name)
+        if self.rank == 0:
+            self.log(f"[{name}] ..." + (f" ({why})" if why else ""))
+        t = time.perf_counter()
+        info, error = {}, None
+        if everyone or self.rank == 0:
+            try:
+                info = fn()
+            except BaseException as e:  # every rank must learn of it, or the others wait forever
+                error = e
+        share_error(error, self.group)
+        self.times[name] = time.perf_counter() - t
+        self.state.finish(name, seconds=round(self.times[name], 3), inputs=deps, **info)
+
+    def _summary(self, s: JobSummary, what: str, ranked: bool = True) -> None:
+        _log_summary(s, what, self.log, self.total, *((self.rank, self.world) if ranked else ()))
+
+    def features(self) -> None:
+        """The USS features of the pseudo-labelled ids into ``<out>/features`` (none with
+        ``features_dir``)."""
+        s = self.s
+        if s.features_dir is not None:
+            self.times["features"] = 0.0
+            return
         extractor = None
-        if features_dir is None and state.stale("features", _stage_inputs("features", inputs)) is not None:
+        if self.state.stale("features", _stage_inputs("features", self.digests)) is not None:
             from mars_plugin.adapters.uss.extractor import load_extractor
 
             # mars features' own loader with DHR's inference (native resolution, no L2
             # normalisation), at this run's scales and flip; loaded before any work, so that a bad
             # flag or file stops the run at once.
-            extractor = load_extractor(uss, checkpoint, backbone=backbone, heads=heads, trust_pickle=trust_pickle,
-                                       scales=tuple(scales), flip_average=flip, dhr=True)
+            extractor = load_extractor(s.uss, s.checkpoint, backbone=s.backbone, heads=s.heads,
+                                       trust_pickle=s.trust_pickle, scales=tuple(s.scales), flip_average=s.flip,
+                                       dhr=True)
 
-        def run_features() -> Dict[str, Any]:
+        def run() -> Dict[str, Any]:
             from mars_plugin.commands.features import features_job
 
-            if rank == 0:
-                log(f"  {extractor.describe()}")
-            s = features_job(extractor, image_dir, feats, batch_size=feature_batch_size, device=device, fp16=fp16,
-                             on_error=on_error, progress=progress and rank == 0, file_format="pt", stems=work,
-                             settings=feature_settings)
-            _log_summary(s, "features", log, total, rank, world)
-            return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
+            if self.rank == 0:
+                self.log(f"  {extractor.describe()}")
+            js = features_job(extractor, self.image_dir, self.inputs.feats, batch_size=s.feature_batch_size,
+                              device=s.device, fp16=s.fp16, on_error=s.on_error,
+                              progress=self.progress and self.rank == 0, file_format="pt", stems=self.work,
+                              settings=self.inputs.feature_settings)
+            self._summary(js, "features")
+            return {"written": js.done, "existing": js.existing, "failed": [list(f) for f in js.failed]}
 
-        if features_dir is None:
-            stage("features", run_features)
-        else:
-            times["features"] = 0.0
+        self._stage("features", run)
 
-        centroids = out / "centroids.pt"
+    def centroids(self) -> None:
+        """Eq. 1-3 over the pseudo labels into ``<out>/centroids.pt``."""
+        s = self.s
 
-        def run_centroids() -> Dict[str, Any]:
-            V, s = centroids_job(feats, pseudo_dir, C, centroids, image_labels=image_labels, alpha=alpha, k_fg=k_fg,
-                                 k_bg=k_bg, seed=seed, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
-                                 device=device, stems=work)
-            _log_summary(s, "centroids", log, total, rank, world)
-            return {"images": V.num_images, "failed": [list(f) for f in s.failed]}
+        def run() -> Dict[str, Any]:
+            V, js = centroids_job(self.inputs.feats, s.pseudo_dir, self.inputs.num_classes, self.centroids_path,
+                                  image_labels=self.image_labels, alpha=s.alpha, k_fg=s.k_fg, k_bg=s.k_bg,
+                                  seed=s.seed, on_error=s.on_error, progress=self.progress and self.rank == 0,
+                                  fmt=self.fmt, device=s.device, stems=self.work)
+            self._summary(js, "centroids")
+            return {"images": V.num_images, "failed": [list(f) for f in js.failed]}
 
-        stage("centroids", run_centroids)
-        debiased = out / "debiased"
+        self._stage("centroids", run)
 
-        def run_debias() -> Dict[str, Any]:
-            if rank == 0:  # the debiased label of an id whose pseudo label is gone is no result of this run
-                for gone in sorted(set(list_stems(debiased, (".png",))) - set(work)) if debiased.is_dir() else ():
+    def debias(self) -> None:
+        """Eq. 4-5 into ``<out>/debiased``; the label of an id whose pseudo label is gone is
+        removed (no result of this run)."""
+        s, debiased = self.s, self.debiased
+
+        def run() -> Dict[str, Any]:
+            if self.rank == 0:
+                for gone in sorted(set(list_stems(debiased, (".png",))) - set(self.work)) if debiased.is_dir() else ():
                     (debiased / f"{gone}.png").unlink()
-            s = debias_job(feats, pseudo_dir, centroids, debiased, images_dir=image_dir, refine=refine,
-                           image_labels=image_labels, workers=workers, batch_size=batch_size, device=device,
-                           crf_params=crf_params, on_error=on_error, progress=progress and rank == 0, fmt=fmt,
-                           stems=work)
-            _log_summary(s, "debias", log, total, rank, world)
-            return {"written": s.done, "existing": s.existing, "failed": [list(f) for f in s.failed]}
+            js = debias_job(self.inputs.feats, s.pseudo_dir, self.centroids_path, debiased, images_dir=self.image_dir,
+                            refine=s.refine, image_labels=self.image_labels, workers=s.workers,
+                            batch_size=s.batch_size, device=s.device, crf_params=s.crf_params, on_error=s.on_error,
+                            progress=self.progress and self.rank == 0, fmt=self.fmt, stems=self.work)
+            self._summary(js, "debias")
+            return {"written": js.done, "existing": js.existing, "failed": [list(f) for f in js.failed]}
 
-        stage("debias", run_debias)
-        scores_path = out / "scores.json"
+        self._stage("debias", run)
 
-        def run_evaluate() -> Dict[str, Any]:
-            done = list_stems(debiased, (".png",))
-            res: Dict[str, Any] = {}
-            failed: List[Tuple[str, str]] = []
-            for key, pred in (("pseudo", Path(pseudo_dir)), ("debiased", debiased)):
-                sc, s = evaluate_job(pred, mask_dir, C, on_error=on_error, progress=progress, stems=done)
-                _log_summary(s, f"evaluate {key}", log, total)
-                failed += [(f"{stem} (evaluate {key})", why) for stem, why in s.failed]
-                res[key] = sc
-            # The references are scored on the images both our scores counted.
-            bad = {stem for stem, _ in failed}
-            common = [s for s in done if not any(b.startswith(s + " (") for b in bad)]
-            ref_scores, agreement, left_out = score_references(refs, debiased, mask_dir, common, C,
-                                                               on_error=on_error, progress=progress)
-            for name, why in left_out:
-                total.failed.append((f"reference {name}", why))
-            for name, sc in ref_scores.items():
-                log(reference_summary(name, sc, agreement.get(name)))
-                res[scores_key(name)] = sc
-            res["agreement"] = agreement
-            res["references"] = {name: os.fspath(refs[name]) for name in ref_scores}
-            text = json.dumps(dict(res, class_names=class_names), indent=2)
-            atomic_write(scores_path, lambda tmp: Path(tmp).write_text(text))
-            return {"images": res["pseudo"]["num_images"], "failed": [list(f) for f in failed],
-                    "references": sorted(ref_scores), "references_left_out": [list(x) for x in left_out],
-                    "reference_notes": ref_notes}
+    def evaluate(self) -> None:
+        """The stage of the scores (on rank 0), then every rank reads ``scores.json``."""
+        self._stage("evaluate", self._scores, everyone=False)
+        self.scores = json.loads(self.scores_path.read_text())
 
-        stage("evaluate", run_evaluate, everyone=False)
-        scores = json.loads(scores_path.read_text())
-        ref_names = scores.get("references", {})
-        ref_scores = {n: scores[scores_key(n)] for n in ref_names}
+    def _scores(self) -> Dict[str, Any]:
+        """The pseudo and debiased labels against the masks, then the references on the images
+        both our scores counted, into ``scores.json``."""
+        s, refs, C = self.s, self.inputs.references, self.inputs.num_classes
+        done = list_stems(self.debiased, (".png",))
+        res: Dict[str, Any] = {}
+        failed: List[Tuple[str, str]] = []
+        for key, pred in (("pseudo", Path(s.pseudo_dir)), ("debiased", self.debiased)):
+            sc, js = evaluate_job(pred, self.mask_dir, C, on_error=s.on_error, progress=self.progress, stems=done)
+            self._summary(js, f"evaluate {key}", ranked=False)
+            failed += [(f"{stem} (evaluate {key})", why) for stem, why in js.failed]
+            res[key] = sc
+        bad = {stem for stem, _ in failed}
+        common = [x for x in done if not any(b.startswith(x + " (") for b in bad)]
+        ref_scores, agreement, left_out = score_references(refs, self.debiased, self.mask_dir, common, C,
+                                                           on_error=s.on_error, progress=self.progress)
+        for name, why in left_out:
+            self.total.failed.append((f"reference {name}", why))
+        for name, sc in ref_scores.items():
+            self.log(reference_summary(name, sc, agreement.get(name)))
+            res[scores_key(name)] = sc
+        res["agreement"] = agreement
+        res["references"] = {name: os.fspath(refs[name]) for name in ref_scores}
+        text = json.dumps(dict(res, class_names=self.inputs.class_names), indent=2)
+        atomic_write(self.scores_path, lambda tmp: Path(tmp).write_text(text))
+        return {"images": res["pseudo"]["num_images"], "failed": [list(f) for f in failed],
+                "references": sorted(ref_scores), "references_left_out": [list(x) for x in left_out],
+                "reference_notes": self.inputs.reference_notes}
 
-        def run_report() -> Dict[str, Any]:
-            removal, s = report_job(pseudo_dir, debiased, image_dir, out / "report", class_names=class_names,
-                                    num_examples=num_examples, on_error=on_error, progress=progress)
-            _log_summary(s, "report", log, total)
-            method = (f"K_fg {k_fg}, K_bg {k_bg}, alpha {alpha}, seed {seed}, refine {refine}"
-                      + (f" ({crf_params if isinstance(crf_params, str) else json.dumps(crf_params)})"
-                         if refine == "crf" else ""))
-            if features_dir is not None:
-                feat_text = f"`{feats}` (given)"
-            else:
-                files = " + ".join(f"`{Path(f).name}`" for f in (checkpoint, backbone, heads) if f is not None)
-                feat_text = (f"{uss} from {files}, scales {', '.join(f'{x:g}' for x in scales)}, flip "
-                             f"{'on' if flip else 'off'}{', fp16' if fp16 else ''} (DHR's inference)")
-            ev = state.data["stages"].get("evaluate", {})
-            text = format_report(class_names, scores["pseudo"], scores["debiased"], removal, {
-                "root": root, "data": data, "domain": domain, "pseudo": pseudo_dir, "features": feat_text,
-                "method": method, "times": times, "stages": state.data["stages"],
-                "pictures": [(alt, f"report/{name}") for alt, name in PICTURES if (out / "report" / name).is_file()],
-                "references_left_out": ev.get("references_left_out", []),
-            }, references=ref_scores, agreement=scores.get("agreement", {}))
-            atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text))
-            return {}
-
-        # The report is cheap and names this run's stage times: always rewritten.
-        state.data["stages"].pop("report", None)
-        stage("report", run_report, everyone=False)
-        if rank == 0:
-            log(f"report -> {out / 'report.md'} ({time.perf_counter() - t_all:.1f} s)")
+    def report(self, t_all: float) -> Dict[str, Any]:
+        """``report.md`` (cheap, and it names this run's stage times: always rewritten), and the
+        run's result."""
+        scores = self.scores
+        ref_scores = {n: scores[scores_key(n)] for n in scores.get("references", {})}
+        self.state.data["stages"].pop("report", None)
+        self._stage("report", lambda: self._report(ref_scores), everyone=False)
+        if self.rank == 0:
+            self.log(f"report -> {self.out / 'report.md'} ({time.perf_counter() - t_all:.1f} s)")
         return {"pseudo": scores["pseudo"], "debiased": scores["debiased"], "references": ref_scores,
-                "agreement": scores.get("agreement", {}), "out": out, "report": out / "report.md", "summary": total,
-                "rank": rank, "world_size": world}
-    finally:
-        lock.release()
+                "agreement": scores.get("agreement", {}), "out": self.out, "report": self.out / "report.md",
+                "summary": self.total, "rank": self.rank, "world_size": self.world}
+
+    def _report(self, ref_scores: Dict[str, Any]) -> Dict[str, Any]:
+        s, out = self.s, self.out
+        removal, js = report_job(s.pseudo_dir, self.debiased, self.image_dir, out / "report",
+                                 class_names=self.inputs.class_names, num_examples=s.num_examples,
+                                 on_error=s.on_error, progress=self.progress)
+        self._summary(js, "report", ranked=False)
+        ev = self.state.data["stages"].get("evaluate", {})
+        text = format_report(self.inputs.class_names, self.scores["pseudo"], self.scores["debiased"], removal, {
+            "root": s.root, "data": s.data, "domain": s.domain, "pseudo": s.pseudo_dir,
+            "features": _features_text(s, self.inputs.feats), "method": _method_text(s), "times": self.times,
+            "stages": self.state.data["stages"],
+            "pictures": [(alt, f"report/{name}") for alt, name in PICTURES if (out / "report" / name).is_file()],
+            "references_left_out": ev.get("references_left_out", []),
+        }, references=ref_scores, agreement=self.scores.get("agreement", {}))
+        atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text))
+        return {}
+
+
+def _method_text(s: ReproduceSettings) -> str:
+    """The report's line of Eq. 1-5's settings."""
+    crf = s.crf_params if isinstance(s.crf_params, str) else json.dumps(s.crf_params)
+    return (f"K_fg {s.k_fg}, K_bg {s.k_bg}, alpha {s.alpha}, seed {s.seed}, refine {s.refine}"
+            + (f" ({crf})" if s.refine == "crf" else ""))
+
+
+def _features_text(s: ReproduceSettings, feats: Path) -> str:
+    """The report's line of where the features came from."""
+    if s.features_dir is not None:
+        return f"`{feats}` (given)"
+    files = " + ".join(f"`{Path(f).name}`" for f in (s.checkpoint, s.backbone, s.heads) if f is not None)
+    return (f"{s.uss} from {files}, scales {', '.join(f'{x:g}' for x in s.scales)}, flip "
+            f"{'on' if s.flip else 'off'}{', fp16' if s.fp16 else ''} (DHR's inference)")
 
 
 def _log_summary(s: JobSummary, what: str, log: Callable[[str], None], total: JobSummary, rank: int = 0,

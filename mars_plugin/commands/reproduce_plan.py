@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 from mars_plugin.formats.files import list_stems
 from mars_plugin.commands.errors import JobError
 from mars_plugin.commands.reproduce_checks import (Problem, check_model, check_tree, check_val_split, check_weights,
                                                    image_files, name_ids)
+from mars_plugin.commands.reproduce_settings import ReproduceInputs
 
 __all__ = ["Plan", "plan_reproduce", "show_plan", "refuse"]
 
@@ -43,50 +44,54 @@ class Plan:
     references: Dict[str, str] = field(default_factory=dict)
 
 
-def plan_reproduce(
-    *,
-    layout,
-    domain: str,
-    pseudo_dir: Path,
-    out: Path,
-    stems: Sequence[str],
-    class_names: Sequence[str],
-    feats: Path,
-    settings: Dict[str, Any],
-    references: Dict[str, Path],
-    reference_notes: Sequence[str],
-    model: Optional[Mapping[str, Any]] = None,
-    train: Optional[Mapping[str, Any]] = None,
-    progress: bool = False,
-) -> Plan:
-    """The plan of a run and every problem of its inputs (see the module docstring).
-
-    ``model``: the USS model files (``uss``, ``checkpoint``, ``backbone``, ``heads``,
-    ``trust_pickle``, ``scales``, ``flip``) when the run computes its features, None with
-    ``--features``. ``train``: the ``--train`` options (``val_domain``, ``weights``, ``arch``,
-    ``backbone``, ``masks``), None without ``--train``.
-    """
-    from mars_plugin.adapters.wsss.dhr import load_image_labels
-    from mars_plugin.commands.reproduce_state import _input_ids, _stage_inputs, _State
-
-    image_dir, mask_dir, xml_dir = layout.image_dir(domain), layout.mask_dir(domain), layout.xml_dir(domain)
-    C = len(class_names) - 1
-    compute_features = model is not None
+def plan_reproduce(inputs: ReproduceInputs, progress: bool = False) -> Plan:
+    """The plan of a run and every problem of its inputs (see the module docstring), from what
+    :func:`~mars_plugin.commands.reproduce_settings.prepare` found: the settings' USS model
+    (``settings.model()``) when the run computes its features, their ``train`` options (the
+    ``--train`` stages) when given."""
+    s, stems, feats, out = inputs.settings, inputs.stems, inputs.feats, inputs.out
+    image_dir, mask_dir, xml_dir = inputs.dirs()
+    C = inputs.num_classes
     images = image_files(image_dir)
     masks = set(list_stems(mask_dir, (".png",)))
-    xmls = set(list_stems(xml_dir, (".xml",)))
     problems: List[Problem] = []
-
-    def missing(what: str, have, where: Path) -> None:
-        gone = [s for s in stems if s not in have]
+    for what, have, where in (("image", images, image_dir), ("ground-truth mask", masks, mask_dir)):
+        gone = [x for x in stems if x not in have]
         if gone:
             problems.append(Problem(f"{len(gone)} pseudo-labelled id(s) have no {what} in {where}: {name_ids(gone)}"))
+    tags = _tags(stems, xml_dir, inputs.class_names, problems)
+    ref_counts = check_tree(stems, images, Path(s.pseudo_dir), mask_dir, inputs.references, C, problems, progress)
+    feats_done = _done_in(feats, (".pt", ".npy"), stems)
+    if s.features_dir is not None:
+        _given_features_problems(feats, stems, feats_done, problems)
+    debiased_done = _done_in(out / "debiased", (".png",), stems)
+    runs = _StageStates(inputs, json.dumps(tags, indent=0, sort_keys=True), problems)
+    stages = _stage_lines(inputs, runs, feats_done, debiased_done)
+    if s.features_dir is None and "features" in runs.runs:  # the run loads the model only when it computes features
+        check_model(s.model(), problems)
+    notes = list(inputs.reference_notes)
+    no_pseudo = sorted(set(images) - set(stems))
+    if no_pseudo:  # not a problem: the run reads only the pseudo-labelled ids
+        notes.append(f"{len(no_pseudo)} image(s) of {image_dir} have no pseudo label and are left out: "
+                     f"{name_ids(no_pseudo)}")
+    if s.train is not None:
+        stages.update(_train_stages(inputs.layout, s.domain, out, s.train, C, len(stems), problems, progress))
+    counts = {"images": len(images), "masks": len(masks), "xml": len(set(list_stems(xml_dir, (".xml",)))),
+              "pseudo labels": len(stems), "classes": C, "features done": feats_done, "debiased done": debiased_done,
+              **{f"reference {k}": v for k, v in ref_counts.items()}}
+    title = f"mars reproduce on {inputs.layout.root / inputs.layout.data / s.domain} ({C} classes + background)"
+    return Plan(title, counts, stages, problems, notes, {k: str(v) for k, v in inputs.references.items()})
 
-    missing("image", images, image_dir)
-    missing("ground-truth mask", masks, mask_dir)
+
+def _tags(stems: Sequence[str], xml_dir: Path, class_names: Sequence[str], problems: List[Problem]
+          ) -> Dict[str, List[int]]:
+    """The tags as the run writes them into image_labels.json; the xml files that DHR's reader
+    refuses (a missing one too: the reader names the file) are one problem."""
+    from mars_plugin.adapters.wsss.dhr import load_image_labels
+
     bad_xml: List[str] = []
-    tags: Dict[str, List[int]] = {}  # as the run writes them into image_labels.json
-    for s in stems:  # a missing xml too: DHR's reader names the file
+    tags: Dict[str, List[int]] = {}
+    for s in stems:
         try:
             hot = load_image_labels(xml_dir, class_names=class_names, ids=[s])[s]
         except Exception as e:  # noqa: BLE001 -- the run names any failure to read one xml
@@ -96,76 +101,78 @@ def plan_reproduce(
     if bad_xml:
         problems.append(Problem(f"{len(bad_xml)} xml file(s) of pseudo-labelled ids cannot be read as DHR reads them: "
                                 + "; ".join(bad_xml[:5]) + (" ..." if len(bad_xml) > 5 else "")))
-    ref_counts = check_tree(stems, images, pseudo_dir, mask_dir, references, C, problems, progress)
+    return tags
 
-    def done_in(folder: Path, exts: Sequence[str]) -> int:
-        if not folder.is_dir():
-            return 0
-        have = set(list_stems(folder, exts))
-        return sum(s in have for s in stems)
 
-    feats_done = done_in(feats, (".pt", ".npy"))
-    if not compute_features:
-        if feats_done < len(stems):
-            problems.append(Problem(f"--features {feats}: features for {feats_done} of the {len(stems)} "
-                                    "pseudo-labelled ids"))
-        both = [s for s in stems if (feats / f"{s}.pt").is_file() and (feats / f"{s}.npy").is_file()]
-        if both:
-            problems.append(Problem(f"--features {feats}: {len(both)} id(s) with two feature files (.pt and .npy; "
-                                    f"keep one): {name_ids(both)}"))
-    debiased_done = done_in(out / "debiased", (".png",))
-    # The record of --out, read as the run reads it: other settings are refused there too.
-    state_path = out / "reproduce.json"
-    try:
-        record = _State(state_path, settings, write=False)
-    except ValueError as e:
-        problems.append(Problem(str(e), per_file=False))
-        record = _State(state_path, settings, write=False, data={"settings": settings, "stages": {}})
-    recorded = record.data["stages"]
-    inputs = _input_ids(stems, image_dir, pseudo_dir, mask_dir, json.dumps(tags, indent=0, sort_keys=True),
-                        None if compute_features else feats, references)
-    runs: List[str] = []
+def _done_in(folder: Path, exts: Sequence[str], stems: Sequence[str]) -> int:
+    """How many of ``stems`` have a file in ``folder`` (0 when it does not exist)."""
+    if not folder.is_dir():
+        return 0
+    have = set(list_stems(folder, exts))
+    return sum(s in have for s in stems)
 
-    def state(stage: str) -> str:
+
+def _given_features_problems(feats: Path, stems: Sequence[str], feats_done: int, problems: List[Problem]) -> None:
+    if feats_done < len(stems):
+        problems.append(Problem(f"--features {feats}: features for {feats_done} of the {len(stems)} "
+                                "pseudo-labelled ids"))
+    both = [s for s in stems if (feats / f"{s}.pt").is_file() and (feats / f"{s}.npy").is_file()]
+    if both:
+        problems.append(Problem(f"--features {feats}: {len(both)} id(s) with two feature files (.pt and .npy; "
+                                f"keep one): {name_ids(both)}"))
+
+
+class _StageStates:
+    """The record of --out, read as the run reads it (other settings are refused there too, as
+    a problem), and the state of each recorded stage against the inputs' digests."""
+
+    def __init__(self, inputs: ReproduceInputs, tags_text: str, problems: List[Problem]):
+        from mars_plugin.commands.reproduce_state import _input_ids, _State
+
+        s, identity = inputs.settings, inputs.identity
+        image_dir, mask_dir, _ = inputs.dirs()
+        path = inputs.out / "reproduce.json"
+        try:
+            self.record = _State(path, identity, write=False)
+        except ValueError as e:
+            problems.append(Problem(str(e), per_file=False))
+            self.record = _State(path, identity, write=False, data={"settings": identity, "stages": {}})
+        self.digests = _input_ids(inputs.stems, image_dir, Path(s.pseudo_dir), mask_dir, tags_text,
+                                  inputs.feats if s.features_dir is not None else None, inputs.references)
+        self.runs: List[str] = []
+
+    def __call__(self, stage: str) -> str:
         """A recorded stage is kept when its inputs are those it was made from and no stage
         before it runs (the rule of the run, reproduce_state.STAGE_INPUTS)."""
-        if stage not in recorded:
-            runs.append(stage)
+        from mars_plugin.commands.reproduce_state import _stage_inputs
+
+        if stage not in self.record.data["stages"]:
+            self.runs.append(stage)
             return " (to do)"
-        why = record.stale(stage, _stage_inputs(stage, inputs)) if not runs else f"after [{runs[-1]}]"
+        why = self.record.stale(stage, _stage_inputs(stage, self.digests)) if not self.runs else \
+            f"after [{self.runs[-1]}]"
         if why is None:
             return " (recorded as finished from the same inputs: kept)"
-        runs.append(stage)
+        self.runs.append(stage)
         return f" (recorded as finished, runs again: {why})"
 
-    n = len(stems)
-    stages = {
-        "features": (f"computes {n - feats_done} of {n} <id>.pt from {image_dir} into {feats} ({feats_done} already "
-                     f"there){state('features')}" if compute_features else
-                     f"reads {feats_done} of {n} feature files from {feats} (given)"),
-        "centroids": f"reads {n} pseudo labels from {pseudo_dir} and their features, writes {out / 'centroids.pt'}"
-                     f"{state('centroids')}",
-        "debias": f"writes {n - debiased_done} of {n} debiased labels into {out / 'debiased'} ({debiased_done} already "
-                  f"there), the CRF on the images of {image_dir}{state('debias')}",
-        "evaluate": f"scores the pseudo and debiased labels against {mask_dir}"
-                    + (f" and {len(references)} reference folder(s) ({', '.join(references)})" if references else
-                       " (no reference folders)") + f", writes {out / 'scores.json'}{state('evaluate')}",
-        "report": f"writes {out / 'report.md'} and the pictures in {out / 'report'} (always rewritten)",
-    }
-    if compute_features and "features" in runs:  # the run loads the model only when it computes features
-        check_model(model, problems)
-    notes = list(reference_notes)
-    no_pseudo = sorted(set(images) - set(stems))
-    if no_pseudo:  # not a problem: the run reads only the pseudo-labelled ids
-        notes.append(f"{len(no_pseudo)} image(s) of {image_dir} have no pseudo label and are left out: "
-                     f"{name_ids(no_pseudo)}")
-    if train is not None:
-        stages.update(_train_stages(layout, domain, out, train, C, n, problems, progress))
-    counts = {"images": len(images), "masks": len(masks), "xml": len(xmls), "pseudo labels": n, "classes": C,
-              "features done": feats_done, "debiased done": debiased_done,
-              **{f"reference {k}": v for k, v in ref_counts.items()}}
-    title = (f"mars reproduce on {layout.root / layout.data / domain} ({C} classes + background)")
-    return Plan(title, counts, stages, problems, notes, {k: str(v) for k, v in references.items()})
+
+def _stage_lines(inputs: ReproduceInputs, state: _StageStates, feats_done: int, debiased_done: int) -> Dict[str, str]:
+    """{stage: what it would read and write, and its state}, the stages in order."""
+    s, out, feats, n, refs = inputs.settings, inputs.out, inputs.feats, len(inputs.stems), inputs.references
+    image_dir, mask_dir, _ = inputs.dirs()
+    stages = {"features": (f"computes {n - feats_done} of {n} <id>.pt from {image_dir} into {feats} ({feats_done} "
+                           f"already there){state('features')}" if s.features_dir is None else
+                           f"reads {feats_done} of {n} feature files from {feats} (given)")}
+    stages["centroids"] = (f"reads {n} pseudo labels from {Path(s.pseudo_dir)} and their features, writes "
+                           f"{out / 'centroids.pt'}{state('centroids')}")
+    stages["debias"] = (f"writes {n - debiased_done} of {n} debiased labels into {out / 'debiased'} ({debiased_done} "
+                        f"already there), the CRF on the images of {image_dir}{state('debias')}")
+    stages["evaluate"] = (f"scores the pseudo and debiased labels against {mask_dir}"
+                          + (f" and {len(refs)} reference folder(s) ({', '.join(refs)})" if refs else
+                             " (no reference folders)") + f", writes {out / 'scores.json'}{state('evaluate')}")
+    stages["report"] = f"writes {out / 'report.md'} and the pictures in {out / 'report'} (always rewritten)"
+    return stages
 
 
 def _train_stages(layout, domain: str, out: Path, train: Mapping[str, Any], C: int, n: int,

@@ -203,7 +203,20 @@ def format_report(
     their ``agreement`` with our debiased labels) when the tree has them."""
     paper = paper_columns(class_names)
     coco = paper is not None and len(class_names) == 81
-    lines = [
+    lines = _head(pseudo, info) + _label_scores(class_names, pseudo, debiased, removal, paper)
+    if references:
+        lines += _references_section(class_names, pseudo, debiased, references, agreement or {}, info)
+    left_out = info.get("references_left_out", [])
+    if left_out:
+        lines += ["References left out (`--on-error skip`):", ""]
+        lines += [f"- `{n}`: {why}" for n, why in left_out] + [""]
+    lines += _overall(pseudo, debiased, references or {}, info, coco) + _tail(info)
+    return "\n".join(lines)
+
+
+def _head(pseudo: Mapping[str, Any], info: Mapping[str, Any]) -> List[str]:
+    """The title, what was run on what, and the heading of the label scores."""
+    return [
         f"# MARS reproduction report: {info['data']} {info['domain']} (DHR tree at `{info['root']}`)",
         "",
         f"- tree: `{info['root']}`, data `{info['data']}`, domain `{info['domain']}`; "
@@ -223,6 +236,12 @@ def format_report(
         "segmentation network would see them before the teacher fills them (Eq. 6-7).",
         "",
     ]
+
+
+def _label_scores(class_names: Sequence[str], pseudo: Mapping[str, Any], debiased: Mapping[str, Any],
+                  removal: Mapping[str, Any], paper: Optional[Dict[str, Any]]) -> List[str]:
+    """The per-class table of the pseudo and debiased labels (the paper's val columns beside
+    when the classes are VOC's or COCO's), and its note."""
     head = ["class", "pseudo IoU", "FP", "FN", "debiased IoU", "FP", "FN", "change IoU", "removed"]
     if paper is not None:
         head += ["paper val RS+EPM", "paper val MARS"]
@@ -244,7 +263,6 @@ def format_report(
     if paper is not None:
         row += [f"{paper['rows']['RS+EPM'][-1]:.1f}", f"{paper['rows']['MARS'][-1]:.1f}"]
     rows.append(row)
-    lines += _table(head, rows) + [""]
     if paper is not None:
         note = (f"The two `paper val` columns are the paper's per-class IoU on {paper['table'].split(', ')[1]} after "
                 f"segmentation training (appendix table `{paper['table'].split(',')[0]}`): where the labels should "
@@ -256,14 +274,14 @@ def format_report(
     else:
         note = ("This tree has neither VOC's 21 nor COCO's 81 classes, so the paper's per-class figures are not "
                 "shown.")
-    lines += ["`removed`: share of the class's pseudo-label pixels marked biased (all images summed). " + note, ""]
-    if references:
-        lines += _references_section(class_names, pseudo, debiased, references, agreement or {}, info)
-    left_out = info.get("references_left_out", [])
-    if left_out:
-        lines += ["References left out (`--on-error skip`):", ""]
-        lines += [f"- `{n}`: {why}" for n, why in left_out] + [""]
-    lines += [
+    return _table(head, rows) + ["", "`removed`: share of the class's pseudo-label pixels marked biased (all images "
+                                     "summed). " + note, ""]
+
+
+def _overall(pseudo: Mapping[str, Any], debiased: Mapping[str, Any], references: Mapping[str, Mapping[str, Any]],
+             info: Mapping[str, Any], coco: bool) -> List[str]:
+    """The measured overall scores beside the paper's (Table 6 for VOC, the val mIoU for COCO)."""
+    lines = [
         "## Beside the paper's overall figures",
         "",
         "| what | mIoU | mean FP | mean FN |",
@@ -273,8 +291,7 @@ def format_report(
         f"| measured: debiased labels ({info['domain']}) | {_fmt(debiased['miou'])} | "
         f"{_fmt(_mean(debiased, 'fp'), False)} | {_fmt(_mean(debiased, 'fn'), False)} |",
     ]
-    for name in references or {}:
-        s = references[name]
+    for name, s in references.items():
         lines.append(f"| measured: `{name}` masks ({info['domain']}) | {_fmt(s['miou'])} | "
                      f"{_fmt(_mean(s, 'fp'), False)} | {_fmt(_mean(s, 'fn'), False)} |")
     if coco:
@@ -285,7 +302,7 @@ def format_report(
         for name, (m, fp, fn) in PAPER_VOC_TRAIN.items():
             lines.append(f"| paper: {name}, segmentation network on VOC train | {m:.1f} | {fp:.3f} | {fn:.3f} |")
         trained = "evaluated on VOC train"
-    lines += [
+    return lines + [
         "",
         "The paper's rows are a segmentation network trained on the labels (with MARS: on the debiased labels, "
         f"complemented by the EMA teacher with the WCE loss), {trained}; the measured rows are the "
@@ -295,8 +312,12 @@ def format_report(
         f"Sources: {PAPER_SOURCES_COCO if coco else PAPER_SOURCES}",
         "",
     ]
+
+
+def _tail(info: Mapping[str, Any]) -> List[str]:
+    """The skipped files of every stage, and the pictures."""
     skipped = [(stage, f) for stage, st in info.get("stages", {}).items() for f in st.get("failed", [])]
-    lines += ["## Skipped files", ""]
+    lines = ["## Skipped files", ""]
     if skipped:
         lines += [f"- {stage}: `{f[0]}`: {f[1]}" for stage, f in skipped]
     else:
@@ -306,4 +327,4 @@ def format_report(
         lines += [f"![{alt}]({rel})", ""]
     if not info.get("pictures"):
         lines += ["None were drawn (no pixel was marked biased).", ""]
-    return "\n".join(lines)
+    return lines

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from mars_plugin.formats.files import atomic_write
 
@@ -50,18 +50,10 @@ def train_after_reproduce(
     from mars_plugin.commands.distributed import _rank_world
     from mars_plugin.commands.predict import load_model, predict_job
     from mars_plugin.commands.identities import weight_file_id
-    from mars_plugin.commands.inputs import check_out_apart, root_reads
     from mars_plugin.commands.train import train
 
-    # before any work: an output is never an input (the validation split, --weights)
-    check_out_apart(out_dir, "--out", {"--root": root_reads(root, data, [domain, val_domain]),
-                                       "--weights": (train_options or {}).get("weights")})
-    out = Path(out_dir)
-    debiased = out / "debiased"
-    tags_path = out / "image_labels.json"
-    if not debiased.is_dir() or not tags_path.is_file():
-        raise ValueError(f"--out {out}: no debiased labels or image_labels.json there; the debias stages of mars "
-                         "reproduce run first")
+    out = _check_out(root, out_dir, data, [domain, val_domain], train_options)
+    debiased, tags_path = out / "debiased", out / "image_labels.json"
     layout = DHRLayout(root, data)
     names = list(layout.class_names())
     C = len(names) - 1
@@ -98,3 +90,18 @@ def train_after_reproduce(
                     num_classes=C, progress=progress, settings=settings)
         result["masks"] = out / "masks"
     return result
+
+
+def _check_out(root: os.PathLike, out_dir: os.PathLike, data: str, domains: List[str],
+               train_options: Optional[Mapping[str, Any]]) -> Path:
+    """Before any work: an output is never an input (the splits, ``--weights``), and ``out_dir``
+    holds what the debias stages of ``mars reproduce`` wrote."""
+    from mars_plugin.commands.inputs import check_out_apart, root_reads
+
+    check_out_apart(out_dir, "--out", {"--root": root_reads(root, data, domains),
+                                       "--weights": (train_options or {}).get("weights")})
+    out = Path(out_dir)
+    if not (out / "debiased").is_dir() or not (out / "image_labels.json").is_file():
+        raise ValueError(f"--out {out}: no debiased labels or image_labels.json there; the debias stages of mars "
+                         "reproduce run first")
+    return out
