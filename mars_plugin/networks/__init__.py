@@ -2,4 +2,6 @@
 (``deeplab.py``) on ResNet (``resnet.py``), their checkpoint format (``seg_checkpoint.py``) and
 training data pipeline with DHR's augmentation (``seg_data.py``), and their labels for a batch of
 images: multi-scale + flip softmax, then the CRF (``inference.py``), and the memory both take,
-checked against ``--max-memory`` before any work (``memory.py``)."""
+checked against ``--max-memory`` before any work (``memory.py``). The SEAM row's DeepLabv1 on the
+wide ResNet-38 (``deeplabv1.py``, ``wide_resnet38.py``) and its codebase's augmentation
+(``seam_data.py``)."""
