@@ -184,3 +184,24 @@ def test_against_opencv_where_installed():
         lab = hsv[..., 0]
         assert np.array_equal(cv_resize(lab, s, "nearest"),
                               cv2.resize(lab, None, fx=s, fy=s, interpolation=cv2.INTER_NEAREST))
+
+
+def test_test_time_scales_resize_the_normalised_float_image():
+    from mars_plugin.networks.deeplabv1 import seam_scaled_inputs
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((7, 9, 3)).astype(np.float32)
+    outs = seam_scaled_inputs(x)
+    # round(H s) x round(W s), half to even as cvRound: 3.5 -> 4, 4.5 -> 4, 15.75 -> 16
+    assert [tuple(o.shape[2:]) for o in outs] == [(4, 4), (5, 7), (7, 9), (9, 11), (10, 14), (12, 16)]
+    assert np.array_equal(outs[2][0].numpy().transpose(1, 2, 0), x)
+    got = outs[3][0].numpy().transpose(1, 2, 0)  # 1.25: bicubic in float32, unrounded
+    for y in range(9):
+        ys, wy = _cubic_taps(y, 7, 1.25)
+        for xx in range(11):
+            xs, wx = _cubic_taps(xx, 9, 1.25)
+            for c in range(3):
+                rows = [sum(x[r, q, c] * wx[j] for j, q in enumerate(xs)) for r in ys]
+                assert got[y, xx, c] == pytest.approx(sum(rows[i] * wy[i] for i in range(4)), abs=1e-5)
+    with pytest.raises(ValueError, match="normalized must be a float32 array"):
+        seam_scaled_inputs(x.astype(np.float64))

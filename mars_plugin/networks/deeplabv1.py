@@ -50,8 +50,8 @@ from mars_plugin._checks import check_num_classes, check_real_param, describe
 from mars_plugin.networks.wide_resnet38 import WideResNet38
 
 __all__ = ["ARCH", "BACKBONE", "DeepLabV1WR38", "build_deeplabv1_wr38", "seam_param_groups", "seam_poly_lr",
-           "seam_train_mode", "seam_loss", "TEST_SCALES", "seam_multiscale_logits", "seam_crf_image",
-           "SEAM_CRF", "SEAM_MEAN", "SEAM_STD"]
+           "seam_train_mode", "seam_loss", "TEST_SCALES", "seam_scaled_inputs", "seam_multiscale_logits",
+           "seam_crf_image", "SEAM_CRF", "SEAM_MEAN", "SEAM_STD"]
 
 ARCH = "deeplabv1-wr38"
 BACKBONE = "wr38"
@@ -205,14 +205,28 @@ def seam_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels, ignore_index=255)
 
 
+def seam_scaled_inputs(normalized: np.ndarray, scales: Sequence[float] = TEST_SCALES) -> List[torch.Tensor]:
+    """test.py's inputs of one image (transform.py:170-181 ``Multiscale``): the normalised
+    float32 image (H, W, 3) resized by each scale with OpenCV's bicubic (size ``round(W s) x
+    round(H s)``, float32, unrounded; :func:`mars_plugin.networks.seam_data.cv_resize`) ->
+    (1, 3, h_s, w_s) float32 tensors, in the order of ``scales``."""
+    from mars_plugin.networks.seam_data import cv_resize
+
+    if not (isinstance(normalized, np.ndarray) and normalized.dtype == np.float32 and normalized.ndim == 3
+            and normalized.shape[2] == 3):
+        raise ValueError(f"normalized must be a float32 array (H, W, 3), got {describe(normalized)}")
+    return [torch.from_numpy(np.ascontiguousarray(cv_resize(normalized, float(s), "cubic").transpose(2, 0, 1)))[None]
+            for s in scales]
+
+
 @torch.no_grad()
 def seam_multiscale_logits(model: nn.Module, scaled: Sequence[torch.Tensor], size: Sequence[int],
                            flip: bool = True) -> torch.Tensor:
     """test.py:67-88: the class probabilities (C + 1, H, W) of one image.
 
     ``scaled``: the normalised image at each scale of :data:`TEST_SCALES`, (1, 3, h_s, w_s)
-    each; upstream makes them with ``cv2.resize(image, None, fx=s, fy=s, INTER_CUBIC)`` on the
-    **normalised float32** image (transform.py:170-181): bicubic, the size rounded. Each goes
+    each (:func:`seam_scaled_inputs`; upstream: ``cv2.resize(image, None, fx=s, fy=s,
+    INTER_CUBIC)`` on the **normalised float32** image, transform.py:170-181). Each goes
     through the network, and with ``flip`` its mirror too; every output is resized to ``size``
     (H, W) bilinearly with ``align_corners=True``, the mirrors flipped back; the **logits are
     averaged** over the 2 x scales maps, then one softmax.

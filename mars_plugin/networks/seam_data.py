@@ -173,8 +173,9 @@ def _cubic_weights(n_out: int, n_in: int, inv_scale: float) -> Tuple[np.ndarray,
 
 
 def cv_resize(img: np.ndarray, scale: float, interpolation: str) -> np.ndarray:
-    """``cv2.resize(img, None, fx=scale, fy=scale, interpolation=...)`` of a uint8 (H, W) or
-    (H, W, C) array; ``interpolation`` ``"cubic"`` or ``"nearest"``. The output is
+    """``cv2.resize(img, None, fx=scale, fy=scale, interpolation=...)`` of a uint8 or float32
+    (H, W) or (H, W, C) array (float32 stays float32, unrounded: test.py's scales of the
+    normalised image); ``interpolation`` ``"cubic"`` or ``"nearest"``. The output is
     ``round(W s) x round(H s)`` (half to even); an unchanged size is a copy (cv2.resize does
     that too). ``"nearest"``: source ``min(floor(d / s), n - 1)``, as OpenCV. ``"cubic"``:
     separable, rows then columns, in float32 with float32 weights, clamped borders, rounded half
@@ -201,6 +202,8 @@ def cv_resize(img: np.ndarray, scale: float, interpolation: str) -> np.ndarray:
     rows = sum(taps[:, :, k] * xw[(None, slice(None), k) + extra] for k in range(4))
     vtaps = rows[yi]  # (oh, 4, ow[, C])
     out = sum(vtaps[:, k] * yw[(slice(None), k, None) + extra] for k in range(4))
+    if img.dtype == np.float32:
+        return out.astype(np.float32)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
