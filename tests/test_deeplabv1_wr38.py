@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.networks.deeplab import build_model, param_groups
+from mars_plugin.networks.deeplab import build_model, load_backbone_weights, param_groups
 from mars_plugin.networks.deeplabv1 import (DeepLabV1WR38, seam_crf_image, seam_loss, seam_multiscale_logits,
                                             seam_param_groups, seam_poly_lr, seam_train_mode)
 from mars_plugin.networks.wide_resnet38 import WideResNet38, load_wr38_weights, wr38_key
@@ -292,7 +292,7 @@ def test_load_mxnet_params_file(tmp_path, legacy):
         assert torch.equal(got[k], torch.from_numpy(v).double()), k
     torch.save({k: torch.from_numpy(v) for k, v in state.items()}, tmp_path / "converted.pth")
     net2 = DeepLabV1WR38(20, width_div=16)
-    load_wr38_weights(net2, tmp_path / "converted.pth")
+    load_backbone_weights(net2, tmp_path / "converted.pth")  # dispatches to load_wr38_weights
     assert torch.equal(net2.backbone.b7.conv_branch2b2.weight, torch.from_numpy(state["b7.conv_branch2b2.weight"]))
 
 

@@ -298,7 +298,8 @@ def _some(keys: List[str], n: int = 4) -> str:
 
 
 def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
-    """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone.
+    """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone
+    (a ``deeplabv1-wr38`` network: :func:`mars_plugin.networks.wide_resnet38.load_wr38_weights`).
 
     The file is read with ``torch.load(weights_only=True)``; its ``fc.*`` entries are ignored
     and every other key must match the backbone's name and shape (BatchNorm's
@@ -313,6 +314,10 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
         ValueError: one line naming the file and what does not fit (missing, unexpected and
             shape-mismatched keys; the backbone the file would fit, if any).
     """
+    if getattr(_unwrap(model), "arch", None) == "deeplabv1-wr38":  # the SEAM row: WR38's MXNet file
+        from mars_plugin.networks.wide_resnet38 import load_wr38_weights
+
+        return load_wr38_weights(model, path)
     backbone = _backbone_of(model)
     path = os.fspath(path)
     if not os.path.isfile(path):
