@@ -4,4 +4,6 @@ training data pipeline with DHR's augmentation (``seg_data.py``), and their labe
 images: multi-scale + flip softmax, then the CRF (``inference.py``), and the memory both take,
 checked against ``--max-memory`` before any work (``memory.py``); the recipe of each codebase that
 trains them, one frozen record per Table 2 row, each field citing its upstream line
-(``recipes.py``, its fields' checks in ``recipe_checks.py``)."""
+(``recipes.py``, its fields' checks in ``recipe_checks.py``). The SEAM row's DeepLabv1 on the
+wide ResNet-38 (``deeplabv1.py``, ``wide_resnet38.py``) and its codebase's augmentation
+(``seam_data.py``)."""

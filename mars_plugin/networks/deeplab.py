@@ -246,7 +246,9 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
     """The segmentation network of ``mars train``, randomly initialised.
 
     Args:
-        arch: ``"deeplabv3+"`` (RS+EPM's row) or ``"deeplabv2"`` (the IRNet/AdvCAM rows).
+        arch: ``"deeplabv3+"`` (RS+EPM's row), ``"deeplabv2"`` (the IRNet/AdvCAM rows) or
+            ``"deeplabv1-wr38"`` (the SEAM row, backbone ``"wr38"``, output stride 8:
+            :mod:`mars_plugin.networks.deeplabv1`).
         backbone: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"`` (torchvision layout; load
             ImageNet weights with :func:`load_backbone_weights`).
         num_classes: C, the number of foreground classes (1..253); the network outputs C + 1
@@ -258,6 +260,10 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
         A module whose ``forward(x)``, x (B, 3, H, W) float normalized with :func:`normalize`,
         gives logits (B, C + 1, H, W); ``model.config`` is the dict of these arguments.
     """
+    if arch == "deeplabv1-wr38":  # the SEAM row: its own module (WR38 backbone, output stride 8)
+        from mars_plugin.networks.deeplabv1 import build_deeplabv1_wr38
+
+        return build_deeplabv1_wr38(backbone, num_classes, output_stride)
     arch, backbone, num_classes, output_stride = _check_model_args(arch, backbone, num_classes, output_stride)
     cls = DeepLabV3Plus if arch == "deeplabv3+" else DeepLabV2
     return cls(backbone, num_classes, output_stride)
@@ -292,7 +298,8 @@ def _some(keys: List[str], n: int = 4) -> str:
 
 
 def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
-    """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone.
+    """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone
+    (a ``deeplabv1-wr38`` network: :func:`mars_plugin.networks.wide_resnet38.load_wr38_weights`).
 
     The file is read with ``torch.load(weights_only=True)``; its ``fc.*`` entries are ignored
     and every other key must match the backbone's name and shape (BatchNorm's
@@ -307,6 +314,10 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
         ValueError: one line naming the file and what does not fit (missing, unexpected and
             shape-mismatched keys; the backbone the file would fit, if any).
     """
+    if getattr(_unwrap(model), "arch", None) == "deeplabv1-wr38":  # the SEAM row: WR38's MXNet file
+        from mars_plugin.networks.wide_resnet38 import load_wr38_weights
+
+        return load_wr38_weights(model, path)
     backbone = _backbone_of(model)
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -398,6 +409,10 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float) -> List[Dict[
     lr = check_real_param(lr, "lr", 0.0, float("inf"), low_open=True)
     weight_decay = check_real_param(weight_decay, "weight_decay", 0.0, float("inf"))
     net = _unwrap(model)
+    if getattr(net, "arch", None) == "deeplabv1-wr38":  # SEAM's codebase groups its convs only
+        from mars_plugin.networks.deeplabv1 import seam_param_groups
+
+        return seam_param_groups(model, lr, weight_decay)
     if not isinstance(net, _SegNet):
         raise TypeError(f"model must be a network of mars_plugin.networks.deeplab.build_model, got {describe(net)}")
     buckets: Dict[str, List[nn.Parameter]] = {g[0]: [] for g in _GROUPS}
