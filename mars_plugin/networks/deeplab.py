@@ -202,7 +202,8 @@ def _check_model_args(arch: Any, backbone: Any, num_classes: Any, output_stride:
     if not isinstance(backbone, str):
         raise TypeError(f"backbone must be one of {', '.join(map(repr, backbones))}, got {describe(backbone)}")
     if backbone not in backbones:
-        raise ValueError(f"backbone must be one of {', '.join(map(repr, backbones))} for {arch}, got {backbone!r}")
+        which = "" if arch == "deeplabv3+" else " for deeplabv2 (deeplab-pytorch's MSRA ResNet)"
+        raise ValueError(f"backbone must be one of {', '.join(map(repr, backbones))}{which}, got {backbone!r}")
     num_classes = check_num_classes(num_classes)
     if output_stride is None:
         output_stride = DEFAULT_OUTPUT_STRIDE[arch]
