@@ -211,10 +211,10 @@ def test_msc_loss_is_the_sum_over_outputs_over_iter_size():
 
 
 def test_the_mars_hook_on_msc_outputs_is_upstreams_loss_at_321():
-    """adapters/training_hook.py with match="labels" and multi_scale=True (its defaults) on labels
+    """mars_plugin.adapters.training_hook with match="labels" and multi_scale=True (its defaults) on labels
     without biased pixels and no refinement: its mean WCE over the four outputs is main.py's
     loss (before / ITER_SIZE, the trainer's accumulation) at upstream's crop, 321 -> 41, 21, 31."""
-    from adapters.training_hook import MARSTrainingHook
+    from mars_plugin.adapters.training_hook import MARSTrainingHook
 
     torch.manual_seed(0)
     net = nn.Conv2d(3, 4, 1)
@@ -225,3 +225,21 @@ def test_the_mars_hook_on_msc_outputs_is_upstreams_loss_at_321():
     images = torch.randn(2, 3, 8, 8)
     got = hook(images, outs, labels, torch.ones(2, 3, dtype=torch.bool))
     torch.testing.assert_close(got, msc_loss(outs, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_the_hook_takes_pils_label_resize_where_ties_differ():
+    """Labels of 16 on grids of 12, 9 and 15 hit PIL's rounding at exact ties: the hook's default
+    pixel-centre rule then differs from main.py; label_resize=resize_labels_nearest is main.py's."""
+    from mars_plugin.adapters.training_hook import MARSTrainingHook
+
+    torch.manual_seed(1)
+    outs = [torch.randn(2, 4, s, s) for s in (12, 9, 15, 12)]
+    labels = torch.randint(0, 4, (2, 16, 16))
+    images, classes = torch.randn(2, 3, 8, 8), torch.ones(2, 3, dtype=torch.bool)
+    sizes = [(12, 12), (9, 9), (15, 15)]
+    from mars_plugin.method.centroid_pixels import resize_label
+    assert any(not torch.equal(resize_label(labels, s), resize_labels_nearest(labels, s)) for s in sizes)
+    pil = MARSTrainingHook(nn.Conv2d(3, 4, 1), refine=None, label_resize=resize_labels_nearest)
+    torch.testing.assert_close(pil(images, outs, labels, classes), msc_loss(outs, labels), rtol=1e-5, atol=1e-6)
+    plain = MARSTrainingHook(nn.Conv2d(3, 4, 1), refine=None)
+    assert not torch.allclose(plain(images, outs, labels, classes), msc_loss(outs, labels), rtol=1e-5, atol=1e-6)
