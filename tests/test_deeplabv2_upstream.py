@@ -70,6 +70,7 @@ def expected_keys(backbone, num_classes):
 @pytest.mark.parametrize("backbone", ["resnet50", "resnet101"])
 def test_keys_are_upstreams_in_order(backbone):
     net = meta_net(backbone, 20)
+    assert isinstance(net, DeepLabV2) and isinstance(net, nn.Sequential)  # upstream's class is a Sequential
     assert list(net.state_dict()) == expected_keys(backbone, 20)
     assert [n for n, _ in net.named_children()] == ["layer1", "layer2", "layer3", "layer4", "layer5", "aspp"]
     assert net.config == {"arch": "deeplabv2", "backbone": backbone, "output_stride": 8, "num_classes": 20}
