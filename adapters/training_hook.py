@@ -84,6 +84,10 @@ class MARSTrainingHook:
         reduction: the WCE's ``"mean"`` (over the labelled pixels, as the repositories' CE) or
             ``"sum"`` (for a trainer that divides by a global pixel count, e.g. over DDP ranks,
             as ``mars train`` does).
+        label_resize: ``(labels (B, H, W), (h, w)) -> (B, h, w)`` for ``match="labels"``; the
+            default is the pixel-centre nearest rule. deeplab-pytorch resizes with PIL's NEAREST,
+            which differs at exact ties (not at its 321 crops' 41/21/31 grids):
+            ``mars_plugin.networks.deeplab_pytorch.resize_labels_nearest`` is PIL's.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class MARSTrainingHook:
         crf_params: Union[None, str, Mapping[str, Any]] = None,
         crf_backend: str = "torch",
         reduction: str = "mean",
+        label_resize: Callable[[torch.Tensor, Tuple[int, int]], torch.Tensor] = resize_label,
     ) -> None:
         if match not in ("labels", "logits"):
             raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
@@ -116,13 +121,14 @@ class MARSTrainingHook:
             check_crf_params(crf_params) if refine == "crf" else check_local_crf_params(crf_params))
         self.crf_backend = check_crf_backend(crf_backend)
         self.multi_scale = bool(multi_scale)
+        self.label_resize = label_resize
 
     def targets(self, labels: torch.Tensor, size) -> torch.Tensor:
         """Labels as loaded (254 = biased) -> long labels with -1, on the logits grid if asked."""
         y = labels.long()
         y = torch.where(y == self.biased_value, torch.full_like(y, -1), y)
         if self.match == "labels" and tuple(y.shape[-2:]) != tuple(size):
-            y = resize_label(y, tuple(size))
+            y = self.label_resize(y, tuple(size))
         return y
 
     def __call__(

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 from bench_crf import natural_image  # noqa: E402
 
+from mars_plugin.networks import deeplab_pytorch  # noqa: E402
 from mars_plugin.networks.deeplab import build_model, normalize  # noqa: E402
 from mars_plugin.networks.inference import CLASS_THRESHOLD, labels_from_probs, multiscale_probs  # noqa: E402
 
@@ -72,7 +73,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if args.smoke:
-        args.backbone, args.size, args.images, args.repeats = "resnet18", "64", 2, 1
+        # deeplabv2 is deeplab-pytorch's MSRA ResNet-50/101 only
+        small = "resnet18" if args.arch == "deeplabv3+" else "resnet50"
+        args.backbone, args.size, args.images, args.repeats = small, "64", 2, 1
         args.batch = args.batch or 2
     args.batch = args.batch or (8 if cuda else 1)
     args.images = args.images or 4 * args.batch
@@ -84,6 +87,8 @@ def main(argv=None) -> None:
     dev = torch.device(args.device)
     torch.manual_seed(0)
     model = build_model(args.arch, args.backbone, args.num_classes, args.output_stride).to(dev).eval()
+    # deeplabv2's input: BGR minus the caffe mean (deeplab-pytorch's base.py)
+    prep = deeplab_pytorch.normalize if args.arch == "deeplabv2" else normalize
     rgb = torch.from_numpy(np.stack([natural_image(H, W, i) for i in range(args.images)]))
     batches = [rgb[i:i + args.batch].to(dev) for i in range(0, args.images, args.batch)]
     g = torch.Generator().manual_seed(1)
@@ -95,7 +100,7 @@ def main(argv=None) -> None:
     scale = 1.0
     if args.logit_std > 0:
         with torch.no_grad():
-            scale = args.logit_std / float(model(normalize(batches[0][:1])).float().std())
+            scale = args.logit_std / float(model(prep(batches[0][:1])).float().std())
 
     def net(x):
         return model(x) * scale
@@ -107,7 +112,7 @@ def main(argv=None) -> None:
         for b in batches:
             _sync(args.device)
             t0 = time.perf_counter()
-            probs = multiscale_probs(net, normalize(b), scales, flip, fp16=args.fp16)
+            probs = multiscale_probs(net, prep(b), scales, flip, fp16=args.fp16)
             _sync(args.device)
             t_net += time.perf_counter() - t0
             if args.classes_per_image > 0:  # not timed: stands for a trained network's softmax

@@ -70,7 +70,8 @@ def meta_model(arch="deeplabv3+", backbone="resnet101", num_classes=20, output_s
 
 def tiny(arch="deeplabv3+", output_stride=None, num_classes=3, seed=0):
     torch.manual_seed(seed)
-    return build_model(arch, "resnet18", num_classes, output_stride)
+    # deeplabv2 is deeplab-pytorch's MSRA ResNet-50/101 only
+    return build_model(arch, "resnet18" if arch == "deeplabv3+" else "resnet50", num_classes, output_stride)
 
 
 def torchvision_state(name, seed=0, with_fc=True, with_tracked=True):
@@ -213,28 +214,6 @@ def test_deeplabv3plus_aspp_rates(os_, rates):
     assert model.aspp.aspp1.conv.kernel_size == (1, 1)
 
 
-@pytest.mark.parametrize("os_", [8, 16])
-def test_deeplabv2_aspp(os_):
-    torch.manual_seed(0)
-    model = build_model("deeplabv2", "resnet18", 20, os_)
-    convs = [model.aspp.aspp1, model.aspp.aspp2, model.aspp.aspp3, model.aspp.aspp4]
-    assert [c.dilation[0] for c in convs] == [6, 12, 18, 24]
-    assert [c.padding[0] for c in convs] == [6, 12, 18, 24]
-    for c in convs:
-        assert tuple(c.weight.shape) == (21, 512, 3, 3)
-        assert float(c.bias.detach().abs().max()) == 0.0
-        assert abs(float(c.weight.detach().std()) - 0.01) < 0.0005  # N(0, 0.01), 96768 samples
-    head = [k for k, _ in model.named_parameters() if not k.startswith("backbone.")]
-    assert head == [f"aspp.aspp{i}.{p}" for i in range(1, 5) for p in ("weight", "bias")]
-
-
-def test_deeplabv2_sums_the_four_branches():
-    model = tiny("deeplabv2", 8).eval()
-    x = torch.randn(2, 512, 5, 5)
-    want = sum(getattr(model.aspp, f"aspp{i}")(x) for i in range(1, 5))
-    assert torch.allclose(model.aspp(x), want, atol=1e-6)
-
-
 def test_default_output_stride_per_arch():
     assert meta_model("deeplabv3+").config["output_stride"] == 16
     assert meta_model("deeplabv2").config["output_stride"] == 8
@@ -244,7 +223,7 @@ def test_default_output_stride_per_arch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deeplabv3+", "deeplabv2"])
+@pytest.mark.parametrize("arch", ["deeplabv3+"])  # deeplabv2: tests/test_deeplabv2_upstream.py
 @pytest.mark.parametrize("os_", [8, 16])
 @pytest.mark.parametrize("hw", [(65, 65), (25, 38)])
 def test_output_shape(arch, os_, hw):
@@ -293,7 +272,7 @@ def test_determinism_for_a_seed():
         assert torch.equal(a(x), b(x))
 
 
-@pytest.mark.parametrize("arch", ["deeplabv3+", "deeplabv2"])
+@pytest.mark.parametrize("arch", ["deeplabv3+"])  # deeplabv2: tests/test_deeplabv2_upstream.py
 def test_gradients_reach_every_parameter(arch):
     model = tiny(arch, 16).train()
     x = torch.randn(2, 3, 33, 33)
@@ -341,9 +320,9 @@ def test_build_model_refuses_bad_arguments(kwargs, exc, pattern):
 
 @pytest.mark.parametrize("num_classes", [1, 253])
 def test_build_model_class_count_edges(num_classes):
-    model = meta_model("deeplabv2", "resnet18", num_classes)
-    assert model.aspp.aspp1.out_channels == num_classes + 1
-    assert model.config == {"arch": "deeplabv2", "backbone": "resnet18", "output_stride": 8,
+    model = meta_model("deeplabv2", "resnet50", num_classes)
+    assert model.aspp.c0.out_channels == num_classes + 1
+    assert model.config == {"arch": "deeplabv2", "backbone": "resnet50", "output_stride": 8,
                             "num_classes": num_classes}
 
 
@@ -357,7 +336,7 @@ def test_numpy_integers_are_accepted():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,with_tracked", [("deeplabv3+", True), ("deeplabv2", False)])
+@pytest.mark.parametrize("arch,with_tracked", [("deeplabv3+", True), ("deeplabv3+", False)])
 def test_load_backbone_weights_round_trip(tmp_path, arch, with_tracked):
     state = torchvision_state("resnet18", seed=1, with_tracked=with_tracked)
     path = tmp_path / "resnet18-f37072fd.pth"
@@ -524,13 +503,16 @@ def test_param_groups(arch):
     assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}
     by_name = {id(p): n for n, p in model.named_parameters()}
     names = {g["name"]: [by_name[id(p)] for p in g["params"]] for g in groups}
-    assert "backbone.conv1.weight" in names["backbone_weight"]
-    assert "backbone.bn1.weight" in names["backbone_weight"]  # BN weights are decayed, as upstream
-    assert "backbone.bn1.bias" in names["backbone_bias"]
-    assert all(n.startswith("backbone.") for n in names["backbone_weight"] + names["backbone_bias"])
-    assert not any(n.startswith("backbone.") for n in names["head_weight"] + names["head_bias"])
+    first = "backbone.conv1.weight" if arch == "deeplabv3+" else "layer1.conv1.conv.weight"
+    bn = "backbone.bn1" if arch == "deeplabv3+" else "layer1.conv1.bn"
+    part = "backbone." if arch == "deeplabv3+" else "layer"
+    assert first in names["backbone_weight"]
+    assert f"{bn}.weight" in names["backbone_weight"]  # BN weights are decayed, as upstream
+    assert f"{bn}.bias" in names["backbone_bias"]
+    assert all(n.startswith(part) for n in names["backbone_weight"] + names["backbone_bias"])
+    assert not any(n.startswith(part) for n in names["head_weight"] + names["head_bias"])
     if arch == "deeplabv2":
-        assert names["head_bias"] == [f"aspp.aspp{i}.bias" for i in range(1, 5)]
+        assert names["head_bias"] == [f"aspp.c{i}.bias" for i in range(4)]
     else:
         assert "decoder.classifier.4.weight" in names["head_weight"]
         assert "aspp.aspp1.bn.bias" in names["head_bias"]
@@ -562,7 +544,7 @@ def test_param_groups_leave_out_frozen_and_accept_wrapped():
 ])
 def test_param_groups_refuse_bad_numbers(lr, wd, exc, pattern):
     with pytest.raises(exc, match=pattern):
-        param_groups(meta_model("deeplabv2", "resnet18"), lr, wd)
+        param_groups(meta_model("deeplabv2", "resnet50"), lr, wd)
 
 
 def test_param_groups_refuse_other_networks():
@@ -612,7 +594,8 @@ def test_checkpoint_round_trip(tmp_path, arch):
     opt = torch.optim.SGD(param_groups(model, 0.01, 1e-4), lr=0.01, momentum=0.9)
     model.train()
     x = torch.randn(2, 3, 33, 33)
-    F.cross_entropy(model(x), torch.randint(0, 6, (2, 33, 33))).backward()
+    out = model(x)  # deeplabv2: at stride 8, as upstream
+    F.cross_entropy(out, torch.randint(0, 6, (2, *out.shape[-2:]))).backward()
     opt.step()
     path = tmp_path / "ck.pth"
     # the optimizer's groups carry strings (name): they too must read back with weights_only
@@ -634,7 +617,9 @@ def test_checkpoint_round_trip(tmp_path, arch):
 @pytest.mark.parametrize("cls,args,exc,pattern", [
     (deeplab.DeepLabV3Plus, ("resnet18", 5, 32), ValueError, r"output_stride must be 8 or 16, got 32"),
     (deeplab.DeepLabV2, ("resnet34", 5, 8), ValueError, r"backbone must be one of .* got 'resnet34'"),
-    (deeplab.DeepLabV2, ("resnet18", 0, 8), ValueError, r"num_classes must be an integer in 1..253, got 0"),
+    (deeplab.DeepLabV2, ("resnet50", 0, 8), ValueError, r"num_classes must be an integer in 1..253, got 0"),
+    (deeplab.DeepLabV2, ("resnet18", 5, 8), ValueError, r"backbone must be one of 'resnet50', 'resnet101' for deeplabv2"),
+    (deeplab.DeepLabV2, ("resnet50", 5, 16), ValueError, r"output_stride must be 8 for deeplabv2"),
 ])
 def test_classes_check_their_arguments_too(cls, args, exc, pattern):
     with pytest.raises(exc, match=pattern):

@@ -195,7 +195,7 @@ def _env():
 
 def _cli_args(tree, out, extra=()):
     return ["train", "--images", str(tree / "images"), "--labels", str(tree / "debiased"), "--out", str(out),
-            "--num-classes", str(C), "--arch", "deeplabv2", "--backbone", "resnet18", "--iterations", "3",
+            "--num-classes", str(C), "--arch", "deeplabv2", "--backbone", "resnet50", "--iterations", "3",
             "--batch-size", "4", "--crop", "32", "--min-size", "28", "--max-size", "40", "--workers", "0",
             "--log-every", "1", "--no-progress", *extra]
 
@@ -223,10 +223,13 @@ def test_two_gloo_processes_equal_one_process(tree, tmp_path):
 @pytest.mark.slow
 def test_cli_trains_and_the_checkpoint_rebuilds_the_network(tree, tmp_path, capsys):
     out = tmp_path / "c"
-    assert cli.main(_cli_args(tree, out, ("--loss", "ce", "--labels", str(tree / "pseudo")))) == 0
+    # deeplabv3+: plain CE compares logits at the crop's size; deeplabv2's are at stride 8 as upstream
+    # returns them (deeplab-pytorch's loss on the logits' grid is networks/deeplab_pytorch.msc_loss)
+    arch = ("--arch", "deeplabv3+", "--backbone", "resnet18")
+    assert cli.main(_cli_args(tree, out, ("--loss", "ce", "--labels", str(tree / "pseudo"), *arch))) == 0
     assert "train (ce) ->" in capsys.readouterr().out
     model, meta = model_from_checkpoint(out / CHECKPOINT_NAME)
-    assert meta["model"] == {"arch": "deeplabv2", "backbone": "resnet18", "output_stride": 8, "num_classes": C}
+    assert meta["model"] == {"arch": "deeplabv3+", "backbone": "resnet18", "output_stride": 16, "num_classes": C}
     assert meta["iteration"] == 3
     with pytest.raises(ValueError, match="holds no teacher"):
         model_from_checkpoint(out / CHECKPOINT_NAME, which="teacher")

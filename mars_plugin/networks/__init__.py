@@ -1,5 +1,8 @@
-"""The segmentation networks of ``mars train`` / ``mars predict``: DeepLabv3+ and DeepLabv2
-(``deeplab.py``) on ResNet (``resnet.py``), their checkpoint format (``seg_checkpoint.py``) and
+"""The segmentation networks of ``mars train`` / ``mars predict``: DeepLabv3+ (``deeplab.py``,
+its entry point ``build_model``) on ResNet (``resnet.py``), deeplab-pytorch's DeepLabv2 with its
+MSC wrapper and weight reader (``deeplabv2.py``) on its MSRA ResNet (``msra_resnet.py``) and its
+training pieces (``deeplab_pytorch.py``: augmentation, normalisation, SGD groups, poly lr, MSC
+loss), their checkpoint format (``seg_checkpoint.py``) and
 training data pipeline with DHR's augmentation (``seg_data.py``), and their labels for a batch of
 images: multi-scale + flip softmax, then the CRF (``inference.py``), and the memory both take,
 checked against ``--max-memory`` before any work (``memory.py``); the recipe of each codebase that

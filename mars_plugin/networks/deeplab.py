@@ -27,13 +27,11 @@ core/networks.py ``DeepLabv3_Plus``, read at df538e2a2b7b0cd2a01e6a8c3e1ea374211
   (PuzzleCAM's older core/deeplab_utils.py, same author, ends with a 1x1 conv with bias and
   resizes with ``align_corners=True``; RS+EPM, the paper's row, is what we follow.)
 
-DeepLabv2 -- the IRNet/AdvCAM rows' trainer (kazuto1011/deeplab-pytorch,
-libs/models/deeplabv2.py ``_ASPP`` and configs/voc12.yaml, read at
-4219467fa5de07985f834f1bd8c04c186dc8f6d8; RS+EPM's ``ASPP_For_DeepLabv2`` is the same):
-  * four 3x3 convs with bias from layer4 straight to C + 1 classes, rates 6, 12, 18, 24,
-    padding = rate, outputs summed; weights N(0, 0.01), biases 0;
-  * output stride 8 (the default here for this arch); logits up-sampled bilinearly
-    (``align_corners=False``, as main.py does) to the input size.
+DeepLabv2 -- the IRNet/AdvCAM rows' network: deeplab-pytorch's own DeepLabV2 on its MSRA ResNet-50/101,
+output stride 8, logits at stride 8 (not up-sampled), its module names and keys
+(:class:`mars_plugin.networks.deeplabv2.DeepLabV2`, every number in that module's docstring);
+``--weights`` for it reads deeplab-pytorch's caffe-converted files
+(:func:`mars_plugin.networks.deeplabv2.load_deeplab_pytorch_weights`).
 
 Training groups (:func:`param_groups`): RS+EPM's ``get_parameter_groups`` (core/abc_modules.py)
 splits parameters into backbone weights, backbone biases, new weights, new biases by name
@@ -57,6 +55,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_num_classes, check_real_param, describe
+from mars_plugin.networks.deeplabv2 import MSC, DeepLabV2, load_deeplab_pytorch_weights
+from mars_plugin.networks.msra_resnet import MSRA_BACKBONES
 from mars_plugin.networks.resnet import BACKBONES, ResNet
 
 __all__ = [
@@ -136,23 +136,6 @@ class _Decoder(nn.Module):
         return self.classifier(torch.cat([_resize(x, low.shape[-2:]), low], 1))
 
 
-class _ASPPv2(nn.Module):
-    def __init__(self, cin: int, num_outputs: int, rates: Sequence[int]) -> None:
-        super().__init__()
-        for i, r in enumerate(rates, 1):
-            conv = nn.Conv2d(cin, num_outputs, 3, padding=r, dilation=r, bias=True)
-            nn.init.normal_(conv.weight, mean=0.0, std=0.01)  # deeplab-pytorch's _ASPP init
-            nn.init.zeros_(conv.bias)
-            self.add_module(f"aspp{i}", conv)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = None
-        for conv in self.children():
-            y = conv(x)
-            out = y if out is None else out + y
-        return out
-
-
 class _SegNet(nn.Module):
     """What both archs share: the backbone, the description, the input check and the resize."""
 
@@ -209,36 +192,26 @@ class DeepLabV3Plus(_SegNet):
         return self.decoder(self.aspp(feats[3]), feats[0])
 
 
-class DeepLabV2(_SegNet):
-    """DeepLabv2 (ASPP of four summed dilated 3x3 convs) as deeplab-pytorch builds it."""
-
-    arch = "deeplabv2"
-
-    def __init__(self, backbone: str, num_classes: int, output_stride: int = 8) -> None:
-        super().__init__(backbone, num_classes, output_stride)
-        self.aspp = _ASPPv2(self.backbone.channels[3], num_classes + 1, (6, 12, 18, 24))
-
-    def _head(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.aspp(feats[3])
-
-
 def _check_model_args(arch: Any, backbone: Any, num_classes: Any, output_stride: Any) -> Tuple[str, str, int, int]:
     """The arguments of :func:`build_model`, checked (None output stride: the arch's own)."""
     if not isinstance(arch, str):
         raise TypeError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {describe(arch)}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
+    backbones, strides = (BACKBONES, OUTPUT_STRIDES) if arch == "deeplabv3+" else (MSRA_BACKBONES, (8,))
     if not isinstance(backbone, str):
-        raise TypeError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {describe(backbone)}")
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {backbone!r}")
+        raise TypeError(f"backbone must be one of {', '.join(map(repr, backbones))}, got {describe(backbone)}")
+    if backbone not in backbones:
+        which = "" if arch == "deeplabv3+" else " for deeplabv2 (deeplab-pytorch's MSRA ResNet)"
+        raise ValueError(f"backbone must be one of {', '.join(map(repr, backbones))}{which}, got {backbone!r}")
     num_classes = check_num_classes(num_classes)
     if output_stride is None:
         output_stride = DEFAULT_OUTPUT_STRIDE[arch]
+    said = " or ".join(map(str, strides)) + ("" if arch == "deeplabv3+" else " for deeplabv2 (deeplab-pytorch's, fixed)")
     if isinstance(output_stride, bool) or not isinstance(output_stride, (int, np.integer)):
-        raise TypeError(f"output_stride must be 8 or 16, got {describe(output_stride)}")
-    if int(output_stride) not in OUTPUT_STRIDES:
-        raise ValueError(f"output_stride must be 8 or 16, got {output_stride}")
+        raise TypeError(f"output_stride must be {said}, got {describe(output_stride)}")
+    if int(output_stride) not in strides:
+        raise ValueError(f"output_stride must be {said}, got {output_stride}")
     return arch, backbone, num_classes, int(output_stride)
 
 
@@ -249,16 +222,21 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
         arch: ``"deeplabv3+"`` (RS+EPM's row), ``"deeplabv2"`` (the IRNet/AdvCAM rows) or
             ``"deeplabv1-wr38"`` (the SEAM row, backbone ``"wr38"``, output stride 8:
             :mod:`mars_plugin.networks.deeplabv1`).
-        backbone: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"`` (torchvision layout; load
-            ImageNet weights with :func:`load_backbone_weights`).
+        backbone: deeplabv3+: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"`` (torchvision
+            layout); deeplabv2: ``"resnet50"`` or ``"resnet101"`` (deeplab-pytorch's MSRA
+            ResNet). Load pretrained weights with :func:`load_backbone_weights`.
         num_classes: C, the number of foreground classes (1..253); the network outputs C + 1
             channels, background first.
-        output_stride: 8 or 16; None takes the arch's upstream value (16 for deeplabv3+, 8 for
-            deeplabv2).
+        output_stride: deeplabv3+: 8 or 16; deeplabv2: 8 only; None takes the arch's upstream
+            value (16 for deeplabv3+, 8 for deeplabv2).
 
     Returns:
-        A module whose ``forward(x)``, x (B, 3, H, W) float normalized with :func:`normalize`,
-        gives logits (B, C + 1, H, W); ``model.config`` is the dict of these arguments.
+        A module whose ``forward(x)``, x (B, 3, H, W) float, gives logits (B, C + 1, h, w);
+        ``model.config`` is the dict of these arguments. deeplabv3+: x normalized with
+        :func:`normalize`, logits at the input size (h, w) = (H, W). deeplabv2: x BGR minus the
+        caffe mean (:func:`mars_plugin.networks.deeplab_pytorch.normalize`), logits at stride 8
+        as upstream returns them (the caller resizes); wrap it in
+        :class:`mars_plugin.networks.deeplabv2.MSC` for deeplab-pytorch's multi-scale outputs.
     """
     if arch == "deeplabv1-wr38":  # the SEAM row: its own module (WR38 backbone, output stride 8)
         from mars_plugin.networks.deeplabv1 import build_deeplabv1_wr38
@@ -286,6 +264,11 @@ def _backbone_of(model: Any, name: str = "model") -> ResNet:
                     f"got {describe(net)}")
 
 
+def _is_deeplabv2(model: Any) -> bool:
+    net = _unwrap(model)
+    return isinstance(net.base if isinstance(net, MSC) else net, DeepLabV2)
+
+
 def _layout(name: str) -> Dict[str, Tuple[int, ...]]:
     # key -> shape of a backbone, built on the meta device (no memory, no init cost)
     with torch.device("meta"):
@@ -300,6 +283,10 @@ def _some(keys: List[str], n: int = 4) -> str:
 def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
     """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone
     (a ``deeplabv1-wr38`` network: :func:`mars_plugin.networks.wide_resnet38.load_wr38_weights`).
+
+    A deeplabv2 network takes deeplab-pytorch's files instead (its caffe-converted
+    ``deeplabv1_resnet101-coco.pth``, its released checkpoints): this hands it to
+    :func:`mars_plugin.networks.deeplabv2.load_deeplab_pytorch_weights`.
 
     The file is read with ``torch.load(weights_only=True)``; its ``fc.*`` entries are ignored
     and every other key must match the backbone's name and shape (BatchNorm's
@@ -318,6 +305,9 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
         from mars_plugin.networks.wide_resnet38 import load_wr38_weights
 
         return load_wr38_weights(model, path)
+    if _is_deeplabv2(model):
+        load_deeplab_pytorch_weights(model, path)
+        return
     backbone = _backbone_of(model)
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -404,7 +394,9 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float) -> List[Dict[
 
     BN weights count as weights and are decayed, as upstream. Each group carries ``name`` and
     ``lr_mult`` (lr = base lr x lr_mult) so a poly schedule can rescale it; frozen parameters
-    (``requires_grad=False``) are left out. ``model`` may be wrapped in DDP.
+    (``requires_grad=False``) are left out. ``model`` may be wrapped in DDP. For deeplabv2,
+    deeplab-pytorch's own three groups are
+    :func:`mars_plugin.networks.deeplab_pytorch.param_groups`.
     """
     lr = check_real_param(lr, "lr", 0.0, float("inf"), low_open=True)
     weight_decay = check_real_param(weight_decay, "weight_decay", 0.0, float("inf"))
@@ -413,13 +405,16 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float) -> List[Dict[
         from mars_plugin.networks.deeplabv1 import seam_param_groups
 
         return seam_param_groups(model, lr, weight_decay)
-    if not isinstance(net, _SegNet):
+    if isinstance(net, MSC):
+        net = net.base
+    if not isinstance(net, (_SegNet, DeepLabV2)):
         raise TypeError(f"model must be a network of mars_plugin.networks.deeplab.build_model, got {describe(net)}")
     buckets: Dict[str, List[nn.Parameter]] = {g[0]: [] for g in _GROUPS}
     for name, p in net.named_parameters():
         if not p.requires_grad:
             continue
-        part = "backbone" if name.startswith("backbone.") else "head"
+        # deeplabv2 (upstream's names): layer1..layer5 are the backbone, aspp the head
+        part = "backbone" if name.startswith(("backbone.", "layer")) else "head"
         kind = "weight" if name.rsplit(".", 1)[-1] == "weight" else "bias"
         buckets[f"{part}_{kind}"].append(p)
     return [{"params": buckets[n], "name": n, "lr_mult": m, "lr": lr * m,

@@ -27,7 +27,7 @@ Backbone -- torchvision's ResNet (pytorch/vision, torchvision/models/resnet.py, 
   df538e2) builds OS 16 with layer4 at stride 1 and *no* dilation, and gives every first block
   dilation 1; deeplab-pytorch dilates all blocks of a layer (2 and 4) and uses caffe-converted
   MSRA weights with other key names. We follow torchvision, as the task and the ImageNet files
-  do.
+  do; ``--arch deeplabv2`` is deeplab-pytorch's own network (``msra_resnet.py``, ``deeplabv2.py``).
 """
 from __future__ import annotations
 
