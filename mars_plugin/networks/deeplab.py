@@ -72,10 +72,11 @@ __all__ = [
     "normalize",
 ]
 
-ARCHS = ("deeplabv3+", "deeplabv2")
+ARCHS = ("deeplabv3+", "deeplabv2", "deeplabv3+dhr")
 OUTPUT_STRIDES = (8, 16)
-#: The output stride each arch is trained with upstream (RS+EPM: 16; deeplab-pytorch: 8).
-DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8}
+#: The output stride each arch is trained with upstream (RS+EPM: 16; deeplab-pytorch: 8; DHR's
+#: train.py and produce_wss_masks.py: 8, core/networks.py ``DeepLabv3plus(output_stride=8)``).
+DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8, "deeplabv3+dhr": 8}
 
 #: ImageNet statistics of RGB in [0, 1] (torchvision's, used by RS+EPM's ``Normalize``).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -157,11 +158,13 @@ class _SegNet(nn.Module):
     """What both archs share: the backbone, the description, the input check and the resize."""
 
     arch = ""
+    #: how the backbone is dilated (:data:`mars_plugin.networks.resnet.RULES`)
+    resnet_rule = "torchvision"
 
     def __init__(self, backbone: str, num_classes: int, output_stride: int) -> None:
         super().__init__()
         _, backbone, num_classes, output_stride = _check_model_args(self.arch, backbone, num_classes, output_stride)
-        self.backbone = ResNet(backbone, output_stride)
+        self.backbone = ResNet(backbone, output_stride, rule=self.resnet_rule)
         self.num_classes = num_classes
 
     @property
@@ -246,19 +249,26 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
     """The segmentation network of ``mars train``, randomly initialised.
 
     Args:
-        arch: ``"deeplabv3+"`` (RS+EPM's row) or ``"deeplabv2"`` (the IRNet/AdvCAM rows).
+        arch: ``"deeplabv3+"`` (RS+EPM's network), ``"deeplabv2"`` (the IRNet/AdvCAM rows) or
+            ``"deeplabv3+dhr"`` (DHR's DeepLabv3+, the RS+EPM row's trainer:
+            :mod:`mars_plugin.networks.deeplab_dhr`; its logits are at stride 4, not the input's size).
         backbone: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"`` (torchvision layout; load
             ImageNet weights with :func:`load_backbone_weights`).
         num_classes: C, the number of foreground classes (1..253); the network outputs C + 1
             channels, background first.
         output_stride: 8 or 16; None takes the arch's upstream value (16 for deeplabv3+, 8 for
-            deeplabv2).
+            deeplabv2 and deeplabv3+dhr).
 
     Returns:
         A module whose ``forward(x)``, x (B, 3, H, W) float normalized with :func:`normalize`,
-        gives logits (B, C + 1, H, W); ``model.config`` is the dict of these arguments.
+        gives logits (B, C + 1, H, W) (deeplabv3+dhr: (B, C + 1, h, w) at stride 4); ``model.config``
+        is the dict of these arguments.
     """
     arch, backbone, num_classes, output_stride = _check_model_args(arch, backbone, num_classes, output_stride)
+    if arch == "deeplabv3+dhr":
+        from mars_plugin.networks.deeplab_dhr import DeepLabV3PlusDHR  # it builds on _SegNet, defined here
+
+        return DeepLabV3PlusDHR(backbone, num_classes, output_stride)
     cls = DeepLabV3Plus if arch == "deeplabv3+" else DeepLabV2
     return cls(backbone, num_classes, output_stride)
 
