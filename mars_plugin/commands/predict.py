@@ -24,8 +24,8 @@ import torch.nn as nn
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, check_scales, describe
 from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.formats.files import read_image, write_label
-from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _crf_params,
-                                           _scaled_size, labels_from_probs, multiscale_probs)
+from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IMAGES, DEFAULT_SCALES, _crf_params,
+                                           _scaled_size, crf_rgb, labels_from_probs, multiscale_probs)
 from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
@@ -62,6 +62,7 @@ def predict_job(
     flip: bool = True,
     crf: Optional[str] = "mars",
     class_threshold: float = CLASS_THRESHOLD,
+    crf_image: str = "file",
     batch_size: int = 4,
     device: Union[str, torch.device] = "cpu",
     fp16: bool = False,
@@ -77,7 +78,12 @@ def predict_job(
     (:func:`~mars_plugin.networks.inference.predict_labels`), P mode with the VOC palette, atomically.
 
     Args:
-        model: the network ((B, 3, h, w) -> (B, L, h, w) logits); moved to ``device``, eval mode.
+        model: the network ((B, 3, h, w) -> (B, L, h', w') logits; a smaller grid is upsampled);
+            moved to ``device``, eval mode.
+        crf_image: the bytes the CRF compares: ``"file"`` (the image's own) or ``"denormalized"``
+            (upstream's: the network's input turned back to bytes by truncation,
+            :func:`~mars_plugin.networks.inference.denormalized_bytes`; assumes ``preprocess``
+            normalises with ImageNet's mean and std, as the default does).
         batch_size: images per forward pass (each with its flip); only images of one size share
             a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
@@ -113,6 +119,8 @@ def predict_job(
     scales = check_scales(scales)
     params = _crf_params(crf)
     class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
+    if crf_image not in CRF_IMAGES:
+        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
     batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
@@ -126,7 +134,9 @@ def predict_job(
     record = FolderRecord(out_dir, "predict", {
         "model": dict(settings or {"model": type(model).__name__}), "scales": list(scales), "flip": bool(flip),
         "crf": "none" if params is None else crf, "crf_params": params,
-        "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16)}, rank=rank)
+        "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16),
+        # recorded only where it is not the file's bytes, so folders written before the option resume
+        **({"crf_image": crf_image} if params is not None and crf_image != "file" else {})}, rank=rank)
     group = sync_group()  # before anything that can fail on one rank only: every rank reaches it
     try:
         error: Optional[BaseException] = None
@@ -155,7 +165,7 @@ def predict_job(
             _predict_shard(model, [(s, p) for s, p in items if s in mine],
                            {s: n for s, n in clashes.items() if s in mine}, out_dir, summary, record,
                            scales=scales, flip=flip, crf=crf, params=params, class_threshold=class_threshold,
-                           batch_size=batch_size, device=device, fp16=fp16, preprocess=preprocess,
+                           crf_image=crf_image, batch_size=batch_size, device=device, fp16=fp16, preprocess=preprocess,
                            num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
                            max_bytes=max_bytes,
                            desc="predict" if world == 1 else f"predict rank 0/{world}")
@@ -175,7 +185,8 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    summary: JobSummary, record: Any, *, scales: Tuple[float, ...], flip: bool, crf: Optional[str],
                    params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
                    fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
-                   on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None) -> None:
+                   on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None,
+                   crf_image: str = "file") -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
     from mars_plugin.commands.identities import array_digest, file_id
 
@@ -209,7 +220,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
                              "background")
-        return labels_from_probs(probs, rgb, crf, class_threshold, max_bytes=max_bytes).cpu()
+        return labels_from_probs(probs, crf_rgb(rgb, x, crf_image), crf, class_threshold, max_bytes=max_bytes).cpu()
 
     def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
         stem, _, img = item

@@ -49,10 +49,15 @@ Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_pro
    ``apply_crf`` does the same). When no class reaches it (possible beyond 20 classes), every
    class takes part (upstream would fail on an empty CRF).
 
-Two differences that change no label on ordinary images: upstream gives the CRF the image
-denormalised back to bytes with truncation (``(x * std + mean) * 255`` then ``astype(uint8)``,
-``tools/ai/augment_utils.py:382-383``), which can be one below the file's byte; here the file's
-bytes themselves. DHR stores the kept probabilities as float16 before its CRF
+**The CRF's image** (``crf_image``): upstream gives the CRF the normalised image turned back to
+bytes by truncation, not the file's bytes: DHR ``produce_wss_masks.py:59`` ``denorm_fn(image)``,
+``tools/transforms.py:268-270`` ``image = (image * self.std) + self.mean; image = (image *
+255).astype(np.uint8)`` (RS+EPM the same, ``tools/ai/augment_utils.py:382-383``). The float32
+normalised image meets the mean and std as Python lists, so numpy computes in float64; the
+truncation makes 13-30% of the RGB values of a photograph one below the file's, which changed
+0.3-0.5% of the CRF's labels on the photographs tried. :func:`denormalized_bytes` computes those
+bytes; ``crf_image="denormalized"`` (the ``dhr`` recipe's) gives them to the CRF, ``"file"`` (the
+default) the file's bytes. DHR stores the kept probabilities as float16 before its CRF
 (``produce_wss_masks.py:45``); RS+EPM (and here) keep float32.
 
 ``mars predict`` runs this over a folder of images (the folder job: ``commands/predict.py``).
@@ -67,6 +72,8 @@ import torch.nn.functional as F
 from mars_plugin._checks import check_real_param, check_scales, describe
 from mars_plugin.engines.crf import dense_crf
 from mars_plugin.engines.crf_params import CRF_PRESETS, DEFAULT_MAX_BYTES, check_crf_params
+# ImageNet's statistics: RS+EPM's and DHR's Normalize/Denormalize (DHR tools/transforms.py:10-11)
+from mars_plugin.networks.deeplab import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "DEFAULT_SCALES",
@@ -76,6 +83,9 @@ __all__ = [
     "half_dtype",
     "labels_from_probs",
     "predict_labels",
+    "CRF_IMAGES",
+    "denormalized_bytes",
+    "crf_rgb",
 ]
 
 #: RS+EPM ``infer_seg.py:75`` and DHR ``core/networks.py:94``: the order matters only for
@@ -86,6 +96,9 @@ DEFAULT_SCALES: Tuple[float, ...] = (1.0, 0.5, 1.5, 2.0)
 CLASS_THRESHOLD = 0.05
 #: ``--crf``: a preset of :data:`mars_plugin.engines.crf_params.CRF_PRESETS`, or none.
 CRF_CHOICES = ("mars", "psa", "none")
+#: ``crf_image``: the bytes the CRF compares (module docstring): the file's, or upstream's
+#: denormalised normalised image.
+CRF_IMAGES = ("file", "denormalized")
 
 
 def _resize(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
@@ -201,10 +214,46 @@ def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[s
     return q.argmax(1)
 
 
+def denormalized_bytes(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN,
+                       std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """The bytes upstream's CRF sees: normalised images turned back by truncation.
+
+    DHR ``tools/transforms.py:268-270`` (``Denormalize``, used by ``produce_wss_masks.py:59``):
+    ``((x * std) + mean) * 255`` then ``astype(np.uint8)``, where ``std`` and ``mean`` are Python
+    lists, so numpy promotes the float32 image to float64; the same operations in the same order
+    here, in float64, truncated toward zero (values below 0 or above 255 do not occur for an
+    image normalised from bytes; they are clamped rather than wrapped).
+
+    Shapes:
+        images: (B, 3, H, W) float, normalised as ``(rgb / 255 - mean) / std`` (the network's input).
+        returns: (B, H, W, 3) uint8 RGB on ``images``' device.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 or \
+            not images.is_floating_point():
+        raise ValueError(f"images must be a float (B, 3, H, W) tensor of normalised images, got {describe(images)}")
+    x = images.detach().permute(0, 2, 3, 1).to(torch.float64)
+    m = torch.tensor([float(v) for v in mean], dtype=torch.float64, device=x.device)
+    s = torch.tensor([float(v) for v in std], dtype=torch.float64, device=x.device)
+    return ((x * s + m) * 255).trunc_().clamp_(0, 255).to(torch.uint8)
+
+
+def crf_rgb(rgb: torch.Tensor, images: torch.Tensor, crf_image: str = "file") -> torch.Tensor:
+    """The (B, H, W, 3) uint8 bytes the CRF compares: the file's ``rgb`` (``"file"``) or
+    :func:`denormalized_bytes` of the normalised ``images`` (``"denormalized"``, upstream's)."""
+    if crf_image not in CRF_IMAGES:
+        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
+    return rgb if crf_image == "file" else denormalized_bytes(images)
+
+
 def predict_labels(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, rgb: torch.Tensor,
                    scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, crf: Optional[str] = "mars",
-                   class_threshold: float = CLASS_THRESHOLD, *, fp16: bool = False) -> torch.Tensor:
+                   class_threshold: float = CLASS_THRESHOLD, *, fp16: bool = False,
+                   crf_image: str = "file") -> torch.Tensor:
     """:func:`multiscale_probs` then :func:`labels_from_probs`: (B, H, W) int64 labels of
-    (B, 3, H, W) normalised ``images`` whose RGB bytes are ``rgb`` (B, H, W, 3) uint8."""
+    (B, 3, H, W) normalised ``images`` whose RGB bytes are ``rgb`` (B, H, W, 3) uint8; the CRF
+    compares ``rgb`` (``crf_image="file"``) or upstream's :func:`denormalized_bytes` of
+    ``images`` (``"denormalized"``)."""
+    if crf_image not in CRF_IMAGES:  # before the network runs
+        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
     probs = multiscale_probs(model, images, scales, flip, fp16=fp16)
-    return labels_from_probs(probs, rgb.to(probs.device), crf, class_threshold)
+    return labels_from_probs(probs, crf_rgb(rgb, images, crf_image).to(probs.device), crf, class_threshold)
