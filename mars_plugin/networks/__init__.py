@@ -1,5 +1,6 @@
 """The segmentation networks of ``mars train`` / ``mars predict``: DeepLabv3+ and DeepLabv2
-(``deeplab.py``; DHR's DeepLabv3+ as it is: ``deeplab_dhr.py``) on ResNet (``resnet.py``), their checkpoint format (``seg_checkpoint.py``) and
-training data pipeline with DHR's augmentation (``seg_data.py``), and their labels for a batch of
-images: multi-scale + flip softmax, then the CRF (``inference.py``), and the memory both take,
-checked against ``--max-memory`` before any work (``memory.py``)."""
+(``deeplab.py``; DHR's DeepLabv3+ as it is: ``deeplab_dhr.py``) on ResNet (``resnet.py``), their
+checkpoint format (``seg_checkpoint.py``) and training data pipeline with DHR's augmentation
+(``seg_data.py``), and their labels for a batch of images: multi-scale + flip softmax, then the
+CRF (``inference.py``), and the memory both take, checked against ``--max-memory`` before any work
+(``memory.py``)."""
