@@ -321,9 +321,10 @@ def _memory_plan(model: Any, items: List[Tuple[str, Path]], out_dir: Path, recor
 # --------------------------------------------------------------------------------------------
 
 
-def load_model(path: PathLike, which: str = "student") -> Tuple[nn.Module, Dict[str, Any]]:
+def load_model(path: PathLike, which: Optional[str] = "student") -> Tuple[nn.Module, Dict[str, Any]]:
     """:func:`mars_plugin.networks.seg_checkpoint.model_from_checkpoint` with one-line errors naming
-    ``--model`` (and ``--which`` for a checkpoint without a teacher)."""
+    ``--model`` (and ``--which`` for a checkpoint without a teacher); ``which=None``: the
+    checkpoint's recipe's weights."""
     from mars_plugin.networks.seg_checkpoint import model_from_checkpoint
 
     try:
@@ -353,6 +354,9 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
                          "DHR's train.py --wss NAME reads) or --out DIR" + (", not both" if args.out else ""))
     model, meta = load_model(args.model, args.which)
     num_classes = int(meta["model"]["num_classes"])
+    from mars_plugin.commands.predict_recipe import predict_settings
+
+    inference = predict_settings(args, meta)
     flag = "--images"
     if args.root is not None:
         from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
@@ -386,9 +390,9 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
         images_dir, out = Path(args.images), Path(args.out)
     from mars_plugin.commands.identities import weight_file_id
 
-    settings = {"file": weight_file_id(args.model), "which": args.which, "network": meta["model"]}
-    s = predict_job(model, images_dir, out, scales=args.scales, flip=args.flip, crf=args.crf,
-                    class_threshold=args.class_threshold, batch_size=args.batch_size, device=args.device,
+    settings = {"file": weight_file_id(args.model), "which": meta["which"], "network": meta["model"],
+                **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}
+    s = predict_job(model, images_dir, out, **inference, batch_size=args.batch_size, device=args.device,
                     fp16=args.fp16, num_classes=num_classes, on_error=args.on_error,
                     progress=not args.no_progress, settings=settings, images_flag=flag,
                     max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30))
@@ -403,8 +407,10 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="FILE",
                    help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)"
                    + _OWN_DEFAULT)
-    p.add_argument("--which", choices=("student", "teacher"), default="student",
-                   help="the trained network or its EMA teacher (MARS runs only; --loss ce has none)")
+    p.add_argument("--which", choices=("student", "teacher"), default=None,
+                   help="the trained network or its EMA teacher (MARS runs only; --loss ce has none); default: "
+                        "the checkpoint's recipe's (dhr: the teacher, as DHR predicts with its EMA weights), "
+                        "the student for a checkpoint without a recipe" + _OWN_DEFAULT)
     p.add_argument("--images", default=None, metavar="DIR",
                    help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
     p.add_argument("--root", default=None, metavar="ROOT",
@@ -421,18 +427,24 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method"
                    + _OWN_DEFAULT)
-    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
-                   metavar="S,S,...",
+    recipe = " (default: the checkpoint's recipe's; without one, %s)"
+    p.add_argument("--scales", type=T.seg_scales, default=None, metavar="S,S,...",
                    help="inference scales, comma-separated (RS+EPM's and DHR's evaluators: 1,0.5,1.5,2); the mean "
-                        "softmax over scales (and flips) is taken")
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,
-                   help="also predict each scale's mirror image and average it in")
-    p.add_argument("--crf", choices=CRF_CHOICES, default="mars",
+                        "softmax over scales (and flips) is taken"
+                        + recipe % ",".join(f"{s:g}" for s in DEFAULT_SCALES))
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                   help="also predict each scale's mirror image and average it in" + recipe % "on")
+    p.add_argument("--crf", choices=CRF_CHOICES, default=None,
                    help="dense CRF on the mean softmax and the RGB image: mars (RS+EPM's DeepLab setting, Gaussian "
-                        "1/3, bilateral 67/3/4, 10 iterations), psa (PSA/SEAM's 3/3, 80/13/10), or none (argmax)")
-    p.add_argument("--class-threshold", type=T.class_threshold, default=CLASS_THRESHOLD, metavar="P",
+                        "1/3, bilateral 67/3/4, 10 iterations), psa (PSA/SEAM's 3/3, 80/13/10), or none (argmax)"
+                        + recipe % "mars")
+    p.add_argument("--crf-image", choices=CRF_IMAGES, default=None,
+                   help="the bytes the CRF compares: the image file's, or denormalized: the network's input turned "
+                        "back to bytes by truncation, as DHR's and RS+EPM's evaluators do (13-30%% of the values one "
+                        "below the file's)" + recipe % "file")
+    p.add_argument("--class-threshold", type=T.class_threshold, default=None, metavar="P",
                    help="classes whose probability reaches this somewhere in an image are that image's CRF labels "
-                        "(RS+EPM/DHR: 0.05; 0: every class)")
+                        "(RS+EPM/DHR: 0.05; 0: every class)" + recipe % CLASS_THRESHOLD)
     p.add_argument("--batch-size", type=T.batch_size, default=4, metavar="N",
                    help="images of one size per forward pass (each with its mirror); 16 suits a GPU")
     p.add_argument("--device", default="cpu",
