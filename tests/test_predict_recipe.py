@@ -89,7 +89,7 @@ def test_dhr_checkpoint_predicts_with_the_teacher_and_upstream_crf_bytes(tmp_pat
     assert rec["model"]["which"] == "teacher" and rec["model"]["recipe"] == "dhr"
     assert rec["crf_image"] == "denormalized"
     assert tuple(rec["scales"]) == tuple(r.test_scales) and rec["flip"] is r.test_flip
-    assert rec["class_threshold"] == r.class_threshold and rec["crf"] == r.crf
+    assert rec["class_threshold"] == r.class_threshold and rec["crf"] == r.crf and rec["fuse_at"] == "logits"
 
 
 def test_flags_win_over_the_recipe(tmp_path, monkeypatch):

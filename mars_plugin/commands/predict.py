@@ -25,7 +25,8 @@ from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_para
 from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.formats.files import read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IMAGES, DEFAULT_SCALES, _crf_params,
-                                           _scaled_size, crf_rgb, labels_from_probs, multiscale_probs)
+                                           _scaled_size, crf_rgb, labels_from_probs, multiscale_probs,
+                                           multiscale_probs_dhr)
 from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
@@ -63,6 +64,7 @@ def predict_job(
     crf: Optional[str] = "mars",
     class_threshold: float = CLASS_THRESHOLD,
     crf_image: str = "file",
+    fuse_at: Optional[str] = None,
     batch_size: int = 4,
     device: Union[str, torch.device] = "cpu",
     fp16: bool = False,
@@ -84,6 +86,10 @@ def predict_job(
             (upstream's: the network's input turned back to bytes by truncation,
             :func:`~mars_plugin.networks.inference.denormalized_bytes`; assumes ``preprocess``
             normalises with ImageNet's mean and std, as the default does).
+        fuse_at: where the scales' probabilities are averaged: ``"input"`` (RS+EPM's,
+            :func:`~mars_plugin.networks.inference.multiscale_probs`), ``"logits"`` (DHR's
+            ``apply_ms``, :func:`~mars_plugin.networks.inference.multiscale_probs_dhr`), or None:
+            the network's own upstream's (``"logits"`` for ``deeplabv3+dhr``, else ``"input"``).
         batch_size: images per forward pass (each with its flip); only images of one size share
             a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
@@ -121,6 +127,10 @@ def predict_job(
     class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
     if crf_image not in CRF_IMAGES:
         raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
+    if fuse_at is None:  # DHR's apply_ms is a method of its network: that network fuses as DHR does
+        fuse_at = "logits" if (getattr(model, "config", None) or {}).get("arch") == "deeplabv3+dhr" else "input"
+    if fuse_at not in ("input", "logits"):
+        raise ValueError(f"fuse_at must be 'input', 'logits' or None, got {fuse_at!r}")
     batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
@@ -136,7 +146,8 @@ def predict_job(
         "crf": "none" if params is None else crf, "crf_params": params,
         "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16),
         # recorded only where it is not the file's bytes, so folders written before the option resume
-        **({"crf_image": crf_image} if params is not None and crf_image != "file" else {})}, rank=rank)
+        **({"crf_image": crf_image} if params is not None and crf_image != "file" else {}),
+        **({"fuse_at": fuse_at} if fuse_at != "input" else {})}, rank=rank)
     group = sync_group()  # before anything that can fail on one rank only: every rank reaches it
     try:
         error: Optional[BaseException] = None
@@ -165,7 +176,8 @@ def predict_job(
             _predict_shard(model, [(s, p) for s, p in items if s in mine],
                            {s: n for s, n in clashes.items() if s in mine}, out_dir, summary, record,
                            scales=scales, flip=flip, crf=crf, params=params, class_threshold=class_threshold,
-                           crf_image=crf_image, batch_size=batch_size, device=device, fp16=fp16, preprocess=preprocess,
+                           crf_image=crf_image, fuse_at=fuse_at, batch_size=batch_size, device=device, fp16=fp16,
+                           preprocess=preprocess,
                            num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
                            max_bytes=max_bytes,
                            desc="predict" if world == 1 else f"predict rank 0/{world}")
@@ -186,7 +198,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
                    fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
                    on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None,
-                   crf_image: str = "file") -> None:
+                   crf_image: str = "file", fuse_at: str = "input") -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
     from mars_plugin.commands.identities import array_digest, file_id
 
@@ -216,7 +228,8 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     def labels_of(batch: Batch) -> torch.Tensor:
         rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, H, W, 3) uint8
         x = preprocess(rgb)
-        probs = multiscale_probs(model, x, scales, flip, fp16=fp16)
+        fuse = multiscale_probs_dhr if fuse_at == "logits" else multiscale_probs
+        probs = fuse(model, x, scales, flip, fp16=fp16)
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
                              "background")

@@ -30,7 +30,8 @@ Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_pro
    (``infer_seg.py:111``); here every map is resized to H x W before the mean, which is the
    same computation whenever the first scale is 1.0 (the default). DHR averages at the
    network's own output grid (stride 4 for DeepLabv3+) and upsamples the mean with
-   ``align_corners=True`` (``core/networks.py:109-127``): not what is done here.
+   ``align_corners=True`` (``core/networks.py:109-127``): :func:`multiscale_probs_dhr`, which
+   ``mars predict`` runs for DHR's own network (``deeplabv3+dhr``, whose method ``apply_ms`` is).
 4. **CRF** (``crf="mars"``, the default): the dense CRF of :func:`mars_plugin.engines.crf.dense_crf`
    with RS+EPM's ``crf_dict['deeplab']`` (``convert_seed_to_pseudo_masks.py:77-84``: 10
    iterations, Gaussian sxy 1 compat 3, bilateral sxy 67 srgb 3 compat 4; DHR's
@@ -80,6 +81,7 @@ __all__ = [
     "CLASS_THRESHOLD",
     "CRF_CHOICES",
     "multiscale_probs",
+    "multiscale_probs_dhr",
     "half_dtype",
     "labels_from_probs",
     "predict_labels",
@@ -166,6 +168,60 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
         why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
         raise ValueError(f"the network's output holds NaN or Inf{why}")
     return total.div_(len(scales) * (2 if flip else 1))
+
+
+@torch.no_grad()
+def multiscale_probs_dhr(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                         scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, *,
+                         fp16: bool = False) -> torch.Tensor:
+    """DHR's ``apply_ms`` (core/networks.py:91-127 at 94d5189, a method of its ``DeepLabv3plus``):
+    the mean softmax fused on the network's own grid, what ``mars predict`` runs for
+    ``deeplabv3+dhr`` networks.
+
+    Against :func:`multiscale_probs` (RS+EPM's): every resize is bilinear with
+    ``align_corners=True`` (DHR ``tools/torch_utils.py:45``), the scaled image included; each
+    scale's softmax (of logits as the network returns them, stride 4) is resized to the **first
+    scale's logits' grid** (``size = output_dict['logits'].shape[2:]`` of the first scale,
+    ``:104``), the probabilities are averaged there (``torch.mean(torch.stack(pred_masks))``,
+    ``:127``) and only the mean is resized to H x W. A size equal to the target is not resampled.
+    Shapes and arguments as :func:`multiscale_probs`.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+    scales = check_scales(scales)
+    B, _, H, W = images.shape
+    half = half_dtype(images.device)
+    grid: Optional[Tuple[int, int]] = None
+    total: Optional[torch.Tensor] = None
+    for s in scales:
+        x = _resize_corners(images, _scaled_size(H, W, s))
+        if flip:
+            x = torch.cat([x, x.flip(-1)])
+        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
+            logits = model(x)
+        if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
+            raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
+                             f"{describe(logits)}")
+        if grid is None:
+            grid = (int(logits.shape[-2]), int(logits.shape[-1]))
+        p = _resize_corners(torch.softmax(logits.float(), dim=1), grid)
+        if flip:
+            p = p[:B] + p[B:].flip(-1)
+        total = p if total is None else total.add_(p)
+    assert total is not None and grid is not None
+    if not bool(torch.isfinite(total).all()):
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
+    return _resize_corners(total.div_(len(scales) * (2 if flip else 1)), (H, W)).contiguous()
+
+
+def _resize_corners(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+    """DHR's ``torch_utils.resize``: bilinear, ``align_corners=True``, none at the same size."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=tuple(size), mode="bilinear", align_corners=True)
 
 
 def half_dtype(device: torch.device) -> torch.dtype:
