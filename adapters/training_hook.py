@@ -38,10 +38,21 @@ from mars_plugin.engines.crf_params import check_crf_backend, check_crf_params
 from mars_plugin.engines.local_crf import check_local_crf_params
 from mars_plugin.formats.files import BIASED_VALUE
 
-__all__ = ["MARSTrainingHook", "default_output_transform", "STATE_FORMAT"]
+__all__ = ["MARSTrainingHook", "default_output_transform", "STATE_FORMAT", "MATCHES", "resize_nearest"]
 
 #: ``state_dict()["format"]``: what :meth:`MARSTrainingHook.load_state_dict` accepts.
 STATE_FORMAT = "mars-training-hook/1"
+#: ``match``: where logits and labels meet (see :class:`MARSTrainingHook`).
+MATCHES = ("labels", "logits", "labels_nearest")
+
+
+def resize_nearest(t: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+    """(B, H, W) labels or weights -> (B, h, w) by ``F.interpolate(mode="nearest")`` as DHR
+    resizes its pseudo masks (train.py:325 through tools/torch_utils.py:45-68: float, the batch
+    as channels of one image, back to the input's dtype); the same size is returned as is."""
+    if tuple(t.shape[-2:]) == tuple(size):
+        return t
+    return F.interpolate(t.float().unsqueeze(0), size=tuple(size), mode="nearest")[0].to(t.dtype)
 
 
 def default_output_transform(out: Any) -> torch.Tensor:
@@ -72,6 +83,13 @@ class MARSTrainingHook:
             the teacher is refined on that grid, so a network that predicts below the labels'
             resolution (DeepLab's stride 8) takes ``match="logits"``: the CRF then runs at the
             labels' size on ``images_rgb`` of that size, as the paper refines full images.
+            ``"labels_nearest"`` (DHR's loss grid, the ``dhr`` recipe's ``loss_grid="logits"``):
+            the loss on the logits' grid, as ``"labels"``, but the teacher is upsampled to the
+            labels' size, completes (and refines, on ``images_rgb`` at that size) the labels
+            there, and the completed labels and their weights are then brought to the logits'
+            grid by ``F.interpolate(mode="nearest")`` (DHR train.py:325
+            ``torch_utils.resize(pseudo_masks.float(), logits.shape[2:], mode='nearest')``:
+            source pixel ``floor(i * in / out)``, not ``"labels"``' pixel-centre rule).
         output_transform: maps a model output to (B, C+1, h, w) logits.
         refine: teacher refinement, None, ``"crf"`` (the dense CRF, batched on the logits'
             device, :func:`mars_plugin.engines.crf.dense_crf`) or ``"local_crf"`` (its windowed
@@ -106,8 +124,8 @@ class MARSTrainingHook:
         reduction: str = "mean",
         label_resize: Callable[[torch.Tensor, Tuple[int, int]], torch.Tensor] = resize_label,
     ) -> None:
-        if match not in ("labels", "logits"):
-            raise ValueError(f"match must be 'labels' or 'logits', got {match!r}")
+        if match not in MATCHES:
+            raise ValueError(f"match must be one of {', '.join(map(repr, MATCHES))}, got {match!r}")
         if refine not in (None, "crf", "local_crf"):
             raise ValueError(f"refine must be None, 'crf' or 'local_crf', got {refine!r}")
         self.teacher = EMATeacher(model, momentum=momentum)
@@ -151,8 +169,9 @@ class MARSTrainingHook:
             images_rgb: only for ``refine="crf"|"local_crf"``: the batch as RGB images before any
                 normalisation, (B, G_h, G_w, 3) uint8 (or (B, 3, G_h, G_w), or float in [0, 1]),
                 where (G_h, G_w) is the grid the teacher is refined on: the labels' (H', W')
-                with ``match="logits"``, the logits' (h, w) with ``match="labels"``. A wrong
-                size, layout or range is refused before the teacher runs, with what to pass.
+                with ``match="logits"`` or ``"labels_nearest"``, the logits' (h, w) with
+                ``match="labels"``. A wrong size, layout or range is refused before the teacher
+                runs, with what to pass.
         """
         scales = self.multi_scale and isinstance(logits, (list, tuple)) and all(
             isinstance(t, torch.Tensor) for t in logits)
@@ -162,7 +181,7 @@ class MARSTrainingHook:
         outs = list(logits) if scales else [self.output_transform(logits)]
         rgb = None
         if self.refine is not None:
-            grids = [tuple(labels.shape[-2:]) if self.match == "logits" else tuple(t.shape[-2:]) for t in outs]
+            grids = [tuple(labels.shape[-2:]) if self.match != "labels" else tuple(t.shape[-2:]) for t in outs]
             rgb = self._check_images_rgb(images_rgb, labels, grids, outs[0].device)
         t_out = self.output_transform(self.teacher(images))
         # The teacher's labels depend only on the grid they are made on: compute them (and run
@@ -186,7 +205,8 @@ class MARSTrainingHook:
                 f"hook with match='logits', so the teacher is refined once at the labels' size ({H}, {W}) and "
                 f"images_rgb is that size: (B, {H}, {W}, 3) uint8")
         gh, gw = grids[0]
-        where = (f"the labels' size ({H}, {W}), where match='logits' refines the teacher" if self.match == "logits"
+        where = (f"the labels' size ({H}, {W}), where match={self.match!r} refines the teacher"
+                 if self.match != "labels"
                  else f"the logits' size ({gh}, {gw}), where match='labels' refines the teacher")
         if images_rgb is None:
             alt = (f" (or construct the hook with match='logits' to refine at the labels' size ({H}, {W}), as the "
@@ -231,6 +251,8 @@ class MARSTrainingHook:
             grid = tuple(labels.shape[-2:])
             if tuple(logits.shape[-2:]) != grid:
                 logits = F.interpolate(logits, size=grid, mode="bilinear", align_corners=False)
+        elif self.match == "labels_nearest":
+            grid = tuple(labels.shape[-2:])  # the teacher completes the labels at their own size
         else:
             grid = tuple(logits.shape[-2:])
         if grid not in cache:
@@ -243,6 +265,8 @@ class MARSTrainingHook:
                 ignore_index=self.ignore_index, crf_params=self.crf_params, crf_backend=self.crf_backend,
             )
         y_co, w = cache[grid]
+        if self.match == "labels_nearest":  # then to the logits' grid, DHR's nearest
+            y_co, w = resize_nearest(y_co, logits.shape[-2:]), resize_nearest(w, logits.shape[-2:])
         return self.loss(logits, y_co, w)
 
     def update(self, model: nn.Module) -> None:

@@ -24,8 +24,9 @@ import torch.nn as nn
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, check_scales, describe
 from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.formats.files import read_image, write_label
-from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, DEFAULT_SCALES, _crf_params,
-                                           _scaled_size, labels_from_probs, multiscale_probs)
+from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IMAGES, DEFAULT_SCALES, _crf_params,
+                                           _scaled_size, crf_rgb, labels_from_probs, multiscale_probs,
+                                           multiscale_probs_dhr)
 from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
@@ -62,6 +63,8 @@ def predict_job(
     flip: bool = True,
     crf: Optional[str] = "mars",
     class_threshold: float = CLASS_THRESHOLD,
+    crf_image: str = "file",
+    fuse_at: Optional[str] = None,
     batch_size: int = 4,
     device: Union[str, torch.device] = "cpu",
     fp16: bool = False,
@@ -77,7 +80,16 @@ def predict_job(
     (:func:`~mars_plugin.networks.inference.predict_labels`), P mode with the VOC palette, atomically.
 
     Args:
-        model: the network ((B, 3, h, w) -> (B, L, h, w) logits); moved to ``device``, eval mode.
+        model: the network ((B, 3, h, w) -> (B, L, h', w') logits; a smaller grid is upsampled);
+            moved to ``device``, eval mode.
+        crf_image: the bytes the CRF compares: ``"file"`` (the image's own) or ``"denormalized"``
+            (upstream's: the network's input turned back to bytes by truncation,
+            :func:`~mars_plugin.networks.inference.denormalized_bytes`; assumes ``preprocess``
+            normalises with ImageNet's mean and std, as the default does).
+        fuse_at: where the scales' probabilities are averaged: ``"input"`` (RS+EPM's,
+            :func:`~mars_plugin.networks.inference.multiscale_probs`), ``"logits"`` (DHR's
+            ``apply_ms``, :func:`~mars_plugin.networks.inference.multiscale_probs_dhr`), or None:
+            the network's own upstream's (``"logits"`` for ``deeplabv3+dhr``, else ``"input"``).
         batch_size: images per forward pass (each with its flip); only images of one size share
             a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
@@ -113,6 +125,12 @@ def predict_job(
     scales = check_scales(scales)
     params = _crf_params(crf)
     class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
+    if crf_image not in CRF_IMAGES:
+        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
+    if fuse_at is None:  # DHR's apply_ms is a method of its network: that network fuses as DHR does
+        fuse_at = "logits" if (getattr(model, "config", None) or {}).get("arch") == "deeplabv3+dhr" else "input"
+    if fuse_at not in ("input", "logits"):
+        raise ValueError(f"fuse_at must be 'input', 'logits' or None, got {fuse_at!r}")
     batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
@@ -126,7 +144,10 @@ def predict_job(
     record = FolderRecord(out_dir, "predict", {
         "model": dict(settings or {"model": type(model).__name__}), "scales": list(scales), "flip": bool(flip),
         "crf": "none" if params is None else crf, "crf_params": params,
-        "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16)}, rank=rank)
+        "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16),
+        # recorded only where it is not the file's bytes, so folders written before the option resume
+        **({"crf_image": crf_image} if params is not None and crf_image != "file" else {}),
+        **({"fuse_at": fuse_at} if fuse_at != "input" else {})}, rank=rank)
     group = sync_group()  # before anything that can fail on one rank only: every rank reaches it
     try:
         error: Optional[BaseException] = None
@@ -155,7 +176,8 @@ def predict_job(
             _predict_shard(model, [(s, p) for s, p in items if s in mine],
                            {s: n for s, n in clashes.items() if s in mine}, out_dir, summary, record,
                            scales=scales, flip=flip, crf=crf, params=params, class_threshold=class_threshold,
-                           batch_size=batch_size, device=device, fp16=fp16, preprocess=preprocess,
+                           crf_image=crf_image, fuse_at=fuse_at, batch_size=batch_size, device=device, fp16=fp16,
+                           preprocess=preprocess,
                            num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
                            max_bytes=max_bytes,
                            desc="predict" if world == 1 else f"predict rank 0/{world}")
@@ -175,7 +197,8 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    summary: JobSummary, record: Any, *, scales: Tuple[float, ...], flip: bool, crf: Optional[str],
                    params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
                    fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
-                   on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None) -> None:
+                   on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None,
+                   crf_image: str = "file", fuse_at: str = "input") -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
     from mars_plugin.commands.identities import array_digest, file_id
 
@@ -205,11 +228,12 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     def labels_of(batch: Batch) -> torch.Tensor:
         rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, H, W, 3) uint8
         x = preprocess(rgb)
-        probs = multiscale_probs(model, x, scales, flip, fp16=fp16)
+        fuse = multiscale_probs_dhr if fuse_at == "logits" else multiscale_probs
+        probs = fuse(model, x, scales, flip, fp16=fp16)
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
                              "background")
-        return labels_from_probs(probs, rgb, crf, class_threshold, max_bytes=max_bytes).cpu()
+        return labels_from_probs(probs, crf_rgb(rgb, x, crf_image), crf, class_threshold, max_bytes=max_bytes).cpu()
 
     def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
         stem, _, img = item
@@ -310,9 +334,10 @@ def _memory_plan(model: Any, items: List[Tuple[str, Path]], out_dir: Path, recor
 # --------------------------------------------------------------------------------------------
 
 
-def load_model(path: PathLike, which: str = "student") -> Tuple[nn.Module, Dict[str, Any]]:
+def load_model(path: PathLike, which: Optional[str] = "student") -> Tuple[nn.Module, Dict[str, Any]]:
     """:func:`mars_plugin.networks.seg_checkpoint.model_from_checkpoint` with one-line errors naming
-    ``--model`` (and ``--which`` for a checkpoint without a teacher)."""
+    ``--model`` (and ``--which`` for a checkpoint without a teacher); ``which=None``: the
+    checkpoint's recipe's weights."""
     from mars_plugin.networks.seg_checkpoint import model_from_checkpoint
 
     try:
@@ -342,6 +367,9 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
                          "DHR's train.py --wss NAME reads) or --out DIR" + (", not both" if args.out else ""))
     model, meta = load_model(args.model, args.which)
     num_classes = int(meta["model"]["num_classes"])
+    from mars_plugin.commands.predict_recipe import predict_settings
+
+    inference = predict_settings(args, meta)
     flag = "--images"
     if args.root is not None:
         from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
@@ -375,9 +403,9 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
         images_dir, out = Path(args.images), Path(args.out)
     from mars_plugin.commands.identities import weight_file_id
 
-    settings = {"file": weight_file_id(args.model), "which": args.which, "network": meta["model"]}
-    s = predict_job(model, images_dir, out, scales=args.scales, flip=args.flip, crf=args.crf,
-                    class_threshold=args.class_threshold, batch_size=args.batch_size, device=args.device,
+    settings = {"file": weight_file_id(args.model), "which": meta["which"], "network": meta["model"],
+                **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}
+    s = predict_job(model, images_dir, out, **inference, batch_size=args.batch_size, device=args.device,
                     fp16=args.fp16, num_classes=num_classes, on_error=args.on_error,
                     progress=not args.no_progress, settings=settings, images_flag=flag,
                     max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30))
@@ -392,8 +420,10 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="FILE",
                    help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)"
                    + _OWN_DEFAULT)
-    p.add_argument("--which", choices=("student", "teacher"), default="student",
-                   help="the trained network or its EMA teacher (MARS runs only; --loss ce has none)")
+    p.add_argument("--which", choices=("student", "teacher"), default=None,
+                   help="the trained network or its EMA teacher (MARS runs only; --loss ce has none); default: "
+                        "the checkpoint's recipe's (dhr: the teacher, as DHR predicts with its EMA weights), "
+                        "the student for a checkpoint without a recipe" + _OWN_DEFAULT)
     p.add_argument("--images", default=None, metavar="DIR",
                    help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
     p.add_argument("--root", default=None, metavar="ROOT",
@@ -410,18 +440,24 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method"
                    + _OWN_DEFAULT)
-    p.add_argument("--scales", type=T.seg_scales, default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
-                   metavar="S,S,...",
+    recipe = " (default: the checkpoint's recipe's; without one, %s)"
+    p.add_argument("--scales", type=T.seg_scales, default=None, metavar="S,S,...",
                    help="inference scales, comma-separated (RS+EPM's and DHR's evaluators: 1,0.5,1.5,2); the mean "
-                        "softmax over scales (and flips) is taken")
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,
-                   help="also predict each scale's mirror image and average it in")
-    p.add_argument("--crf", choices=CRF_CHOICES, default="mars",
+                        "softmax over scales (and flips) is taken"
+                        + recipe % ",".join(f"{s:g}" for s in DEFAULT_SCALES))
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                   help="also predict each scale's mirror image and average it in" + recipe % "on")
+    p.add_argument("--crf", choices=CRF_CHOICES, default=None,
                    help="dense CRF on the mean softmax and the RGB image: mars (RS+EPM's DeepLab setting, Gaussian "
-                        "1/3, bilateral 67/3/4, 10 iterations), psa (PSA/SEAM's 3/3, 80/13/10), or none (argmax)")
-    p.add_argument("--class-threshold", type=T.class_threshold, default=CLASS_THRESHOLD, metavar="P",
+                        "1/3, bilateral 67/3/4, 10 iterations), psa (PSA/SEAM's 3/3, 80/13/10), or none (argmax)"
+                        + recipe % "mars")
+    p.add_argument("--crf-image", choices=CRF_IMAGES, default=None,
+                   help="the bytes the CRF compares: the image file's, or denormalized: the network's input turned "
+                        "back to bytes by truncation, as DHR's and RS+EPM's evaluators do (13-30%% of the values one "
+                        "below the file's)" + recipe % "file")
+    p.add_argument("--class-threshold", type=T.class_threshold, default=None, metavar="P",
                    help="classes whose probability reaches this somewhere in an image are that image's CRF labels "
-                        "(RS+EPM/DHR: 0.05; 0: every class)")
+                        "(RS+EPM/DHR: 0.05; 0: every class)" + recipe % CLASS_THRESHOLD)
     p.add_argument("--batch-size", type=T.batch_size, default=4, metavar="N",
                    help="images of one size per forward pass (each with its mirror); 16 suits a GPU")
     p.add_argument("--device", default="cpu",

@@ -1,5 +1,6 @@
 """The segmentation networks of ``mars train`` / ``mars predict``: DeepLabv3+ (``deeplab.py``,
-its entry point ``build_model``) on ResNet (``resnet.py``), deeplab-pytorch's DeepLabv2 with its
+its entry point ``build_model``; DHR's DeepLabv3+ as it is: ``deeplab_dhr.py``) on ResNet
+(``resnet.py``), deeplab-pytorch's DeepLabv2 with its
 MSC wrapper and weight reader (``deeplabv2.py``) on its MSRA ResNet (``msra_resnet.py``) and its
 training pieces (``deeplab_pytorch.py``: augmentation, normalisation, SGD groups, poly lr, MSC
 loss), their checkpoint format (``seg_checkpoint.py``) and

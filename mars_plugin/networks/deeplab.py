@@ -72,10 +72,11 @@ __all__ = [
     "normalize",
 ]
 
-ARCHS = ("deeplabv3+", "deeplabv2")
+ARCHS = ("deeplabv3+", "deeplabv2", "deeplabv3+dhr")
 OUTPUT_STRIDES = (8, 16)
-#: The output stride each arch is trained with upstream (RS+EPM: 16; deeplab-pytorch: 8).
-DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8}
+#: The output stride each arch is trained with upstream (RS+EPM: 16; deeplab-pytorch: 8; DHR's
+#: train.py and produce_wss_masks.py: 8, core/networks.py ``DeepLabv3plus(output_stride=8)``).
+DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8, "deeplabv3+dhr": 8}
 
 #: ImageNet statistics of RGB in [0, 1] (torchvision's, used by RS+EPM's ``Normalize``).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -140,11 +141,13 @@ class _SegNet(nn.Module):
     """What both archs share: the backbone, the description, the input check and the resize."""
 
     arch = ""
+    #: how the backbone is dilated (:data:`mars_plugin.networks.resnet.RULES`)
+    resnet_rule = "torchvision"
 
     def __init__(self, backbone: str, num_classes: int, output_stride: int) -> None:
         super().__init__()
         _, backbone, num_classes, output_stride = _check_model_args(self.arch, backbone, num_classes, output_stride)
-        self.backbone = ResNet(backbone, output_stride)
+        self.backbone = ResNet(backbone, output_stride, rule=self.resnet_rule)
         self.num_classes = num_classes
 
     @property
@@ -198,16 +201,16 @@ def _check_model_args(arch: Any, backbone: Any, num_classes: Any, output_stride:
         raise TypeError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {describe(arch)}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
-    backbones, strides = (BACKBONES, OUTPUT_STRIDES) if arch == "deeplabv3+" else (MSRA_BACKBONES, (8,))
+    backbones, strides = (BACKBONES, OUTPUT_STRIDES) if arch != "deeplabv2" else (MSRA_BACKBONES, (8,))
     if not isinstance(backbone, str):
         raise TypeError(f"backbone must be one of {', '.join(map(repr, backbones))}, got {describe(backbone)}")
     if backbone not in backbones:
-        which = "" if arch == "deeplabv3+" else " for deeplabv2 (deeplab-pytorch's MSRA ResNet)"
+        which = "" if arch != "deeplabv2" else " for deeplabv2 (deeplab-pytorch's MSRA ResNet)"
         raise ValueError(f"backbone must be one of {', '.join(map(repr, backbones))}{which}, got {backbone!r}")
     num_classes = check_num_classes(num_classes)
     if output_stride is None:
         output_stride = DEFAULT_OUTPUT_STRIDE[arch]
-    said = " or ".join(map(str, strides)) + ("" if arch == "deeplabv3+" else " for deeplabv2 (deeplab-pytorch's, fixed)")
+    said = " or ".join(map(str, strides)) + ("" if arch != "deeplabv2" else " for deeplabv2 (deeplab-pytorch's, fixed)")
     if isinstance(output_stride, bool) or not isinstance(output_stride, (int, np.integer)):
         raise TypeError(f"output_stride must be {said}, got {describe(output_stride)}")
     if int(output_stride) not in strides:
@@ -219,21 +222,23 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
     """The segmentation network of ``mars train``, randomly initialised.
 
     Args:
-        arch: ``"deeplabv3+"`` (RS+EPM's row), ``"deeplabv2"`` (the IRNet/AdvCAM rows) or
-            ``"deeplabv1-wr38"`` (the SEAM row, backbone ``"wr38"``, output stride 8:
-            :mod:`mars_plugin.networks.deeplabv1`).
-        backbone: deeplabv3+: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"`` (torchvision
-            layout); deeplabv2: ``"resnet50"`` or ``"resnet101"`` (deeplab-pytorch's MSRA
-            ResNet). Load pretrained weights with :func:`load_backbone_weights`.
+        arch: ``"deeplabv3+"`` (RS+EPM's network), ``"deeplabv3+dhr"`` (DHR's DeepLabv3+, the RS+EPM
+            row's trainer: :mod:`mars_plugin.networks.deeplab_dhr`; its logits are at stride 4),
+            ``"deeplabv2"`` (the IRNet/AdvCAM rows) or ``"deeplabv1-wr38"`` (the SEAM row, backbone
+            ``"wr38"``, output stride 8: :mod:`mars_plugin.networks.deeplabv1`).
+        backbone: deeplabv3+ and deeplabv3+dhr: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"``
+            (torchvision layout); deeplabv2: ``"resnet50"`` or ``"resnet101"`` (deeplab-pytorch's
+            MSRA ResNet). Load pretrained weights with :func:`load_backbone_weights`.
         num_classes: C, the number of foreground classes (1..253); the network outputs C + 1
             channels, background first.
-        output_stride: deeplabv3+: 8 or 16; deeplabv2: 8 only; None takes the arch's upstream
-            value (16 for deeplabv3+, 8 for deeplabv2).
+        output_stride: deeplabv3+ and deeplabv3+dhr: 8 or 16; deeplabv2: 8 only; None takes the
+            arch's upstream value (16 for deeplabv3+, 8 for deeplabv2 and deeplabv3+dhr).
 
     Returns:
         A module whose ``forward(x)``, x (B, 3, H, W) float, gives logits (B, C + 1, h, w);
         ``model.config`` is the dict of these arguments. deeplabv3+: x normalized with
-        :func:`normalize`, logits at the input size (h, w) = (H, W). deeplabv2: x BGR minus the
+        :func:`normalize`, logits at the input size (h, w) = (H, W); deeplabv3+dhr: the same input,
+        logits at stride 4. deeplabv2: x BGR minus the
         caffe mean (:func:`mars_plugin.networks.deeplab_pytorch.normalize`), logits at stride 8
         as upstream returns them (the caller resizes); wrap it in
         :class:`mars_plugin.networks.deeplabv2.MSC` for deeplab-pytorch's multi-scale outputs.
@@ -243,6 +248,10 @@ def build_model(arch: str, backbone: str, num_classes: int, output_stride: Optio
 
         return build_deeplabv1_wr38(backbone, num_classes, output_stride)
     arch, backbone, num_classes, output_stride = _check_model_args(arch, backbone, num_classes, output_stride)
+    if arch == "deeplabv3+dhr":
+        from mars_plugin.networks.deeplab_dhr import DeepLabV3PlusDHR  # it builds on _SegNet, defined here
+
+        return DeepLabV3PlusDHR(backbone, num_classes, output_stride)
     cls = DeepLabV3Plus if arch == "deeplabv3+" else DeepLabV2
     return cls(backbone, num_classes, output_stride)
 

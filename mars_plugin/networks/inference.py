@@ -30,7 +30,8 @@ Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_pro
    (``infer_seg.py:111``); here every map is resized to H x W before the mean, which is the
    same computation whenever the first scale is 1.0 (the default). DHR averages at the
    network's own output grid (stride 4 for DeepLabv3+) and upsamples the mean with
-   ``align_corners=True`` (``core/networks.py:109-127``): not what is done here.
+   ``align_corners=True`` (``core/networks.py:109-127``): :func:`multiscale_probs_dhr`, which
+   ``mars predict`` runs for DHR's own network (``deeplabv3+dhr``, whose method ``apply_ms`` is).
 4. **CRF** (``crf="mars"``, the default): the dense CRF of :func:`mars_plugin.engines.crf.dense_crf`
    with RS+EPM's ``crf_dict['deeplab']`` (``convert_seed_to_pseudo_masks.py:77-84``: 10
    iterations, Gaussian sxy 1 compat 3, bilateral sxy 67 srgb 3 compat 4; DHR's
@@ -49,10 +50,15 @@ Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_pro
    ``apply_crf`` does the same). When no class reaches it (possible beyond 20 classes), every
    class takes part (upstream would fail on an empty CRF).
 
-Two differences that change no label on ordinary images: upstream gives the CRF the image
-denormalised back to bytes with truncation (``(x * std + mean) * 255`` then ``astype(uint8)``,
-``tools/ai/augment_utils.py:382-383``), which can be one below the file's byte; here the file's
-bytes themselves. DHR stores the kept probabilities as float16 before its CRF
+**The CRF's image** (``crf_image``): upstream gives the CRF the normalised image turned back to
+bytes by truncation, not the file's bytes: DHR ``produce_wss_masks.py:59`` ``denorm_fn(image)``,
+``tools/transforms.py:268-270`` ``image = (image * self.std) + self.mean; image = (image *
+255).astype(np.uint8)`` (RS+EPM the same, ``tools/ai/augment_utils.py:382-383``). The float32
+normalised image meets the mean and std as Python lists, so numpy computes in float64; the
+truncation makes 13-30% of the RGB values of a photograph one below the file's, which changed
+0.3-0.5% of the CRF's labels on the photographs tried. :func:`denormalized_bytes` computes those
+bytes; ``crf_image="denormalized"`` (the ``dhr`` recipe's) gives them to the CRF, ``"file"`` (the
+default) the file's bytes. DHR stores the kept probabilities as float16 before its CRF
 (``produce_wss_masks.py:45``); RS+EPM (and here) keep float32.
 
 ``mars predict`` runs this over a folder of images (the folder job: ``commands/predict.py``).
@@ -67,15 +73,21 @@ import torch.nn.functional as F
 from mars_plugin._checks import check_real_param, check_scales, describe
 from mars_plugin.engines.crf import dense_crf
 from mars_plugin.engines.crf_params import CRF_PRESETS, DEFAULT_MAX_BYTES, check_crf_params
+# ImageNet's statistics: RS+EPM's and DHR's Normalize/Denormalize (DHR tools/transforms.py:10-11)
+from mars_plugin.networks.deeplab import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "DEFAULT_SCALES",
     "CLASS_THRESHOLD",
     "CRF_CHOICES",
     "multiscale_probs",
+    "multiscale_probs_dhr",
     "half_dtype",
     "labels_from_probs",
     "predict_labels",
+    "CRF_IMAGES",
+    "denormalized_bytes",
+    "crf_rgb",
 ]
 
 #: RS+EPM ``infer_seg.py:75`` and DHR ``core/networks.py:94``: the order matters only for
@@ -86,6 +98,9 @@ DEFAULT_SCALES: Tuple[float, ...] = (1.0, 0.5, 1.5, 2.0)
 CLASS_THRESHOLD = 0.05
 #: ``--crf``: a preset of :data:`mars_plugin.engines.crf_params.CRF_PRESETS`, or none.
 CRF_CHOICES = ("mars", "psa", "none")
+#: ``crf_image``: the bytes the CRF compares (module docstring): the file's, or upstream's
+#: denormalised normalised image.
+CRF_IMAGES = ("file", "denormalized")
 
 
 def _resize(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
@@ -155,6 +170,60 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
     return total.div_(len(scales) * (2 if flip else 1))
 
 
+@torch.no_grad()
+def multiscale_probs_dhr(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                         scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, *,
+                         fp16: bool = False) -> torch.Tensor:
+    """DHR's ``apply_ms`` (core/networks.py:91-127 at 94d5189, a method of its ``DeepLabv3plus``):
+    the mean softmax fused on the network's own grid, what ``mars predict`` runs for
+    ``deeplabv3+dhr`` networks.
+
+    Against :func:`multiscale_probs` (RS+EPM's): every resize is bilinear with
+    ``align_corners=True`` (DHR ``tools/torch_utils.py:45``), the scaled image included; each
+    scale's softmax (of logits as the network returns them, stride 4) is resized to the **first
+    scale's logits' grid** (``size = output_dict['logits'].shape[2:]`` of the first scale,
+    ``:104``), the probabilities are averaged there (``torch.mean(torch.stack(pred_masks))``,
+    ``:127``) and only the mean is resized to H x W. A size equal to the target is not resampled.
+    Shapes and arguments as :func:`multiscale_probs`.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+    scales = check_scales(scales)
+    B, _, H, W = images.shape
+    half = half_dtype(images.device)
+    grid: Optional[Tuple[int, int]] = None
+    total: Optional[torch.Tensor] = None
+    for s in scales:
+        x = _resize_corners(images, _scaled_size(H, W, s))
+        if flip:
+            x = torch.cat([x, x.flip(-1)])
+        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
+            logits = model(x)
+        if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
+            raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
+                             f"{describe(logits)}")
+        if grid is None:
+            grid = (int(logits.shape[-2]), int(logits.shape[-1]))
+        p = _resize_corners(torch.softmax(logits.float(), dim=1), grid)
+        if flip:
+            p = p[:B] + p[B:].flip(-1)
+        total = p if total is None else total.add_(p)
+    assert total is not None and grid is not None
+    if not bool(torch.isfinite(total).all()):
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
+    return _resize_corners(total.div_(len(scales) * (2 if flip else 1)), (H, W)).contiguous()
+
+
+def _resize_corners(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+    """DHR's ``torch_utils.resize``: bilinear, ``align_corners=True``, none at the same size."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=tuple(size), mode="bilinear", align_corners=True)
+
+
 def half_dtype(device: torch.device) -> torch.dtype:
     """The autocast type of ``fp16=True``: bfloat16 (float32's range: no overflow where float16
     gives Inf, as ``mars train`` uses it), float16 on a GPU without bfloat16 (before Ampere)."""
@@ -201,10 +270,46 @@ def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[s
     return q.argmax(1)
 
 
+def denormalized_bytes(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN,
+                       std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """The bytes upstream's CRF sees: normalised images turned back by truncation.
+
+    DHR ``tools/transforms.py:268-270`` (``Denormalize``, used by ``produce_wss_masks.py:59``):
+    ``((x * std) + mean) * 255`` then ``astype(np.uint8)``, where ``std`` and ``mean`` are Python
+    lists, so numpy promotes the float32 image to float64; the same operations in the same order
+    here, in float64, truncated toward zero (values below 0 or above 255 do not occur for an
+    image normalised from bytes; they are clamped rather than wrapped).
+
+    Shapes:
+        images: (B, 3, H, W) float, normalised as ``(rgb / 255 - mean) / std`` (the network's input).
+        returns: (B, H, W, 3) uint8 RGB on ``images``' device.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 or \
+            not images.is_floating_point():
+        raise ValueError(f"images must be a float (B, 3, H, W) tensor of normalised images, got {describe(images)}")
+    x = images.detach().permute(0, 2, 3, 1).to(torch.float64)
+    m = torch.tensor([float(v) for v in mean], dtype=torch.float64, device=x.device)
+    s = torch.tensor([float(v) for v in std], dtype=torch.float64, device=x.device)
+    return ((x * s + m) * 255).trunc_().clamp_(0, 255).to(torch.uint8)
+
+
+def crf_rgb(rgb: torch.Tensor, images: torch.Tensor, crf_image: str = "file") -> torch.Tensor:
+    """The (B, H, W, 3) uint8 bytes the CRF compares: the file's ``rgb`` (``"file"``) or
+    :func:`denormalized_bytes` of the normalised ``images`` (``"denormalized"``, upstream's)."""
+    if crf_image not in CRF_IMAGES:
+        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
+    return rgb if crf_image == "file" else denormalized_bytes(images)
+
+
 def predict_labels(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, rgb: torch.Tensor,
                    scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, crf: Optional[str] = "mars",
-                   class_threshold: float = CLASS_THRESHOLD, *, fp16: bool = False) -> torch.Tensor:
+                   class_threshold: float = CLASS_THRESHOLD, *, fp16: bool = False,
+                   crf_image: str = "file") -> torch.Tensor:
     """:func:`multiscale_probs` then :func:`labels_from_probs`: (B, H, W) int64 labels of
-    (B, 3, H, W) normalised ``images`` whose RGB bytes are ``rgb`` (B, H, W, 3) uint8."""
+    (B, 3, H, W) normalised ``images`` whose RGB bytes are ``rgb`` (B, H, W, 3) uint8; the CRF
+    compares ``rgb`` (``crf_image="file"``) or upstream's :func:`denormalized_bytes` of
+    ``images`` (``"denormalized"``)."""
+    if crf_image not in CRF_IMAGES:  # before the network runs
+        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
     probs = multiscale_probs(model, images, scales, flip, fp16=fp16)
-    return labels_from_probs(probs, rgb.to(probs.device), crf, class_threshold)
+    return labels_from_probs(probs, crf_rgb(rgb, images, crf_image).to(probs.device), crf, class_threshold)

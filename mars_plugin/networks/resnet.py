@@ -28,6 +28,22 @@ Backbone -- torchvision's ResNet (pytorch/vision, torchvision/models/resnet.py, 
   dilation 1; deeplab-pytorch dilates all blocks of a layer (2 and 4) and uses caffe-converted
   MSRA weights with other key names. We follow torchvision, as the task and the ImageNet files
   do; ``--arch deeplabv2`` is deeplab-pytorch's own network (``msra_resnet.py``, ``deeplabv2.py``).
+
+DHR's rule (``ResNet(name, os, rule="dhr")``, for the ``deeplabv3+dhr`` network of
+:mod:`mars_plugin.networks.deeplab_dhr`) -- shjo-april/DHR at 94d5189,
+core/backbones/resnet/__init__.py ``build_resnet`` and model.py ``ResNet._make_layer``, built
+by core/layers.py ``Backbone`` with ``last_stride=1``:
+  * the same keys, shapes, stem and v1.5 bottleneck (stride on conv2) as torchvision, so its
+    ImageNet files load (DHR downloads torchvision's ``-5d3b4d8f``/``-19c8e357`` files and loads
+    them with ``strict=False``, dropping ``fc.*``);
+  * layer strides (1, 2, 2, 1) at output stride 16 (layer4 at stride 1 and *no* dilation) and
+    (1, 2, 1, 1) at 8, with layer dilations (1, 1, 1, 1) and (1, 1, 2, 4); a layer's first
+    block always has dilation 1 (``block(..., dilation=1)``), its other blocks the layer's; the
+    1x1 downsample carries the layer's stride (1 where a layer is dilated);
+  * BasicBlock (ResNet-18) ignores its ``dilation`` argument: both 3x3 convs undilated. (DHR's
+    ``Backbone`` states ResNet-18's channels as ResNet-50's, so its DeepLabv3+ cannot build on
+    ResNet-18 at all; we take the real channels so that tests stay small.)
+  * no init of its own: PyTorch's default conv init (DHR always loads ImageNet weights over it).
 """
 from __future__ import annotations
 
@@ -39,7 +55,15 @@ import torch.nn as nn
 __all__ = [
     "BACKBONES",
     "ResNet",
+    "RULES",
 ]
+
+#: How a ResNet is dilated to its output stride: torchvision's ``replace_stride_with_dilation``
+#: or DHR's ``build_resnet`` (see the module docstring).
+RULES = ("torchvision", "dhr")
+
+# DHR's build_resnet (last_stride=1): (stride, dilation) of layer1..layer4 per output stride
+_DHR_LAYERS = {16: ((1, 1), (2, 1), (2, 1), (1, 1)), 8: ((1, 1), (2, 1), (1, 2), (1, 4))}
 
 BACKBONES = ("resnet18", "resnet50", "resnet101")
 
@@ -111,19 +135,29 @@ class ResNet(nn.Module):
 
     Args:
         name: ``"resnet18"``, ``"resnet50"`` or ``"resnet101"``.
-        output_stride: 8, 16 or 32 (32: torchvision's classifier, no dilation).
+        output_stride: 8, 16 or 32 (32: torchvision's classifier, no dilation; not with
+            ``rule="dhr"``).
+        rule: ``"torchvision"`` or ``"dhr"`` (DHR's strides, dilations and init; module docstring).
     """
 
-    def __init__(self, name: str, output_stride: int = 32) -> None:
+    def __init__(self, name: str, output_stride: int = 32, rule: str = "torchvision") -> None:
         super().__init__()
         if name not in _RESNETS:
             raise ValueError(f"backbone must be one of {', '.join(map(repr, BACKBONES))}, got {name!r}")
-        if output_stride not in (8, 16, 32):
-            raise ValueError(f"output_stride must be 8, 16 or 32, got {output_stride!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
+        strides = (8, 16, 32) if rule == "torchvision" else (8, 16)
+        if output_stride not in strides:
+            raise ValueError(f"output_stride must be {', '.join(map(str, strides))} for rule {rule!r}, "
+                             f"got {output_stride!r}")
         kind, blocks = _RESNETS[name]
         block = _BasicBlock if kind == "basic" else _Bottleneck
         self.name = name
         self.output_stride = output_stride
+        self.rule = rule
+        if rule == "dhr":
+            self._build_dhr(block, blocks)
+            return
         # torchvision's replace_stride_with_dilation for layer2, layer3, layer4
         dilate = {32: (False, False, False), 16: (False, False, True), 8: (False, True, True)}[output_stride]
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
@@ -144,6 +178,30 @@ class ResNet(nn.Module):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+
+    def _build_dhr(self, block: type, blocks: Tuple[int, ...]) -> None:
+        """DHR's ``ResNet`` (core/backbones/resnet/model.py): its strides and dilations, no init."""
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        inplanes = 64
+        for i, (planes, n, (stride, dilation)) in enumerate(zip((64, 128, 256, 512), blocks,
+                                                                 _DHR_LAYERS[self.output_stride]), 1):
+            if block is _BasicBlock:
+                dilation = 1  # DHR's BasicBlock takes dilation and never uses it
+            downsample = None
+            if stride != 1 or inplanes != planes * block.expansion:
+                downsample = nn.Sequential(
+                    nn.Conv2d(inplanes, planes * block.expansion, 1, stride=stride, bias=False),
+                    nn.BatchNorm2d(planes * block.expansion),
+                )
+            # the first block at dilation 1 (DHR passes dilation=1 to it), the others at the layer's
+            layers = [block(inplanes, planes, stride, downsample, 1, 1)]
+            inplanes = planes * block.expansion
+            layers += [block(inplanes, planes, 1, None, dilation, dilation) for _ in range(1, n)]
+            self.add_module(f"layer{i}", nn.Sequential(*layers))
+        self.channels = tuple(p * block.expansion for p in (64, 128, 256, 512))
 
     def _make_layer(self, block: type, planes: int, blocks: int, stride: int, dilate: bool) -> nn.Sequential:
         previous = self._dilation

@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from mars_plugin.formats.files import WriteError, atomic_write, save_torch
 
-__all__ = ["CHECKPOINT_FORMAT", "MODEL_KEYS", "save_checkpoint", "load_checkpoint", "model_from_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "MODEL_KEYS", "save_checkpoint", "load_checkpoint", "model_from_checkpoint",
+           "recipe_weights"]
 
 CHECKPOINT_FORMAT = "mars-train/1"
 #: The keys of ``checkpoint["model"]``, the arguments of :func:`mars_plugin.networks.deeplab.build_model`.
@@ -77,19 +78,41 @@ def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
     return ck
 
 
+def recipe_weights(ck: Dict[str, Any]) -> str:
+    """The weights a checkpoint's recipe predicts with: ``"teacher"`` where its ``predict_weights``
+    is ``"ema"`` (``ck["settings"]``' value, else :func:`mars_plugin.networks.recipes.get_recipe`'s)
+    and the checkpoint holds a teacher, else ``"student"`` (also for a checkpoint without
+    ``ck["recipe"]``, written before recipes, and for a ``--loss ce`` run, which has no EMA)."""
+    name = ck.get("recipe")
+    if name is None:
+        return "student"
+    from mars_plugin.networks.recipes import get_recipe
+
+    settings = ck.get("settings") if isinstance(ck.get("settings"), dict) else {}
+    weights = settings.get("predict_weights", get_recipe(name).predict_weights)
+    return "teacher" if weights == "ema" and ck.get("teacher") is not None else "student"
+
+
 def model_from_checkpoint(
-    path: PathLike, which: str = "student", map_location: Union[str, torch.device] = "cpu"
+    path: PathLike, which: Optional[str] = "student", map_location: Union[str, torch.device] = "cpu"
 ) -> Tuple[nn.Module, Dict[str, Any]]:
-    """The network of a checkpoint, in eval mode, and the checkpoint (without the weights).
+    """The network of a checkpoint, in eval mode, and the checkpoint (without the weights, with
+    ``"which"``: the weights loaded).
 
     Args:
-        which: ``"student"`` (the trained network) or ``"teacher"`` (its EMA; MARS runs only).
+        which: ``"student"`` (the trained network), ``"teacher"`` (its EMA; MARS runs only) or
+            None: the checkpoint's recipe's (:func:`recipe_weights`).
     """
     from mars_plugin.networks.deeplab import build_model
 
-    if which not in ("student", "teacher"):
-        raise ValueError(f"which must be 'student' or 'teacher', got {which!r}")
+    if which not in ("student", "teacher", None):
+        raise ValueError(f"which must be 'student', 'teacher' or None, got {which!r}")
     ck = load_checkpoint(path, map_location=map_location)
+    if which is None:
+        try:
+            which = recipe_weights(ck)
+        except ValueError as e:  # a recipe this version does not know
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
     state: Optional[Dict[str, torch.Tensor]] = ck.get(which)
     if state is None:
         raise ValueError(f"{os.fspath(path)}: holds no {which} (a --loss ce run has no teacher)")
@@ -101,4 +124,5 @@ def model_from_checkpoint(
                          f"{str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else e}") from None
     model.eval()
     meta = {k: v for k, v in ck.items() if k not in ("student", "teacher", "optimizer", "scaler", "rng")}
+    meta["which"] = which
     return model, meta

@@ -1,0 +1,55 @@
+"""``mars predict``'s inference settings: the flags given, over the checkpoint's recipe.
+
+A checkpoint of ``mars train --recipe NAME`` names its recipe (``ck["recipe"]``) and the fields
+its run resolved (``ck["settings"]``); ``mars predict`` then infers as that codebase does -- its
+scales, flip, CRF preset, the bytes its CRF sees and its class threshold
+(:class:`mars_plugin.networks.recipes.Recipe`'s ``test_scales``, ``test_flip``, ``crf``,
+``crf_image``, ``class_threshold``), and its weights (``predict_weights``:
+:func:`mars_plugin.networks.seg_checkpoint.recipe_weights`) -- unless a flag says otherwise. A
+checkpoint written before recipes keeps the defaults it always had (:data:`PLAIN_DEFAULTS`).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Mapping
+
+from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.networks.inference import CLASS_THRESHOLD, DEFAULT_SCALES
+
+__all__ = ["RECIPE_FIELDS", "PLAIN_DEFAULTS", "predict_settings"]
+
+#: The inference fields of a recipe (:class:`mars_plugin.networks.recipes.Recipe`) that ``mars
+#: predict`` follows -> the :func:`~mars_plugin.commands.predict.predict_job` argument (and the
+#: ``argparse`` name of the flag) each one is the default of.
+RECIPE_FIELDS = {"test_scales": "scales", "test_flip": "flip", "crf": "crf", "crf_image": "crf_image",
+                 "class_threshold": "class_threshold"}
+#: What ``mars predict`` does for a checkpoint that names no recipe (written before recipes).
+PLAIN_DEFAULTS = {"scales": DEFAULT_SCALES, "flip": True, "crf": "mars", "crf_image": "file",
+                  "class_threshold": CLASS_THRESHOLD}
+
+
+def predict_settings(args: argparse.Namespace, meta: Mapping[str, Any]) -> Dict[str, Any]:
+    """:func:`~mars_plugin.commands.predict.predict_job`'s ``scales``, ``flip``, ``crf``, ``crf_image`` and ``class_threshold``:
+    each flag given wins; otherwise the checkpoint's recipe (``meta["recipe"]``, its fields as
+    :func:`~mars_plugin.networks.recipes.get_recipe` has them, or as the run resolved them in
+    ``meta["settings"]``) decides, and a checkpoint without a recipe takes :data:`PLAIN_DEFAULTS`.
+    A recipe's ``class_threshold`` None (every class in the CRF) is 0."""
+    name = meta.get("recipe")
+    chosen = dict(PLAIN_DEFAULTS)
+    if name is not None:
+        from mars_plugin.networks.recipes import get_recipe
+
+        try:
+            recipe = get_recipe(name)
+        except ValueError as e:
+            raise JobError(f"--model {args.model}: {one_line(e)}") from None
+        resolved = meta.get("settings") if isinstance(meta.get("settings"), dict) else {}
+        for field, key in RECIPE_FIELDS.items():
+            chosen[key] = resolved.get(field, getattr(recipe, field))
+        if chosen["class_threshold"] is None:
+            chosen["class_threshold"] = 0.0
+        chosen["scales"] = tuple(chosen["scales"])
+    for key in RECIPE_FIELDS.values():  # a flag given wins
+        if getattr(args, key, None) is not None:
+            chosen[key] = getattr(args, key)
+    return chosen
