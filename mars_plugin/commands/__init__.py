@@ -10,7 +10,7 @@ The commands:
   ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``.
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
-  step 1 and recorded with its checkpoint.
+  step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_state.py`` (its record),
   ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
   ``reproduce_checks.py`` (its checks of every input), ``reproduce_report.py`` (``report.md``),

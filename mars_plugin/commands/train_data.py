@@ -39,6 +39,9 @@ from mars_plugin._checks import MAX_NUM_CLASSES
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, list_stems
 from mars_plugin.commands.errors import JobError, one_line
 from mars_plugin.commands.identities import file_id, json_digest, roles_digest
+# The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
+# and files are compared by data_diff, which names them): the settings record's.
+from mars_plugin.commands.train_settings import RUN_KEYS
 
 __all__ = ["CHECKPOINT_NAME", "LOG_NAME", "SETTINGS_NAME", "TrainFiles", "list_train_files", "data_record",
            "data_summary", "data_diff", "check_train_files", "open_run", "infer_num_classes",
@@ -48,11 +51,6 @@ CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "log.jsonl"
 SETTINGS_NAME = "train.json"
 
-# The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
-# and files are compared by data_diff, which names them).
-RUN_KEYS = ("arch", "backbone", "output_stride", "num_classes", "loss", "refine", "crf_params", "iterations",
-            "batch_size", "crop", "min_size", "max_size", "lr", "momentum", "weight_decay", "ema", "poly_power",
-            "seed", "bn", "optimizer", "weights")
 
 #: How many ids a refusal names.
 _SHOWN = 3
