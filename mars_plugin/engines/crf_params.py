@@ -37,7 +37,10 @@ __all__ = [
 #: ``core/refinements/densecrf.py`` ``DenseCRF.__init__`` defaults, and STEGO ``src/crf.py``
 #: (``MAX_ITER``, ``POS_*``, ``Bi_*``) -- DeepLab's CRF, hence its alias ``"deeplab"``.
 #: ``"psa"`` (alias ``"seam"``) is the probability-input ``crf_inference`` of PSA and SEAM
-#: (``tool/imutils.py``).
+#: (``tool/imutils.py``). ``"seam-seg"`` is the test-time CRF of SEAM's segmentation codebase
+#: (YudeWang/semantic-segmentation-codebase ``lib/utils/DenseCRF.py:20-22``, one iteration as
+#: ``experiment/seamv1-pseudovoc/test.py:94`` calls it). deeplab-pytorch's ``configs/voc12.yaml``
+#: CRF is ``"mars"``.
 CRF_PRESETS: Dict[str, Dict[str, float]] = {
     "mars": {
         "iterations": 10,
@@ -52,6 +55,14 @@ CRF_PRESETS: Dict[str, Dict[str, float]] = {
         "gaussian_sxy": 3,
         "gaussian_compat": 3,
         "bilateral_sxy": 80,
+        "bilateral_srgb": 13,
+        "bilateral_compat": 10,
+    },
+    "seam-seg": {
+        "iterations": 1,
+        "gaussian_sxy": 3,
+        "gaussian_compat": 3,
+        "bilateral_sxy": 32,
         "bilateral_srgb": 13,
         "bilateral_compat": 10,
     },
