@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mars_plugin.commands.cli_parser import build_parser
-from mars_plugin.commands.train_settings import RUN_KEYS, TrainSettings
+from mars_plugin.commands.train_settings import TrainSettings
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
 
 OK = dict(num_classes=4, arch="deeplabv3+", backbone="resnet18")
@@ -44,9 +44,9 @@ def test_a_bad_type_is_refused_naming_its_field():
         TrainSettings(**OK, iterations="100")
 
 
-def test_the_record_is_frozen_and_resolves_the_arch_defaults_once():
-    s = TrainSettings(num_classes=4, arch="deeplabv2", backbone="resnet18", loss="ce")
-    assert (s.output_stride, s.bn) == (8, "frozen")
+def test_the_record_is_frozen_and_resolves_the_recipe_defaults_once():
+    s = TrainSettings(num_classes=4, recipe="deeplab-pytorch", backbone="resnet18", loss="ce")
+    assert (s.arch, s.output_stride, s.bn) == ("deeplabv2", 8, "frozen")
     assert s.refine is None and s.crf_params is None and s.ema is None  # the baseline has no teacher
     with pytest.raises(Exception):
         s.lr = 1.0
@@ -84,5 +84,5 @@ def test_the_record_keeps_the_keys_and_values_older_runs_wrote():
                crf_params="mars", iterations=30000, batch_size=16, crop=512, min_size=320, max_size=640, lr=1e-3,
                momentum=0.9, weight_decay=4e-5, ema=0.999, poly_power=0.9, seed=0, bn="train", optimizer="sgd",
                weights="r.pth")
-    new = TrainSettings(**OK, weights="/a/r.pth").record()
-    assert {k: new[k] for k in RUN_KEYS} == old
+    new = TrainSettings(**OK, weights="/a/r.pth", output_stride=16, iterations=30000).record()
+    assert {k: new[k] for k in old} == old
