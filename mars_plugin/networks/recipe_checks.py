@@ -72,7 +72,8 @@ def _sources(value: Any, name: str) -> Mapping[str, str]:
         raise TypeError(f"{name} must map field names to 'path:line' strings, got {describe(value)}")
     for k, v in value.items():
         if v != "override" and not _SOURCE.match(v):
-            raise ValueError(f"{name}[{k!r}] must be 'path:line' or 'path:first-last' (several joined by ' + ') or 'override', got {v!r}")
+            raise ValueError(f"{name}[{k!r}] must be 'path:line' or 'path:first-last' (several joined by "
+                             f"' + ') or 'override', got {v!r}")
     return MappingProxyType(dict(value))
 
 

@@ -16,19 +16,33 @@ run can record them), :func:`iterations_for_epochs` turns DHR's epochs into iter
 
 Where upstream is ambiguous or surprising (each is also said at the field):
 
-* DHR's CRF and deeplab-pytorch's CRF share one setting (``CRF_PRESETS["mars"]``).
+* DHR's CRF and deeplab-pytorch's CRF are one setting (``CRF_PRESETS["mars"]``); SEAM's codebase
+  tests with its own (``"seam-seg"``: one iteration, bilateral 32/13/10).
 * deeplab-pytorch gives its CRF ``image.astype(np.uint8)`` of the *mean-subtracted* BGR floats
-  (``main.py:481`` after ``libs/datasets/base.py:110``): negative values wrap modulo 256 (numpy's
-  float-to-uint8 cast on x86, undefined in C), hence ``crf_image = "mean-subtracted"``, not the
-  file's bytes.
-* SEAM's backbone ``train()`` (``resnet38d.py:192-214``) puts every backbone BatchNorm in eval mode
-  and freezes ``conv1a``; its optimizer groups hold convolutions only, so no BatchNorm affine
-  parameter is trained anywhere, while the head's two BatchNorms keep updating their statistics
-  with momentum 0.0003.
-* SEAM's poly rate divides by ``max_itr + 1`` (``train.py:139``); deeplab-pytorch recomputes the
-  rate every 10 iterations (``LR_DECAY``); DHR every iteration.
-* deeplab-pytorch has no backbone bias (every ResNet conv has ``bias=False``): its group
-  "backbone bias" is empty, recorded as x1 decayed like the weights.
+  (``main.py:481`` after ``libs/datasets/base.py:110``), not the file's bytes: negative values
+  wrap modulo 256 as numpy 2 does on x86-64 (the C cast is undefined: other platforms may
+  differ); hence ``crf_image = "mean-subtracted"``. It predicts with MSC's max of the logits
+  over scales 1, 0.5 and 0.75 (``msc.py:41-47``), no flip.
+* SEAM's ``train.py`` never calls ``.train()``, so WR38's ``train()`` override
+  (``resnet38d.py:192-214``: BatchNorm in eval, ``conv1a`` frozen) never runs while training:
+  every BatchNorm trains its statistics (momentum 0.0003) and ``conv1a`` is in the optimizer.
+  The groups hold convolutions only, so no BatchNorm weight or bias is ever updated. With
+  ``GPUS = 2`` and ``nn.DataParallel``, each replica's BatchNorm sees 5 of the 10 images.
+* SEAM's loop (``train.py:83-123``) runs ``max_itr`` steps only where the dataset fills the
+  epochs it plans (``max_itr * batch // len + 1``): exact for VOC train_aug (10,582 images,
+  1,058 steps an epoch, 19 epochs, stopped at 20,000 in the last); on other sizes it stops
+  short, or takes one extra step per epoch left after ``max_itr``. Its poly rate divides by
+  ``max_itr + 1`` (``train.py:139``); deeplab-pytorch recomputes the rate every 10 steps
+  (``LR_DECAY``), DHR every step.
+* deeplab-pytorch has no backbone bias (its ResNet convolutions have ``bias=False``): the
+  "backbone bias" group is empty, recorded as x1 decayed like the weights; its BatchNorm is in
+  no group and frozen.
+* Table 2's IRNet row says R50, but deeplab-pytorch builds and initialises only its R101
+  (``configs/voc12.yaml``); which network IRNet's row trained is not stated. The recipe is
+  deeplab-pytorch's own.
+* DHR's ``train.py`` never wraps the model in ``DistributedDataParallel``: its multi-process
+  mode would train unsynchronised replicas. Its README trains on one GPU (``--gpus 0``), which
+  the recipe follows (``bn_batch`` 16).
 """
 from __future__ import annotations
 
@@ -62,7 +76,25 @@ class Recipe:
     The lr of group g at optimizer step t (0-based) of T is
     ``lr * lr_mults[g] * poly_factor(self, t, T)``; the four groups are backbone weights,
     backbone biases, head weights, head biases (``decay[g]``: weight decay applies). A step
-    averages ``iter_size`` batches of ``batch_size`` (global, over every process)."""
+    averages ``iter_size`` batches of ``batch_size`` (global, over every process); the schedule
+    is ``epochs`` (:func:`iterations_for_epochs` of the data) or ``iterations``, never both.
+
+    The string fields' choices are :data:`CHOICES`. Some meanings:
+
+    * ``normalization``: ``"imagenet-rgb"``: RGB / 255, minus torchvision's ImageNet mean, over
+      its std; ``"caffe-bgr"``: BGR bytes minus deeplab-pytorch's mean (no std).
+    * ``augmentation`` names the codebase's pipeline; ``augmentation_params`` its settings.
+    * ``loss_grid``: ``"logits"``: labels resized (nearest) to the logits' grid; ``"input"``:
+      logits upsampled to the crop inside the network.
+    * ``msc_scales``: extra input scales of deeplab-pytorch's MSC: in training, a loss on the
+      logits of scale 1, of each extra scale and on their pixel-wise max.
+    * ``test_scales`` are fused by ``test_fusion`` (with ``test_flip``, each scale's flip too);
+      ``"max-logits"`` takes the max at the first scale's logit size, as MSC in eval mode.
+    * ``crf_image``: the bytes the CRF sees: ``"denormalized"``: the normalised network input
+      turned back to bytes by truncation; ``"file"``: the file's; ``"mean-subtracted"``:
+      deeplab-pytorch's BGR minus its mean, cast to bytes (negatives wrap modulo 256).
+    * ``class_threshold``: a class whose fused probability never exceeds it anywhere in the
+      image is left out before the CRF (DHR); None keeps every class."""
 
     name: str
     rows: Tuple[str, ...]
@@ -252,7 +284,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType({
         name="seam", rows=("SEAM WR38",), upstream=_SEAM,
         arch=("deeplabv1-wr38", f"{_SEAM_CFG}:29"),
         backbone=("wr38", f"{_SEAM_CFG}:30"),
-        output_stride=(8, " + ".join(f"lib/net/backbone/resnet38d.py:{n}" for n in (130, 132, 136, 140, 147, 151, 153))),
+        output_stride=(8, " + ".join(f"lib/net/backbone/resnet38d.py:{n}"  # every block's stride
+                                     for n in (130, 132, 136, 140, 147, 151, 153))),
         init_weights=("ilsvrc-cls_rna-a1_cls1000_ep-0001.params", "lib/net/backbone/resnet38d.py:7"),
         weights_format=("wr38", "lib/net/backbone/resnet38d.py:270"),
         normalization=("imagenet-rgb", f"{_SEAM_CFG}:19-20 + lib/datasets/VOCDataset.py:65"),
