@@ -133,7 +133,7 @@ def main():
                 assert cli.main(["train", "--images", str(root / "train/images"),
                                  "--labels", str(root / "train" / LABELS[loss]),
                                  "--image-labels", str(root / "train/image_labels.json"), "--num-classes", "6",
-                                 "--loss", loss, "--out", str(run), "--backbone", "resnet18",
+                                 "--loss", loss, "--out", str(run), "--arch", "deeplabv3+", "--backbone", "resnet18",
                                  "--output-stride", args.output_stride, "--iterations", str(args.iterations),
                                  "--batch-size", str(args.batch_size), "--crop", str(s), "--min-size", str(s - 8),
                                  "--max-size", str(s + 16), "--optimizer", args.optimizer, "--lr", args.lr,

@@ -200,7 +200,7 @@ def test_train_refuses_a_step_over_the_budget_before_step_1(tmp_path, monkeypatc
 
     monkeypatch.setattr(deeplab, "build_model", build)
     base = ["train", "--images", str(images), "--labels", str(labels), "--out", str(tmp_path / "run"),
-            "--num-classes", "3", "--backbone", "resnet18", "--loss", "ce", "--iterations", "1", "--workers", "0",
+            "--num-classes", "3", "--arch", "deeplabv3+", "--output-stride", "16", "--backbone", "resnet18", "--loss", "ce", "--iterations", "1", "--workers", "0",
             "--no-progress", "--device", "cpu"]
     # the default budget (80% of this machine's memory; ResNet-101 at 4096 x 16 needs terabytes)
     assert main(base + ["--backbone", "resnet101", "--crop", "4096", "--batch-size", "16"]) == 2
@@ -232,7 +232,7 @@ def test_train_under_the_budget_runs(tmp_path):
         label[:5, 20:] = 254  # debiased labels: --loss mars refuses labels without a biased pixel
         Image.fromarray(label).save(labels / f"{i}.png")
     need = train_memory_bytes(R18, 32, 2, loss="mars")
-    kw = dict(backbone="resnet18", iterations=1, batch_size=2, crop=32, min_size=32, max_size=48, workers=0,
+    kw = dict(arch="deeplabv3+", output_stride=16, backbone="resnet18", iterations=1, batch_size=2, crop=32, min_size=32, max_size=48, workers=0,
               device="cpu", progress=False)
     with pytest.raises(ValueError, match="--crop 32 --batch-size 2: .* more than --max-memory"):
         train(images, labels, tmp_path / "run", 3, max_bytes=need - 1, **kw)

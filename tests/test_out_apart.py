@@ -239,7 +239,8 @@ def _api_call(job: str, p: Dict[str, str], out: str):
     if job == "train":
         from mars_plugin.commands.train import train
 
-        return lambda: train(p["--images"], p["--labels"], out, 2, weights=p["--weights"], progress=False)
+        return lambda: train(p["--images"], p["--labels"], out, 2, arch="deeplabv3+", weights=p["--weights"],
+                             progress=False)
     if job == "reproduce":
         from mars_plugin.commands.reproduce import reproduce
 

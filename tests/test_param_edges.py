@@ -73,6 +73,8 @@ BAD_FLAGS = [
     ("train", "--seed", "-1"), ("train", "--workers", "-1"), ("train", "--workers", "257"),
     ("train", "--save-every", "0"), ("train", "--log-every", "0"), ("train", "--num-classes", "254"),
     ("train", "--threads", "0"), ("train", "--output-stride", "12"), ("train", "--output-stride", "32"),
+    ("train", "--epochs", "0"), ("train", "--epochs", "100001"), ("train", "--iter-size", "0"),
+    ("train", "--iter-size", "1025"), ("train", "--lr-step", "0"),
     ("reproduce", "--iterations", "0"), ("reproduce", "--train-batch-size", "0"), ("reproduce", "--crop", "4"),
     ("reproduce", "--min-size", "0"), ("reproduce", "--max-size", "99999"), ("reproduce", "--lr", "-1"),
     ("reproduce", "--loader-workers", "-1"),

@@ -20,7 +20,7 @@ from test_distributed import _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 C = 4
-TINY = dict(backbone="resnet18", iterations=4, batch_size=4, crop=32, min_size=28, max_size=40, workers=0,
+TINY = dict(arch="deeplabv3+", output_stride=16, backbone="resnet18", iterations=4, batch_size=4, crop=32, min_size=28, max_size=40, workers=0,
             progress=False, log_every=1)
 
 
@@ -195,7 +195,7 @@ def _env():
 
 def _cli_args(tree, out, extra=()):
     return ["train", "--images", str(tree / "images"), "--labels", str(tree / "debiased"), "--out", str(out),
-            "--num-classes", str(C), "--arch", "deeplabv2", "--backbone", "resnet50", "--iterations", "3",
+            "--num-classes", str(C), "--arch", "deeplabv2", "--bn", "frozen", "--backbone", "resnet50", "--iterations", "3",
             "--batch-size", "4", "--crop", "32", "--min-size", "28", "--max-size", "40", "--workers", "0",
             "--log-every", "1", "--no-progress", *extra]
 

@@ -25,7 +25,7 @@ def tree(tmp_path):
 def _argv(tree, out, *extra, labels="pseudo", loss="ce"):
     """mars train, 1 tiny step, without --num-classes unless ``extra`` gives it."""
     return ["train", "--images", str(tree / "images"), "--labels", str(tree / labels), "--out", str(out),
-            "--loss", loss, "--backbone", "resnet18", "--iterations", "1", "--batch-size", "2", "--crop", "32",
+            "--loss", loss, "--arch", "deeplabv3+", "--output-stride", "16", "--backbone", "resnet18", "--iterations", "1", "--batch-size", "2", "--crop", "32",
             "--min-size", "28", "--max-size", "40", "--workers", "0", "--no-progress", *extra]
 
 
@@ -65,7 +65,7 @@ def test_num_classes_from_the_root_dataset(tmp_path):
     root = tmp_path / "s"
     write_sample_tree("dhr", root, num_images=4, size=32, seed=0)
     argv = ["train", "--root", str(root), "--labels", str(root / "WSS/VOC2012/RSEPM/train_aug"), "--out",
-            str(tmp_path / "run"), "--loss", "ce", "--backbone", "resnet18", "--iterations", "1", "--batch-size", "2",
+            str(tmp_path / "run"), "--loss", "ce", "--arch", "deeplabv3+", "--output-stride", "16", "--backbone", "resnet18", "--iterations", "1", "--batch-size", "2",
             "--crop", "32", "--min-size", "28", "--max-size", "40", "--workers", "0", "--no-progress"]
     assert cli.main(argv) == 0
     assert load_checkpoint(tmp_path / "run" / CHECKPOINT_NAME)["model"]["num_classes"] == 20

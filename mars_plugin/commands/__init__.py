@@ -10,8 +10,8 @@ The commands:
   ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``.
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
-  step 1 and recorded with its checkpoint; ``predict_recipe.py``: predict's settings from the
-  checkpoint's recipe.
+  step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record;
+  ``predict_recipe.py``: predict's settings from the checkpoint's recipe.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_settings.py`` (its settings record,
   checked once), ``reproduce_state.py`` (its record),
   ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with

@@ -332,15 +332,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--image-labels", default=None,
                    help="JSON {id: [class ids]} the teacher may fill biased pixels with (mars reproduce writes "
                         "image_labels.json); default: the xml tags with --root, else each label's classes")
-    t.add_argument("--arch", choices=("deeplabv3+", "deeplabv2"), default="deeplabv3+",
-                   help="DeepLabv3+ (the paper's RS+EPM row) or DeepLabv2 (its IRNet/AdvCAM rows)")
-    t.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
-                   help="ResNet depth (resnet18 for small runs)")
+    from mars_plugin.networks.recipes import RECIPE_NAMES
+
+    t.add_argument("--recipe", choices=RECIPE_NAMES, default="dhr",
+                   help="the codebase whose training the run follows (mars_plugin/networks/recipes.py): dhr (the "
+                        "RS+EPM row, DHR's trainer), deeplab-pytorch (IRNet/AdvCAM rows), seam (SEAM row); each flag "
+                        "below left out is the recipe's, one given overrides that field (recorded in train.json)")
+    t.add_argument("--arch", choices=("deeplabv3+dhr", "deeplabv3+", "deeplabv2", "deeplabv1-wr38"), default=None,
+                   help="the network (default: the recipe's); deeplabv3+ is RS+EPM's DeepLabv3+ (3x3 classifier)")
+    t.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101", "wr38"), default=None,
+                   help="ResNet depth (resnet18 for small runs; default: the recipe's)")
     t.add_argument("--output-stride", type=T.output_stride, choices=(8, 16), default=None,
-                   help="the backbone's output stride (default: 16 for deeplabv3+, 8 for deeplabv2, as upstream)")
+                   help="the backbone's output stride (default: the recipe's, 8 for all three)")
     t.add_argument("--bn", choices=("train", "frozen", "sync"), default=None,
-                   help="BatchNorm: batch statistics (deeplabv3+'s default, as RS+EPM/DHR), frozen (deeplabv2's "
-                        "default, as deeplab-pytorch) or sync (SyncBatchNorm over torchrun's GPUs)")
+                   help="BatchNorm: batch statistics (dhr's), frozen (deeplab-pytorch's) or sync (SyncBatchNorm "
+                        "over torchrun's GPUs)")
     t.add_argument("--weights", default=None,
                    help="torchvision-layout ImageNet file of the backbone (e.g. resnet101-63fe2227.pth), read "
                         "weights-only; default: random initialisation")
@@ -349,18 +355,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--refine", choices=("crf", "none"), default="crf",
                    help="the teacher's refinement (the paper: the dense CRF, on the batch, on the device)")
     t.add_argument("--crf-params", type=_crf_params, default="mars", help="dense-CRF preset or JSON dict (see debias)")
-    t.add_argument("--iterations", type=T.iterations, default=30000, help="optimizer steps")
-    t.add_argument("--batch-size", type=T.batch_size, default=16,
-                   help="global batch (split over torchrun's processes)")
-    t.add_argument("--crop", type=T.crop, default=512, help="crop side (DHR: 512)")
-    t.add_argument("--min-size", type=T.image_side, default=320, help="random resize: smallest longer side (DHR: 320)")
-    t.add_argument("--max-size", type=T.image_side, default=640, help="random resize: largest longer side (DHR: 640)")
-    t.add_argument("--lr", type=T.lr, default=1e-3, help="backbone learning rate; new layers 10x (DHR: 1e-3)")
-    t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+    sched = t.add_mutually_exclusive_group()
+    sched.add_argument("--iterations", type=T.iterations, default=None, help="optimizer steps (default: the recipe's)")
+    sched.add_argument("--epochs", type=T.epochs, default=None,
+                       help="passes over the images, counted as DHR (images // global batch per epoch with drop_last; "
+                            "dhr: 100, 66,100 steps on VOC train_aug at 16)")
+    t.add_argument("--batch-size", type=T.batch_size, default=None,
+                   help="global batch (split over torchrun's processes; dhr: 16)")
+    t.add_argument("--iter-size", type=T.iter_size, default=None,
+                   help="batches whose gradients add up to one step (deeplab-pytorch: 2)")
+    t.add_argument("--lr-step", type=T.iterations, default=None,
+                   help="the poly learning rate is recomputed every N steps (deeplab-pytorch: 10)")
+    t.add_argument("--loss-grid", choices=("logits", "input"), default=None,
+                   help="the loss on the logits' grid (labels resized nearest) or at the crop (logits upsampled)")
+    t.add_argument("--crop", type=T.crop, default=None, help="crop side (dhr: 512)")
+    t.add_argument("--min-size", type=T.image_side, default=None, help="random resize: smallest longer side (dhr: 320)")
+    t.add_argument("--max-size", type=T.image_side, default=None, help="random resize: largest longer side (dhr: 640)")
+    t.add_argument("--lr", type=T.lr, default=None, help="backbone learning rate, the groups at the recipe's "
+                                                         "multiples (dhr: 1e-3, new layers 10x)")
+    t.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
                    help="sgd: the MARS authors' (DHR's); adamw: for a network trained from random initialisation on "
                         "a small set (the demo world), which it teaches in far fewer steps")
-    t.add_argument("--momentum", type=T.momentum, default=0.9, help="SGD momentum")
-    t.add_argument("--weight-decay", type=T.weight_decay, default=4e-5, help="SGD weight decay (DHR: 4e-5)")
+    t.add_argument("--momentum", type=T.momentum, default=None, help="SGD momentum (dhr: 0.9)")
+    t.add_argument("--weight-decay", type=T.weight_decay, default=None, help="SGD weight decay (dhr: 4e-5)")
     t.add_argument("--ema", type=T.ema, default=0.999, help="teacher EMA momentum (the paper: 0.999)")
     t.add_argument("--seed", type=T.seed, default=0, help="seed of the initialisation, the data order and the "
                                                           "augmentation")

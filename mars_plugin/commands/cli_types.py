@@ -47,6 +47,8 @@ __all__ = [
     "res",
     "stride",
     "iterations",
+    "epochs",
+    "iter_size",
     "output_stride",
     "crop",
     "image_side",
@@ -123,6 +125,8 @@ per_class = int_in(0, MAX_PER_CLASS, "rows per class of the per-class grid")
 stride = int_in(1, MAX_STRIDE)
 #: mars train
 iterations = int_in(1, 10_000_000)
+epochs = int_in(1, 100_000)
+iter_size = int_in(1, 1024, "batches accumulated into one step")
 output_stride = int_in(8, 16, "8 or 16")
 crop = int_in(8, 4096, "a side in pixels")
 image_side = int_in(8, 8192, "the longer side after the random resize")

@@ -22,6 +22,8 @@ The other resumable commands record every input's identity and compare it on the
   to learn (every pixel 254 or 255) and ``--loss mars`` on labels without a single 254 (the
   pseudo labels given as the debiased ones) are refused. Skipped on a resume whose data
   identity is the recorded one: those files passed it when the run started.
+* :func:`out_lock`: one run per ``--out`` (rank 0 holds its lock for the whole run);
+  :func:`trim_log`: a resumed run's log keeps the lines of the steps it keeps.
 * :func:`command_inputs`: the command line's data flags (``--root``'s folders, tags and names),
   with its quiet defaults made explicit: C is inferred (:func:`infer_num_classes`) or asked
   for, never silently 20. ``--loss mars`` without image labels is a warning
@@ -31,28 +33,28 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from mars_plugin._checks import MAX_NUM_CLASSES
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, list_stems
 from mars_plugin.commands.errors import JobError, one_line
 from mars_plugin.commands.identities import file_id, json_digest, roles_digest
+from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+# The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
+# and files are compared by data_diff, which names them): the settings record's.
+from mars_plugin.commands.train_settings import RUN_KEYS
 
 __all__ = ["CHECKPOINT_NAME", "LOG_NAME", "SETTINGS_NAME", "TrainFiles", "list_train_files", "data_record",
            "data_summary", "data_diff", "check_train_files", "open_run", "infer_num_classes",
-           "command_inputs", "image_labels_warning"]
+           "command_inputs", "image_labels_warning", "trim_log", "out_lock"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "log.jsonl"
 SETTINGS_NAME = "train.json"
 
-# The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
-# and files are compared by data_diff, which names them).
-RUN_KEYS = ("arch", "backbone", "output_stride", "num_classes", "loss", "refine", "crf_params", "iterations",
-            "batch_size", "crop", "min_size", "max_size", "lr", "momentum", "weight_decay", "ema", "poly_power",
-            "seed", "bn", "optimizer", "weights")
 
 #: How many ids a refusal names.
 _SHOWN = 3
@@ -250,6 +252,53 @@ def open_run(out: Path, settings: Mapping[str, Any], record: Mapping[str, Any], 
     text = json.dumps({**settings, "data": data_summary(record)}, indent=2)
     atomic_write(out / SETTINGS_NAME, lambda tmp: Path(tmp).write_text(text))
     return ck
+
+
+def trim_log(path: Path, step: int) -> None:
+    """Keep the log lines of steps <= ``step`` (a resumed run writes the later ones again)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["iteration"]) <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in keep)))
+
+
+@contextmanager
+def out_lock(out: Path, rank: int) -> Iterator[None]:
+    """One run per ``--out``: a second one (another shell, a scheduler retrying) would interleave
+    checkpoints and log lines of two runs. Rank 0 holds the lock for the whole run; the lock
+    ends with its process, and a folder made only for a run refused here is removed again."""
+    if rank != 0:
+        yield
+        return
+    made_out = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out / LOCK_NAME, f"--out {out}", "mars train")
+    try:
+        lock.acquire()
+    except BaseException:
+        _remove_if_empty(out, made_out)
+        raise
+    try:
+        remove_stale_tmp(out)
+        yield
+    finally:
+        lock.release()
+        _remove_if_empty(out, made_out)
+
+
+def _remove_if_empty(out: Path, made: bool) -> None:
+    """Remove ``out`` if this run made it and left nothing in it (a refused or failed start)."""
+    if made:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
 
 
 def command_inputs(args: Any) -> Tuple[Path, int, Optional[List[str]], Optional[Dict[str, List[int]]], List[str]]:

@@ -1,0 +1,317 @@
+"""``mars train``'s settings: one frozen record, validated once, resolved against a recipe.
+
+The command line builds it (:meth:`TrainSettings.from_args`), the API takes it
+(:func:`mars_plugin.commands.train.train` builds one from its keywords), and the run's identity
+stores it (:meth:`TrainSettings.record`: the ``settings`` of ``checkpoint.pt`` and ``train.json``,
+compared on a resume by :func:`mars_plugin.commands.train_data.open_run` on :data:`RUN_KEYS`;
+:meth:`TrainSettings.from_record` reads it back).
+
+A run starts from a recipe (:mod:`mars_plugin.networks.recipes`, ``recipe="dhr"`` by default):
+each recipe field that is also a field here (:data:`RECIPE_FIELDS`: the network, the schedule,
+the optimizer, the crop) is the recipe's unless given, and a given one is an *override*, named
+in ``overrides`` and recorded. ``epochs`` (DHR's unit) or ``iterations``: the iterations of a
+run by epochs follow from the number of images (:meth:`TrainSettings.iterations_for`).
+
+Fields are of two more kinds (``metadata["run"]``): what the run *is* (recorded and, in
+:data:`RUN_KEYS`, compared) and how this process runs it (device, data-loading workers,
+checkpoint and log cadence, memory budget: not recorded, free to change on a resume).
+
+The record holds every key ``mars train`` wrote before recipes (same names, same values for
+the same run: ``weights`` as the file's base name, ``refine``/``crf_params``/``ema`` None for
+``loss="ce"``) plus ``recipe``, ``overrides`` and the recipe's resolved fields; a checkpoint
+written before recipes has no ``recipe`` and is refused on a resume as another run (``recipe:
+None -> 'dhr'``; ``--restart`` or another ``--out``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from mars_plugin._checks import check_int_param, check_num_classes, check_real_param, check_seed
+from mars_plugin.networks.recipes import (DEFAULT_RECIPE, Recipe, get_recipe, iterations_for_epochs,
+                                          recipe_to_dict)
+
+__all__ = ["TrainSettings", "RUN_KEYS", "RECIPE_FIELDS", "TRAIN_DEFAULTS", "missing_piece"]
+
+#: The recipe's fields a run may override one by one (``--lr``, ``--epochs``, ...; None: the recipe's).
+RECIPE_FIELDS = ("arch", "backbone", "output_stride", "bn", "epochs", "iterations", "batch_size", "iter_size",
+                 "crop", "min_size", "max_size", "optimizer", "lr", "momentum", "weight_decay", "poly_power",
+                 "lr_step", "loss_grid", "lr_mults", "decay")
+
+#: The settings whose change makes a checkpoint in ``--out`` belong to another run (the ids,
+#: folders and files are compared by :func:`~mars_plugin.commands.train_data.data_diff`).
+RUN_KEYS = ("recipe", "arch", "backbone", "output_stride", "num_classes", "loss", "refine", "crf_params",
+            "iterations", "epochs", "batch_size", "iter_size", "crop", "min_size", "max_size", "lr", "momentum",
+            "weight_decay", "ema", "poly_power", "lr_step", "lr_mults", "decay", "loss_grid", "seed", "bn",
+            "optimizer", "weights", "normalization", "augmentation", "nesterov", "bn_momentum", "bn_head",
+            "bn_affine", "frozen_layers", "poly_max_offset", "drop_last", "msc_scales")
+
+_RUN = {"run": True}  # a field of how this process runs, not of what the run is
+# the recipe's augmentation_params names of min_size / max_size (DHR's --min_image / --max_image)
+_AUG_NAMES = {"min_size": "min_image", "max_size": "max_image"}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What one ``mars train`` run is, checked (each bad value named: ``lr must be ...``).
+
+    ``recipe`` names the codebase whose training the run follows; the fields of
+    :data:`RECIPE_FIELDS` left None are the recipe's (after construction they hold the resolved
+    values, and ``overrides`` names those that were given). ``output_stride``/``bn`` given as
+    None stay the recipe's; ``refine="none"`` is None; with ``loss="ce"`` ``refine``,
+    ``crf_params`` and ``ema`` are None (the baseline has no teacher). Of ``epochs`` and
+    ``iterations`` one is set.
+
+    The fields: ``arch, backbone, output_stride``: see :func:`mars_plugin.networks.deeplab.build_model`;
+    ``weights``: a torchvision-layout ImageNet ResNet file (read weights-only), None: random init;
+    ``loss``: ``"mars"`` (EMA teacher + complement + WCE) or ``"ce"`` (plain CE, the baseline);
+    ``refine``: the teacher's refinement, ``"crf"`` (the paper's) or None; ``bn``: ``"train"``
+    (batch statistics, as RS+EPM and DHR), ``"frozen"`` (running statistics and affine weights
+    fixed, as deeplab-pytorch's ``freeze_bn``, main.py:206-208 at 4219467; N processes then
+    compute exactly the step of one) or ``"sync"`` (SyncBatchNorm over torchrun's processes,
+    CUDA only); ``optimizer``: ``"sgd"`` or ``"adamw"`` (betas 0.9/0.999, the same groups,
+    decoupled weight decay: not the paper's, but a network trained from random initialisation
+    on a small set learns in far fewer steps); ``lr_mults``/``decay``: per group (backbone
+    weight, backbone bias, head weight, head bias); ``lr_step``: the poly rate is recomputed
+    every ``lr_step`` steps; ``iter_size``: batches whose gradients add up to one step;
+    ``loss_grid``: see the recipe; ``amp``: mixed precision on CUDA (ignored on the CPU);
+    ``device``: ``"auto"`` (CUDA if available; under torchrun the process's ``LOCAL_RANK``),
+    ``"cpu"``, ``"cuda"``, ``"cuda:N"``; ``workers``: data-loading processes per training
+    process; ``max_bytes``: the memory budget of one process (``--max-memory``): ``"auto"`` (80%
+    of the device's memory), bytes, or None; a step that needs more
+    (:func:`mars_plugin.networks.memory.train_memory_bytes`) is refused before any work.
+    """
+
+    num_classes: int
+    recipe: str = DEFAULT_RECIPE
+    arch: Optional[str] = None
+    backbone: Optional[str] = None
+    output_stride: Optional[int] = None
+    weights: Optional[str] = None
+    bn: Optional[str] = None
+    loss: str = "mars"
+    refine: Optional[str] = "crf"
+    crf_params: Union[str, Mapping[str, Any], None] = "mars"
+    ema: Optional[float] = 0.999
+    epochs: Optional[int] = None
+    iterations: Optional[int] = None
+    batch_size: Optional[int] = None
+    iter_size: Optional[int] = None
+    crop: Optional[int] = None
+    min_size: Optional[int] = None
+    max_size: Optional[int] = None
+    optimizer: Optional[str] = None
+    lr: Optional[float] = None
+    momentum: Optional[float] = None
+    weight_decay: Optional[float] = None
+    poly_power: Optional[float] = None
+    lr_step: Optional[int] = None
+    loss_grid: Optional[str] = None
+    lr_mults: Optional[Tuple[float, float, float, float]] = None
+    decay: Optional[Tuple[bool, bool, bool, bool]] = None
+    seed: int = 0
+    amp: bool = True
+    device: str = field(default="auto", metadata=_RUN)
+    workers: int = field(default=2, metadata=_RUN)
+    save_every: int = field(default=1000, metadata=_RUN)
+    log_every: int = field(default=10, metadata=_RUN)
+    max_bytes: Union[None, str, int] = field(default="auto", metadata=_RUN)
+    #: the recipe fields given (in :data:`RECIPE_FIELDS` order): set by the checks
+    overrides: Tuple[str, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 -- frozen: normalised once here
+        rec = self.spec
+        put("overrides", tuple(k for k in RECIPE_FIELDS if getattr(self, k) is not None))
+        if self.epochs is not None and self.iterations is not None:
+            raise ValueError(f"epochs and iterations: give one, got epochs={self.epochs}, iterations={self.iterations}")
+        aug = dict(rec.augmentation_params)
+        for k in RECIPE_FIELDS:
+            if getattr(self, k) is None and not (k in ("epochs", "iterations") and self.overrides_schedule):
+                put(k, aug.get(_AUG_NAMES[k], 320 if k == "min_size" else 640) if k in _AUG_NAMES
+                    else getattr(rec, k))
+        self._check(put)
+
+    @property
+    def overrides_schedule(self) -> bool:
+        return "epochs" in self.overrides or "iterations" in self.overrides
+
+    def _check(self, put: Any) -> None:
+        from mars_plugin.networks.deeplab import ARCHS, BACKBONES, OUTPUT_STRIDES
+        from mars_plugin.networks.recipe_checks import CHOICES
+        from mars_plugin.networks.seg_data import Augmentation
+
+        put("num_classes", check_num_classes(self.num_classes))
+        if self.loss not in ("mars", "ce"):
+            raise ValueError(f"loss must be 'mars' or 'ce', got {self.loss!r}")
+        if self.refine not in (None, "crf", "none"):
+            raise ValueError(f"refine must be 'crf' or None, got {self.refine!r}")
+        for name in ("epochs", "iterations"):
+            if getattr(self, name) is not None:
+                put(name, check_int_param(getattr(self, name), name, 1))
+        for name in ("batch_size", "iter_size", "lr_step", "save_every", "log_every"):
+            put(name, check_int_param(getattr(self, name), name, 1))
+        put("workers", check_int_param(self.workers, "workers", 0, 64))
+        put("seed", check_seed(self.seed))
+        put("lr", check_real_param(self.lr, "lr", 0.0, 10.0, low_open=True))
+        put("momentum", check_real_param(self.momentum, "momentum", 0.0, 1.0, high_open=True))
+        put("weight_decay", check_real_param(self.weight_decay, "weight_decay", 0.0, 1.0))
+        if self.ema is not None or self.loss == "mars":
+            put("ema", check_real_param(self.ema, "ema", 0.0, 1.0))
+        put("poly_power", check_real_param(self.poly_power, "poly_power", 0.0, 10.0))
+        Augmentation(crop=self.crop, min_size=self.min_size, max_size=self.max_size)  # its checks, its messages
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        for name, choices in (("arch", ARCHS + CHOICES["arch"]), ("backbone", BACKBONES + CHOICES["backbone"]),
+                              ("loss_grid", CHOICES["loss_grid"])):
+            if getattr(self, name) not in dict.fromkeys(choices):
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, dict.fromkeys(choices)))}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.bn not in ("train", "frozen", "sync"):
+            raise ValueError(f"bn must be 'train', 'frozen' or 'sync', got {self.bn!r}")
+        if isinstance(self.output_stride, bool) or self.output_stride not in OUTPUT_STRIDES:
+            raise ValueError(f"output_stride must be 8 or 16, got {self.output_stride}")
+        put("output_stride", int(self.output_stride))
+        put("lr_mults", _group_tuple(self.lr_mults, "lr_mults", float))
+        put("decay", _group_tuple(self.decay, "decay", bool))
+        if self.weights is not None:
+            put("weights", os.fspath(self.weights))
+        put("amp", bool(self.amp))
+        # what the baseline does not use is None, as the record has always said
+        mars = self.loss == "mars"
+        put("refine", None if not mars or self.refine == "none" else self.refine)
+        put("crf_params", self.crf_params if mars and self.refine else None)
+        put("ema", self.ema if mars else None)
+
+    @property
+    def spec(self) -> Recipe:
+        """The recipe the run starts from (:func:`~mars_plugin.networks.recipes.get_recipe`)."""
+        return get_recipe(self.recipe)
+
+    @property
+    def poly_max_offset(self) -> int:
+        """Poly's denominator is ``iterations + poly_max_offset`` (the recipe's; SEAM: 1)."""
+        return self.spec.poly_max_offset
+
+    def iterations_for(self, num_images: int) -> int:
+        """The optimizer steps of the run on ``num_images`` images: ``iterations``, or ``epochs``
+        as DHR counts them (:func:`~mars_plugin.networks.recipes.iterations_for_epochs`: the global
+        batch ``batch_size * iter_size``, the recipe's ``drop_last``, on one process: the steps of
+        ``mars train`` do not depend on the number of processes). 10,582 images, ``dhr``: 66,100."""
+        if self.iterations is not None:
+            return self.iterations
+        return iterations_for_epochs(num_images, self.epochs, self.batch_size * self.iter_size, self.spec.drop_last)
+
+    @property
+    def augmentation(self) -> Any:
+        """The :class:`~mars_plugin.networks.seg_data.Augmentation` of ``crop``, ``min_size``, ``max_size``."""
+        from mars_plugin.networks.seg_data import Augmentation
+
+        return Augmentation(crop=self.crop, min_size=self.min_size, max_size=self.max_size)
+
+    @property
+    def model(self) -> Dict[str, Any]:
+        """``checkpoint["model"]``: the arguments of :func:`mars_plugin.networks.deeplab.build_model`."""
+        return {"arch": self.arch, "backbone": self.backbone, "output_stride": self.output_stride,
+                "num_classes": self.num_classes}
+
+    def given(self) -> Dict[str, Any]:
+        """The arguments that make this record: the overrides and every field of neither kind."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.init and (f.name not in RECIPE_FIELDS or f.name in self.overrides)}
+
+    def replace(self, **changes: Any) -> "TrainSettings":
+        """A copy with ``changes`` (recipe fields among them become overrides), checked again."""
+        return type(self)(**{**self.given(), **changes})
+
+    def record(self, *, amp: Optional[bool] = None, iterations: Optional[int] = None, **facts: Any) -> Dict[str, Any]:
+        """The run's identity, JSON-able: the recipe's fields as resolved (``recipe``: its name,
+        ``sources`` of overridden fields ``"override"``), every field but the run fields,
+        ``weights`` as its base name, ``amp`` as used (False on the CPU), ``iterations`` as run
+        (by epochs: from the number of images), and ``facts`` of the run (``stems``, ``images``,
+        ``labels``, ``world_size``) that are said, not compared."""
+        spec = recipe_to_dict(self.spec)
+        spec.pop("name")
+        spec["sources"] = {**spec["sources"], **{k: "override" for k in self.overrides}}
+        spec["augmentation_params"] = [[k, self.min_size if k == "min_image" else self.max_size if k == "max_image"
+                                        else v] for k, v in spec["augmentation_params"]]
+        rec = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("run")}
+        rec.update(weights=os.path.basename(self.weights) if self.weights else None, overrides=list(self.overrides),
+                   lr_mults=list(self.lr_mults), decay=list(self.decay))
+        if amp is not None:
+            rec["amp"] = bool(amp)
+        if iterations is not None:
+            rec["iterations"] = int(iterations)
+        return {**spec, **rec, **facts}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], **run: Any) -> "TrainSettings":
+        """The settings a :meth:`record` holds (its recipe, its overrides, its other fields; the
+        facts and the recipe's resolved fields are left), with ``run``'s run fields; checked again."""
+        overrides = set(record.get("overrides") or ())
+        keep = {f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("run")}
+        args = {k: v for k, v in record.items() if k in keep and (k not in RECIPE_FIELDS or k in overrides)}
+        for k in ("lr_mults", "decay"):
+            if k in args:
+                args[k] = tuple(args[k])
+        return cls(**args, **run)
+
+    @classmethod
+    def from_args(cls, args: Any, num_classes: int) -> "TrainSettings":
+        """``mars train``'s parsed arguments (argparse's namespace) -> the record (a flag left
+        out, None, is the recipe's)."""
+        return cls(
+            num_classes=num_classes, recipe=args.recipe, weights=args.weights, loss=args.loss, refine=args.refine,
+            crf_params=args.crf_params, ema=args.ema, seed=args.seed, amp=not args.no_amp,
+            **{k: getattr(args, k, None) for k in RECIPE_FIELDS},
+            device=args.device, workers=args.workers, save_every=args.save_every, log_every=args.log_every,
+            max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30),
+        )
+
+
+def _group_tuple(value: Any, name: str, kind: type) -> Tuple[Any, ...]:
+    """``lr_mults`` / ``decay``: 4 values, one per group (backbone weight, backbone bias, head
+    weight, head bias)."""
+    from mars_plugin.networks.recipe_checks import check_field
+
+    return tuple(check_field(name, tuple(value) if isinstance(value, list) else value))
+
+
+#: What each recipe value the network code of this build lacks needs, and the branch bringing it.
+_PIECES = (
+    ("arch", "deeplabv3+dhr", "DHR's DeepLabv3+ network 'deeplabv3+dhr' (branch dhr)"),
+    ("arch", "deeplabv1-wr38", "SEAM's WR38 DeepLabv1 'deeplabv1-wr38' (branch seam)"),
+    ("backbone", "wr38", "SEAM's wide ResNet-38 backbone (branch seam)"),
+    ("normalization", "caffe-bgr", "deeplab-pytorch's caffe BGR normalisation (branch dlpt)"),
+    ("augmentation", "deeplab-pytorch", "deeplab-pytorch's augmentation (branch dlpt)"),
+    ("augmentation", "seam", "SEAM's augmentation (branch seam)"),
+    ("bn_head", "frozen", "a frozen head BatchNorm (branch seam)"),
+)
+
+
+def missing_piece(s: TrainSettings) -> Optional[str]:
+    """What of ``s`` this build cannot train yet (a network, augmentation, normalisation,
+    training scheme another branch brings), or None."""
+    from mars_plugin.networks.deeplab import ARCHS
+
+    spec = s.spec
+    values = {"arch": s.arch, "backbone": s.backbone, **{k: getattr(spec, k) for k in
+                                                         ("normalization", "augmentation", "bn_head")}}
+    for key, value, piece in _PIECES:
+        if values[key] == value and not (key == "arch" and value in ARCHS):
+            return f"{key} {value!r} of recipe {s.recipe!r} needs {piece}"
+    if spec.msc_scales:
+        return f"msc_scales {spec.msc_scales} of recipe {s.recipe!r} needs deeplab-pytorch's MSC training (branch dlpt)"
+    if spec.bn_affine == "fixed" and s.bn != "frozen":
+        return (f"recipe {s.recipe!r}: BatchNorm statistics trained with the affine weights out of the optimizer "
+                "(SEAM's scheme, branch seam)")
+    if s.weights is not None and spec.weights_format != "torchvision":
+        return f"recipe {s.recipe!r}: a reader of {spec.weights_format!r} weight files (branch dlpt or seam)"
+    return None
+
+
+#: The defaults of ``mars train`` that are not the recipe's (those are :data:`RECIPE_FIELDS`).
+TRAIN_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainSettings)
+                                  if f.init and f.name not in RECIPE_FIELDS and not f.metadata.get("run")}
