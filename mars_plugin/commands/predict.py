@@ -88,8 +88,11 @@ def predict_job(
             normalises with ImageNet's mean and std, as the default does).
         fuse_at: where the scales' probabilities are averaged: ``"input"`` (RS+EPM's,
             :func:`~mars_plugin.networks.inference.multiscale_probs`), ``"logits"`` (DHR's
-            ``apply_ms``, :func:`~mars_plugin.networks.inference.multiscale_probs_dhr`), or None:
-            the network's own upstream's (``"logits"`` for ``deeplabv3+dhr``, else ``"input"``).
+            ``apply_ms``, :func:`~mars_plugin.networks.inference.multiscale_probs_dhr`), ``"seam"``
+            (SEAM's test.py: :func:`~mars_plugin.networks.deeplabv1.seam_multiscale_probs`, and with
+            ``crf_image="denormalized"`` its float32 bytes, :func:`~mars_plugin.networks.deeplabv1.seam_crf_bytes`),
+            or None: the network's own upstream's (``"logits"`` for ``deeplabv3+dhr``, ``"seam"`` for
+            ``deeplabv1-wr38``, else ``"input"``).
         batch_size: images per forward pass (each with its flip); only images of one size share
             a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
@@ -127,10 +130,11 @@ def predict_job(
     class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
     if crf_image not in CRF_IMAGES:
         raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
-    if fuse_at is None:  # DHR's apply_ms is a method of its network: that network fuses as DHR does
-        fuse_at = "logits" if (getattr(model, "config", None) or {}).get("arch") == "deeplabv3+dhr" else "input"
-    if fuse_at not in ("input", "logits"):
-        raise ValueError(f"fuse_at must be 'input', 'logits' or None, got {fuse_at!r}")
+    if fuse_at is None:  # DHR's apply_ms is a method of its network: that network fuses as DHR does (SEAM's: test.py)
+        fuse_at = {"deeplabv3+dhr": "logits", "deeplabv1-wr38": "seam"}.get(
+            (getattr(model, "config", None) or {}).get("arch"), "input")
+    if fuse_at not in ("input", "logits", "seam"):
+        raise ValueError(f"fuse_at must be 'input', 'logits', 'seam' or None, got {fuse_at!r}")
     batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
@@ -228,12 +232,16 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
     def labels_of(batch: Batch) -> torch.Tensor:
         rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, H, W, 3) uint8
         x = preprocess(rgb)
-        fuse = multiscale_probs_dhr if fuse_at == "logits" else multiscale_probs
+        from mars_plugin.networks.deeplabv1 import seam_crf_bytes, seam_multiscale_probs
+
+        fuse = {"logits": multiscale_probs_dhr, "seam": seam_multiscale_probs}.get(fuse_at, multiscale_probs)
         probs = fuse(model, x, scales, flip, fp16=fp16)
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
                              "background")
-        return labels_from_probs(probs, crf_rgb(rgb, x, crf_image), crf, class_threshold, max_bytes=max_bytes).cpu()
+        seam_bytes = fuse_at == "seam" and crf_image == "denormalized"  # test.py's img_denorm, in float32
+        crf_bytes = seam_crf_bytes(x) if seam_bytes else crf_rgb(rgb, x, crf_image)
+        return labels_from_probs(probs, crf_bytes, crf, class_threshold, max_bytes=max_bytes).cpu()
 
     def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
         stem, _, img = item

@@ -468,7 +468,12 @@ def _reported(loader: Any, start: int) -> Iterator[Dict[str, Any]]:
 
 
 def _set_bn_mode(model: nn.Module, bn: str) -> None:
-    """Frozen BatchNorm stays in eval mode (running statistics) while the rest trains."""
+    """Frozen BatchNorm stays in eval mode (running statistics) while the rest trains; SEAM's
+    network trains as its train.py leaves it (:func:`~mars_plugin.networks.deeplabv1.seam_train_mode`)."""
+    if getattr(model, "arch", None) == "deeplabv1-wr38":  # undo WR38's train() override, never run upstream
+        from mars_plugin.networks.deeplabv1 import seam_train_mode
+
+        seam_train_mode(model)
     if bn == "frozen":
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):

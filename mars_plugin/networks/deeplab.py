@@ -72,11 +72,11 @@ __all__ = [
     "normalize",
 ]
 
-ARCHS = ("deeplabv3+", "deeplabv2", "deeplabv3+dhr")
+ARCHS = ("deeplabv3+", "deeplabv2", "deeplabv3+dhr", "deeplabv1-wr38")
 OUTPUT_STRIDES = (8, 16)
 #: The output stride each arch is trained with upstream (RS+EPM: 16; deeplab-pytorch: 8; DHR's
 #: train.py and produce_wss_masks.py: 8, core/networks.py ``DeepLabv3plus(output_stride=8)``).
-DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8, "deeplabv3+dhr": 8}
+DEFAULT_OUTPUT_STRIDE = {"deeplabv3+": 16, "deeplabv2": 8, "deeplabv3+dhr": 8, "deeplabv1-wr38": 8}
 
 #: ImageNet statistics of RGB in [0, 1] (torchvision's, used by RS+EPM's ``Normalize``).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

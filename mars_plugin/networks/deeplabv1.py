@@ -51,7 +51,8 @@ from mars_plugin.networks.wide_resnet38 import WideResNet38
 
 __all__ = ["ARCH", "BACKBONE", "DeepLabV1WR38", "build_deeplabv1_wr38", "seam_param_groups", "seam_poly_lr",
            "seam_train_mode", "seam_loss", "TEST_SCALES", "seam_scaled_inputs", "seam_multiscale_logits",
-           "seam_crf_image", "SEAM_CRF", "SEAM_MEAN", "SEAM_STD"]
+           "seam_crf_image", "seam_multiscale_probs", "seam_crf_bytes", "SEAM_CRF", "SEAM_MEAN",
+           "SEAM_STD"]
 
 ARCH = "deeplabv1-wr38"
 BACKBONE = "wr38"
@@ -258,3 +259,38 @@ def seam_crf_image(normalized: torch.Tensor) -> np.ndarray:
     x = x * np.float32(255)
     x = np.clip(x, 0, 255).astype(np.uint8)
     return np.ascontiguousarray(x.transpose(1, 2, 0))
+
+
+def seam_multiscale_probs(model: nn.Module, images: torch.Tensor, scales: Sequence[float] = TEST_SCALES,
+                          flip: bool = True, *, fp16: bool = False) -> torch.Tensor:
+    """``mars predict``'s fusion for SEAM's network (``fuse_at="seam"``), with the interface of
+    :func:`mars_plugin.networks.inference.multiscale_probs`: (B, 3, H, W) normalised images ->
+    (B, C + 1, H, W) float32 probabilities, each image on its own as test.py runs it
+    (:func:`seam_scaled_inputs` of its float32 (H, W, 3) array, then :func:`seam_multiscale_logits`).
+    ``fp16``: the network under autocast (bfloat16; not upstream's), its logits taken in float32."""
+    from mars_plugin.networks.inference import half_dtype
+
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 or \
+            not images.is_floating_point():
+        raise ValueError(f"images must be a float (B, 3, H, W) tensor of normalised images, got {describe(images)}")
+    dev = images.device
+
+    def net(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=half_dtype(dev), enabled=bool(fp16)):
+            return model(x).float()
+
+    out = []
+    for img in images:
+        arr = img.detach().float().permute(1, 2, 0).cpu().numpy()
+        scaled = [x.to(dev) for x in seam_scaled_inputs(np.ascontiguousarray(arr), scales)]
+        out.append(seam_multiscale_logits(net, scaled, img.shape[-2:], flip))
+    probs = torch.stack(out)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the network's output holds NaN or Inf" + (" under --fp16; run without it" if fp16 else ""))
+    return probs
+
+
+def seam_crf_bytes(images: torch.Tensor) -> torch.Tensor:
+    """:func:`seam_crf_image` of each of (B, 3, H, W) normalised images -> (B, H, W, 3) uint8 on
+    their device: the bytes test.py's CRF sees (``crf_image="denormalized"`` for SEAM's network)."""
+    return torch.stack([torch.from_numpy(seam_crf_image(x)) for x in images]).to(images.device)

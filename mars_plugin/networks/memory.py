@@ -183,6 +183,10 @@ def _train_per_pixel(key: Tuple[str, str, Optional[int], int], half: bool, froze
     """(peak over the forward and backward, live after the forward) of a training step per
     input pixel of a batch of 2 (the network's gradients included)."""
     m = _meta_model(key, torch.bfloat16 if half else torch.float32).train()
+    if key[0] == "deeplabv1-wr38":  # as mars train runs it: batch statistics everywhere, conv1a trained
+        from mars_plugin.networks.deeplabv1 import seam_train_mode
+
+        seam_train_mode(m)
     if frozen_bn:
         for mod in m.modules():
             if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):

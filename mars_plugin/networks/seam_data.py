@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import random as _random
 from dataclasses import dataclass
-from typing import Tuple, Union
+from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["SeamAugmentation", "seam_augment", "seam_augment_normalized", "cv_rgb2hsv", "cv_hsv2rgb", "cv_resize"]
+__all__ = ["SeamAugmentation", "seam_augmentation", "seam_augment", "seam_augment_normalized", "cv_rgb2hsv", "cv_hsv2rgb", "cv_resize"]
 
 Rng = Union[_random.Random, np.random.Generator]
 
@@ -62,6 +62,14 @@ class SeamAugmentation:
             raise ValueError(f"hsv must be three integers in 0..255, got {self.hsv!r}")
         if not 0.0 <= self.flip <= 1.0:
             raise ValueError(f"flip must be a probability in [0, 1], got {self.flip!r}")
+
+
+def seam_augmentation(crop: int, params: Sequence[Tuple[str, Any]]) -> SeamAugmentation:
+    """The :class:`SeamAugmentation` of a recipe's ``crop`` and ``augmentation_params``
+    (``scale``, ``hsv``, ``hflip``: :mod:`mars_plugin.networks.recipes`, recipe ``seam``)."""
+    p = dict(params)
+    return SeamAugmentation(crop=crop, scale=tuple(p["scale"]), hsv=tuple(int(v) for v in p["hsv"]),
+                            flip=float(p["hflip"]))
 
 
 class _Draws:

@@ -134,6 +134,14 @@ def augment(rgb: np.ndarray, label: np.ndarray, aug: Augmentation, rng: np.rando
     return out_img, out_lab
 
 
+def _augment_of(aug: object):
+    """The augmentation function of ``aug``'s kind: :func:`augment` (DHR's), or a recipe's own
+    (:class:`~mars_plugin.networks.seam_data.SeamAugmentation`: SEAM's :func:`~mars_plugin.networks.seam_data.seam_augment`)."""
+    from mars_plugin.networks.seam_data import SeamAugmentation, seam_augment
+
+    return seam_augment if isinstance(aug, SeamAugmentation) else augment
+
+
 def check_train_label(label: np.ndarray, path: os.PathLike, num_classes: int, allow_biased: bool) -> None:
     """A training label (H, W) holds only 0..C, 255 (ignore) and, where ``allow_biased``
     (``--loss mars``), 254 (biased); else a ValueError naming the file, the value and the flag."""
@@ -242,7 +250,7 @@ class TrainFolder(Dataset):
         except Exception as e:  # noqa: BLE001 -- any failure to read a sample is that sample's, named
             raise SampleError(f"{stem}: {' '.join(str(e).split()) or type(e).__name__}") from None
         rng = np.random.default_rng([self.seed, position])
-        rgb_c, lab_c = augment(rgb, label, self.aug, rng)
+        rgb_c, lab_c = _augment_of(self.aug)(rgb, label, self.aug, rng)
         multi_hot = torch.zeros(self.num_classes, dtype=torch.bool)
         if cls:
             multi_hot[torch.tensor(cls) - 1] = True
