@@ -7,6 +7,7 @@ the one-iteration CRF on float32-denormalised bytes). The network is the WR38 De
 sixteenth of its width (``width_div``), on crops of 40."""
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -53,7 +54,7 @@ def _train(tmp_path, monkeypatch, loss="mars"):
             drops = [m for m in self.modules() if isinstance(m, (nn.Dropout, nn.Dropout2d))]
             seen.append({"bn_train": all(m.training for m in bns), "drop_train": all(m.training for m in drops),
                          "conv1a_grad": self.backbone.conv1a.weight.requires_grad,
-                         "in": tuple(x.shape[-2:]), "out": tuple(y.shape[-2:])})
+                         "n": x.shape[0], "in": tuple(x.shape[-2:]), "out": tuple(y.shape[-2:])})
         return y
 
     def set_lr(opt, base_lrs, s, step, total):
@@ -72,7 +73,7 @@ def _train(tmp_path, monkeypatch, loss="mars"):
     monkeypatch.setattr(seam_data, "seam_augment", seam_aug)
     monkeypatch.setattr(seg_data, "augment", dhr_aug)
     res = train_mod.train(tree / "images", tree / ("debiased" if loss == "mars" else "pseudo"), tmp_path / "run", C,
-                          recipe="seam", loss=loss, iterations=T, batch_size=2, crop=40, workers=0, device="cpu",
+                          recipe="seam", loss=loss, iterations=T, batch_size=6, crop=40, workers=0, device="cpu",
                           progress=False, log_every=1)
     return res, seen, lrs, augs
 
@@ -92,12 +93,13 @@ def test_seam_recipe_trains_as_train_py(tmp_path, monkeypatch, tiny):
             assert wd == (r.weight_decay if r.decay[i] else 0.0), (step, name)
     assert lrs[-1][2]["head_bias"][0] > 0  # over T + 1: the last step's lr is not 0
     # every student forward: BatchNorm on batch statistics, dropout on, conv1a trainable, logits at the crop
-    assert len(seen) == T
+    # batch 6 over bn_batch 5: two replicas of 3 (DataParallel's chunks), each step
+    assert [s["n"] for s in seen] == [3, 3] * T
     for s in seen:
         assert s["bn_train"] and s["drop_train"] and s["conv1a_grad"], s
         assert s["in"] == s["out"] == (40, 40), s
     # the crops are SEAM's augmentation with the recipe's numbers
-    assert len(augs) == 2 * T and all(isinstance(a, seam_data.SeamAugmentation) for a in augs)
+    assert len(augs) == 6 * T and all(isinstance(a, seam_data.SeamAugmentation) for a in augs)
     assert augs[0] == seam_data.SeamAugmentation(crop=40, scale=(0.5, 1.5), hsv=(10, 10, 10), flip=0.5)
     # BatchNorm statistics moved, its weights did not; conv1a was trained
     ck = load_checkpoint(res["checkpoint"])
@@ -112,6 +114,31 @@ def test_seam_recipe_trains_as_train_py(tmp_path, monkeypatch, tiny):
         assert int(st[f"{n}.num_batches_tracked"]) == T
     assert not torch.equal(st["backbone.conv1a.weight"], init["backbone.conv1a.weight"])
     assert ck["recipe"] == "seam" and ck["model"]["arch"] == "deeplabv1-wr38"
+
+
+def test_replicas_forward_is_data_parallel_on_one_device():
+    """10 images as upstream's 2-GPU DataParallel: each half through the network on its own
+    (BatchNorm on its 5 images), the first half's running statistics kept, the second's dropped."""
+    torch.manual_seed(0)
+    net = dv1.seam_train_mode(DeepLabV1WR38(2, width_div=16).double())
+    for m in net.modules():
+        if isinstance(m, (nn.Dropout, nn.Dropout2d)):
+            m.eval()  # the same dropout draws are not the point here
+    momenta = [m.momentum for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
+    x = torch.randn(10, 3, 24, 24, dtype=torch.float64)
+    first, second, whole = copy.deepcopy(net), copy.deepcopy(net), copy.deepcopy(net)
+    want = torch.cat([first(x[:5]), second(x[5:])])
+    got = dv1.seam_replicas_forward(net, x, 5)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert float((got - whole(x)).detach().abs().max()) > 1e-6  # one BatchNorm batch of 10 is another computation
+    for k, v in first.state_dict().items():  # the first replica's statistics, counted once
+        assert torch.equal(net.state_dict()[k], v), k
+    assert [m.momentum for m in net.modules() if isinstance(m, nn.BatchNorm2d)] == momenta
+    got.sum().backward()  # the graph of both halves is intact
+    assert net.cls_conv.weight.grad is not None
+    calls = []
+    assert dv1.seam_replicas_forward(lambda t: calls.append(t.shape[0]) or t, x[:5], 5).shape[0] == 5
+    assert calls == [5]  # B <= bn_batch: one call
 
 
 def test_seam_recipe_is_wired_whole():

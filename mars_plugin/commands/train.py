@@ -371,6 +371,8 @@ def _step(run: _Run, step: int, batches: Sequence[Mapping[str, Any]]) -> Tuple[t
     summed loss, the global count of pixels the loss averages over). The gradients of the
     batches add up, each loss divided by the count of all of them: the step of one batch
     ``iter_size`` times as large (with frozen BatchNorm exactly)."""
+    from mars_plugin.networks.deeplabv1 import seam_replicas_forward  # SEAM's train.py: DataParallel on 2 GPUs
+
     s, dev = run.s, run.dev
     _set_lr(run.opt, run.base_lrs, s, step, run.iterations)
     torch.manual_seed(_step_seed(s.seed, step, run.rank))
@@ -382,7 +384,7 @@ def _step(run: _Run, step: int, batches: Sequence[Mapping[str, Any]]) -> Tuple[t
     for batch, y in zip(batches, ys):
         x = batch["image"].to(dev, non_blocking=True)
         with torch.autocast(dev.type, dtype=run.amp_dtype, enabled=run.use_amp):
-            logits = run.net(x)
+            logits = run.net(x) if s.recipe != "seam" else seam_replicas_forward(run.net, x, s.spec.bn_batch)
             _check_loss_grid(s, logits, y)
             if run.hook is not None:
                 total = run.hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))

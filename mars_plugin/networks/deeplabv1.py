@@ -31,6 +31,8 @@ Training (train.py), the pieces ``mars train`` calls:
   are active, and ``conv1a`` is trained (in the x1 group). Call this instead of ``.train()``.
   (Upstream runs ``nn.DataParallel`` on 2 GPUs with plain ``nn.BatchNorm2d``: each BN sees 5
   of the 10 images; one process with the batch of 10 sees 10.)
+* :func:`seam_replicas_forward`: the batch of 10 as upstream's 2-GPU ``nn.DataParallel`` runs
+  it, each BatchNorm on 5 images (the recipe's ``bn_batch``).
 * :func:`seam_loss` (train.py:85, 96-97): ``nn.CrossEntropyLoss(ignore_index=255)``, mean over
   the labelled pixels, on the logits at the crop's size (the network up-samples them).
 
@@ -51,7 +53,7 @@ from mars_plugin.networks.wide_resnet38 import WideResNet38
 
 __all__ = ["ARCH", "BACKBONE", "DeepLabV1WR38", "build_deeplabv1_wr38", "seam_param_groups", "seam_poly_lr",
            "seam_train_mode", "seam_loss", "TEST_SCALES", "seam_scaled_inputs", "seam_multiscale_logits",
-           "seam_crf_image", "seam_multiscale_probs", "seam_crf_bytes", "SEAM_CRF", "SEAM_MEAN",
+           "seam_crf_image", "seam_replicas_forward", "seam_multiscale_probs", "seam_crf_bytes", "SEAM_CRF", "SEAM_MEAN",
            "SEAM_STD"]
 
 ARCH = "deeplabv1-wr38"
@@ -198,6 +200,35 @@ def seam_train_mode(model: nn.Module) -> nn.Module:
                 m.weight.requires_grad_(True)
                 m.bias.requires_grad_(True)
     return model
+
+
+def seam_replicas_forward(model: nn.Module, x: torch.Tensor, bn_batch: int) -> torch.Tensor:
+    """train.py's forward through ``nn.DataParallel`` (config.py ``GPUS`` 2, train.py:64), on one
+    device: x (B, 3, H, W) is split as DataParallel scatters it (``x.chunk(ceil(B / bn_batch))``:
+    10 -> 5 + 5), each part goes through ``model`` on its own (every BatchNorm normalises with
+    its part's statistics), and the logits are concatenated in order. As DataParallel keeps
+    only the first replica's buffers (it shares them with the module; the others' copies are
+    dropped), only the first part updates the running statistics: the others run with momentum
+    0 (the statistics unchanged) and ``num_batches_tracked`` put back. B <= ``bn_batch``: one
+    call of ``model``."""
+    n = -(-int(x.shape[0]) // int(bn_batch))
+    if n <= 1:
+        return model(x)
+    parts = x.chunk(n)
+    outs = [model(parts[0])]
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+           and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in bns]
+    try:
+        for m in bns:
+            m.momentum = 0.0  # running = 1 * running + 0 * batch: unchanged, without touching what autograd saved
+        outs += [model(p) for p in parts[1:]]
+    finally:
+        with torch.no_grad():
+            for m, (momentum, count) in zip(bns, saved):
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
+    return torch.cat(outs)
 
 
 def seam_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
