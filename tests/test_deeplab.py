@@ -288,7 +288,7 @@ def test_gradients_reach_every_parameter(arch):
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
-    ({"arch": "deeplabv3"}, ValueError, r"arch must be one of 'deeplabv3\+', 'deeplabv2', 'deeplabv3\+dhr', got 'deeplabv3'"),
+    ({"arch": "deeplabv3"}, ValueError, r"arch must be one of 'deeplabv3\+', 'deeplabv2', 'deeplabv3\+dhr', 'deeplabv1-wr38', got 'deeplabv3'"),
     ({"arch": "DeepLabv3+"}, ValueError, r"arch must be one of .* got 'DeepLabv3\+'"),
     ({"arch": ""}, ValueError, r"arch must be one of .* got ''"),
     ({"arch": None}, TypeError, r"arch must be one of .* got NoneType"),
