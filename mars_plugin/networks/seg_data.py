@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -134,7 +134,7 @@ def augment(rgb: np.ndarray, label: np.ndarray, aug: Augmentation, rng: np.rando
     return out_img, out_lab
 
 
-def _augment_of(aug: object):
+def _augment_of(aug: object) -> Callable[..., Tuple[np.ndarray, np.ndarray]]:
     """The augmentation function of ``aug``'s kind: :func:`augment` (DHR's), or a recipe's own
     (:class:`~mars_plugin.networks.seam_data.SeamAugmentation`: SEAM's :func:`~mars_plugin.networks.seam_data.seam_augment`)."""
     from mars_plugin.networks.seam_data import SeamAugmentation, seam_augment
