@@ -206,8 +206,14 @@ class TrainSettings:
 
     @property
     def augmentation(self) -> Any:
-        """The :class:`~mars_plugin.networks.seg_data.Augmentation` of ``crop``, ``min_size``, ``max_size``."""
+        """The :class:`~mars_plugin.networks.seg_data.Augmentation` of ``crop``, ``min_size``, ``max_size``
+        (recipe ``deeplab-pytorch``: its :class:`~mars_plugin.networks.deeplab_pytorch.DeeplabAugmentation` at ``crop``)."""
         from mars_plugin.networks.seg_data import Augmentation
+
+        if self.spec.augmentation == "deeplab-pytorch":
+            from mars_plugin.networks.deeplab_pytorch import DeeplabAugmentation
+
+            return DeeplabAugmentation(crop=self.crop, scales=tuple(dict(self.spec.augmentation_params)["scales"]))
 
         return Augmentation(crop=self.crop, min_size=self.min_size, max_size=self.max_size)
 
@@ -284,8 +290,6 @@ _PIECES = (
     ("arch", "deeplabv3+dhr", "DHR's DeepLabv3+ network 'deeplabv3+dhr' (branch dhr)"),
     ("arch", "deeplabv1-wr38", "SEAM's WR38 DeepLabv1 'deeplabv1-wr38' (branch seam)"),
     ("backbone", "wr38", "SEAM's wide ResNet-38 backbone (branch seam)"),
-    ("normalization", "caffe-bgr", "deeplab-pytorch's caffe BGR normalisation (branch dlpt)"),
-    ("augmentation", "deeplab-pytorch", "deeplab-pytorch's augmentation (branch dlpt)"),
     ("augmentation", "seam", "SEAM's augmentation (branch seam)"),
     ("bn_head", "frozen", "a frozen head BatchNorm (branch seam)"),
 )
@@ -302,12 +306,10 @@ def missing_piece(s: TrainSettings) -> Optional[str]:
     for key, value, piece in _PIECES:
         if values[key] == value and not (key == "arch" and value in ARCHS):
             return f"{key} {value!r} of recipe {s.recipe!r} needs {piece}"
-    if spec.msc_scales:
-        return f"msc_scales {spec.msc_scales} of recipe {s.recipe!r} needs deeplab-pytorch's MSC training (branch dlpt)"
     if spec.bn_affine == "fixed" and s.bn != "frozen":
         return (f"recipe {s.recipe!r}: BatchNorm statistics trained with the affine weights out of the optimizer "
                 "(SEAM's scheme, branch seam)")
-    if s.weights is not None and spec.weights_format != "torchvision":
+    if s.weights is not None and spec.weights_format not in ("torchvision", "deeplab-pytorch"):
         return f"recipe {s.recipe!r}: a reader of {spec.weights_format!r} weight files (branch dlpt or seam)"
     return None
 
