@@ -221,7 +221,8 @@ def test_mean_subtracted_bytes_are_numpys_uint8_cast_of_the_bgr_input():
     assert torch.equal(crf_rgb(torch.from_numpy(rgb), x, "mean-subtracted"), torch.from_numpy(got))
 
 
-def test_predict_on_the_checkpoint_infers_as_main_py(trained):
+def test_predict_on_the_checkpoint_infers_as_main_py(trained, monkeypatch):
+    import mars_plugin.commands.predict as pr
     from mars_plugin.commands.cli_parser import build_parser
     from mars_plugin.commands.predict import run_predict
     from mars_plugin.formats.files import read_image, read_label
@@ -232,19 +233,27 @@ def test_predict_on_the_checkpoint_infers_as_main_py(trained):
     out = root / "pred"
     args = build_parser().parse_args(["predict", "--model", str(res["checkpoint"]), "--images", str(root / "images"),
                                       "--out", str(out), "--no-progress"])
+    inputs, crf_images = [], []
+    fuse, labels_of = pr.multiscale_probs_max, pr.labels_from_probs
+    monkeypatch.setattr(pr, "multiscale_probs_max", lambda m, x, *a, **k: inputs.append(x.clone()) or fuse(m, x, *a, **k))
+    monkeypatch.setattr(pr, "labels_from_probs", lambda p, im, *a, **k: crf_images.append(im.clone()) or
+                        labels_of(p, im, *a, **k))
     run_predict(args)
+    assert len(inputs) == len(crf_images) == 1  # both 36 x 40 images in one batch
     record = json.loads((out / ".mars-run.json").read_text())
     rec = record.get("settings", record)
     assert (rec["fuse_at"], rec["flip"], rec["crf_image"], rec["scales"]) == ("max-logits", False, "mean-subtracted",
                                                                                  [1.0, 0.5, 0.75])
     model, meta = model_from_checkpoint(res["checkpoint"], None)
     assert isinstance(model, MSC) and meta["which"] == "student"
-    for stem in ("s0", "s1"):
+    for i, stem in enumerate(sorted(p.stem for p in (root / "images").glob("*.png"))):
         rgb = read_image(root / "images" / f"{stem}.png")
         x = dlpt.normalize(rgb[None])
+        assert torch.equal(inputs[0][i:i + 1], x)  # the caffe BGR mean input
         with torch.no_grad():  # main.py: MSC's max, upsampled, softmax; the CRF on image.astype(np.uint8)
             probs = F.interpolate(model(x), size=rgb.shape[:2], mode="bilinear", align_corners=False).softmax(1)
         bgr = x[0].numpy().transpose(1, 2, 0)
         crf_bytes = torch.from_numpy((np.trunc(bgr).astype(np.int64) % 256).astype(np.uint8)[..., ::-1].copy())
+        assert torch.equal(crf_images[0][i], crf_bytes)
         want = labels_from_probs(probs, crf_bytes[None], "mars", 0.0)[0]
         assert torch.equal(read_label(out / f"{stem}.png", biased_value=None), want), stem
