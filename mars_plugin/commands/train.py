@@ -44,6 +44,7 @@ from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE
 from mars_plugin.commands.train_data import (CHECKPOINT_NAME, LOG_NAME, check_train_files, data_record, out_lock, trim_log,
                                              image_labels_warning, list_train_files, open_run)
 from mars_plugin.commands.train_settings import TRAIN_DEFAULTS, TrainSettings
+from mars_plugin.networks import deeplab_pytorch as dlpt  # the deeplab-pytorch recipe's pieces
 from mars_plugin.networks.recipes import poly_factor
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
 from mars_plugin.networks.seg_data import SampleError, StepSampler, TrainFolder
@@ -279,7 +280,7 @@ def _build(run: _Run) -> None:
         # number of processes).
         # MSC (deeplab-pytorch): the teacher completes the labels once at the crop's size, then
         # labels and weights go to each output's grid by PIL nearest, as main.py resizes its labels.
-        match, resize = ("labels_nearest", _dlpt().resize_labels_nearest) if s.spec.msc_scales else ("logits", None)
+        match, resize = ("labels_nearest", dlpt.resize_labels_nearest) if s.spec.msc_scales else ("logits", None)
         run.hook = MARSTrainingHook(model, momentum=s.ema, match=match, refine=s.refine, crf_params=s.crf_params,
                                     biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum",
                                     label_resize=resize)
@@ -304,7 +305,7 @@ def _optimizer(s: TrainSettings, model: nn.Module) -> torch.optim.Optimizer:
     from mars_plugin.networks.deeplab import param_groups
 
     if s.spec.msc_scales and s.arch == "deeplabv2":  # main.py's 3 groups (convs only); lr_mults/decay 0, 2, 3
-        groups, index = _dlpt().param_groups(model, s.lr, s.weight_decay), {"1x": 0, "10x": 2, "20x": 3}
+        groups, index = dlpt.param_groups(model, s.lr, s.weight_decay), {"1x": 0, "10x": 2, "20x": 3}
     else:
         groups, index = param_groups(model, s.lr, s.weight_decay), {n: i for i, n in enumerate(GROUPS)}
     for g in groups:
@@ -400,7 +401,7 @@ def _step(run: _Run, step: int, batches: Sequence[Mapping[str, Any]]) -> Tuple[t
             if not s.spec.msc_scales:  # MSC's outputs each meet the labels on their own grid
                 _check_loss_grid(s, logits, y)
             if s.spec.msc_scales:
-                total = _dlpt().msc_step_loss(logits, y, hook=run.hook, images=x, classes=batch["classes"].to(dev),
+                total = dlpt.msc_step_loss(logits, y, hook=run.hook, images=x, classes=batch["classes"].to(dev),
                                               images_rgb=batch["rgb"].to(dev), all_reduce=_all_reduce_sum)
             elif run.hook is not None:
                 total = run.hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))
@@ -484,13 +485,6 @@ def _reported(loader: Any, start: int) -> Iterator[Dict[str, Any]]:
                            "check before step 1)") from None
         step += 1
         yield batch
-
-
-def _dlpt() -> Any:
-    """deeplab-pytorch's training pieces (:mod:`mars_plugin.networks.deeplab_pytorch`)."""
-    from mars_plugin.networks import deeplab_pytorch
-
-    return deeplab_pytorch
 
 
 def _set_bn_mode(model: nn.Module, bn: str) -> None:
