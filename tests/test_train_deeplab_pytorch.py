@@ -257,3 +257,42 @@ def test_predict_on_the_checkpoint_infers_as_main_py(trained, monkeypatch):
         assert torch.equal(crf_images[0][i], crf_bytes)
         want = labels_from_probs(probs, crf_bytes[None], "mars", 0.0)[0]
         assert torch.equal(read_label(out / f"{stem}.png", biased_value=None), want), stem
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_one_process_with_per_output_counts(tmp_path):
+    """torchrun, 2 CPU processes, each half of the global batch of 4: each output's pixel count is
+    global, so the MARS step is one process's on the whole batch (frozen BN), to float rounding."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from mars_plugin import cli
+    from mars_plugin.networks.seg_checkpoint import load_checkpoint
+    from test_distributed import _free_port
+    from test_train import _env
+
+    root = _tree(tmp_path / "tree", n=4, size=36)
+    for i, p in enumerate(sorted((root / "debiased").glob("*.png"))):  # the halves' label counts differ
+        lab = np.array(Image.open(p))
+        lab[: 2 + 6 * i] = 255
+        Image.fromarray(lab).save(p)
+
+    def args(out):
+        return ["train", "--recipe", "deeplab-pytorch", "--images", str(root / "images"), "--labels",
+                str(root / "debiased"), "--out", str(out), "--num-classes", str(C), "--backbone", "resnet50",
+                "--iterations", "2", "--batch-size", "4", "--iter-size", "1", "--crop", "32", "--lr", "1e-3",
+                "--workers", "0", "--log-every", "1", "--no-progress", "--device", "cpu"]
+
+    assert cli.main(args(tmp_path / "one")) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "mars_plugin.cli", *args(tmp_path / "two")]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = load_checkpoint(tmp_path / "one" / "checkpoint.pt"), load_checkpoint(tmp_path / "two" / "checkpoint.pt")
+    for k in a["student"]:
+        torch.testing.assert_close(a["student"][k], b["student"][k], rtol=1e-4, atol=1e-6, msg=k)
+    la = [json.loads(x)["loss"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(la, lb, rtol=1e-4)
