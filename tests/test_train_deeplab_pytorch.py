@@ -296,3 +296,30 @@ def test_two_gloo_processes_equal_one_process_with_per_output_counts(tmp_path):
     la = [json.loads(x)["loss"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
     np.testing.assert_allclose(la, lb, rtol=1e-4)
+
+
+def test_memory_estimates_trace_the_msc_network():
+    from mars_plugin.networks.memory import inference_memory_bytes, train_memory_bytes
+
+    plain = {"arch": "deeplabv2", "backbone": "resnet50", "output_stride": 8, "num_classes": C}
+    msc = {**plain, "msc_scales": [0.5, 0.75]}
+    assert train_memory_bytes(msc, 64, 2, bn="frozen") > train_memory_bytes(plain, 64, 2, bn="frozen")
+    assert inference_memory_bytes(msc, 64, 64, scales=(1.0,), flip=False) > 0  # MSC in eval mode, traced
+
+
+def test_weights_are_read_by_deeplab_pytorchs_reader(tmp_path):
+    """--weights of the recipe's format (a caffe-converted file: backbone keys, an fc, no ASPP) is
+    loaded into MSC's base; frozen BatchNorm keeps the file's statistics through training."""
+    from mars_plugin.commands.train import train
+
+    root = _tree(tmp_path / "tree", n=2, size=36)
+    torch.manual_seed(5)
+    state = {k: v + 0.01 * torch.rand_like(v) if k.endswith("running_mean") else v
+             for k, v in build_model("deeplabv2", "resnet50", C).state_dict().items() if not k.startswith("aspp.")}
+    state["fc.weight"] = torch.zeros(91, 2048, 1, 1)
+    torch.save(state, tmp_path / "deeplabv1_resnet101-coco.pth")
+    res = train(root / "images", root / "pseudo", tmp_path / "out", C, loss="ce", iterations=1,
+                weights=str(tmp_path / "deeplabv1_resnet101-coco.pth"), progress=False, **TINY)
+    student = torch.load(res["checkpoint"], weights_only=True)["student"]
+    bn = [k for k in state if k.endswith("running_mean")]
+    assert bn and all(torch.equal(student["base." + k], state[k]) for k in bn)
