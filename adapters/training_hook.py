@@ -103,7 +103,9 @@ class MARSTrainingHook:
             ``"sum"`` (for a trainer that divides by a global pixel count, e.g. over DDP ranks,
             as ``mars train`` does).
         label_resize: ``(labels (B, H, W), (h, w)) -> (B, h, w)`` for ``match="labels"``; the
-            default is the pixel-centre nearest rule. deeplab-pytorch resizes with PIL's NEAREST,
+            default is the pixel-centre nearest rule. With ``match="labels_nearest"`` it takes
+            the completed labels and their (float) weights to each output's grid instead of
+            :func:`resize_nearest` (default there: ``resize_nearest``). deeplab-pytorch resizes with PIL's NEAREST,
             which differs at exact ties (not at its 321 crops' 41/21/31 grids):
             ``mars_plugin.networks.deeplab_pytorch.resize_labels_nearest`` is PIL's.
     """
@@ -122,7 +124,7 @@ class MARSTrainingHook:
         crf_params: Union[None, str, Mapping[str, Any]] = None,
         crf_backend: str = "torch",
         reduction: str = "mean",
-        label_resize: Callable[[torch.Tensor, Tuple[int, int]], torch.Tensor] = resize_label,
+        label_resize: Optional[Callable[[torch.Tensor, Tuple[int, int]], torch.Tensor]] = None,
     ) -> None:
         if match not in MATCHES:
             raise ValueError(f"match must be one of {', '.join(map(repr, MATCHES))}, got {match!r}")
@@ -139,7 +141,7 @@ class MARSTrainingHook:
             check_crf_params(crf_params) if refine == "crf" else check_local_crf_params(crf_params))
         self.crf_backend = check_crf_backend(crf_backend)
         self.multi_scale = bool(multi_scale)
-        self.label_resize = label_resize
+        self.label_resize = label_resize or (resize_nearest if match == "labels_nearest" else resize_label)
 
     def targets(self, labels: torch.Tensor, size) -> torch.Tensor:
         """Labels as loaded (254 = biased) -> long labels with -1, on the logits grid if asked."""
@@ -157,7 +159,8 @@ class MARSTrainingHook:
         image_classes: Any,
         *,
         images_rgb: Any = None,
-    ) -> torch.Tensor:
+        reduce_outputs: bool = True,
+    ) -> Union[torch.Tensor, List[torch.Tensor]]:
         """The MARS loss of one batch.
 
         Shapes:
@@ -172,6 +175,8 @@ class MARSTrainingHook:
                 with ``match="logits"`` or ``"labels_nearest"``, the logits' (h, w) with
                 ``match="labels"``. A wrong size, layout or range is refused before the teacher
                 runs, with what to pass.
+            reduce_outputs: False: the list of each output's loss (a trainer that normalises
+                each output by its own pixel count, as deeplab-pytorch's per-output mean).
         """
         scales = self.multi_scale and isinstance(logits, (list, tuple)) and all(
             isinstance(t, torch.Tensor) for t in logits)
@@ -187,7 +192,8 @@ class MARSTrainingHook:
         # The teacher's labels depend only on the grid they are made on: compute them (and run
         # the CRF) once per grid, not once per scale.
         cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        return sum(self._one_scale(t, labels, image_classes, t_out, rgb, cache) for t in outs)
+        losses = [self._one_scale(t, labels, image_classes, t_out, rgb, cache) for t in outs]
+        return sum(losses) if reduce_outputs else losses
 
     def _check_images_rgb(self, images_rgb: Any, labels: torch.Tensor, grids: List[Tuple[int, int]],
                           device: torch.device) -> torch.Tensor:
@@ -266,7 +272,9 @@ class MARSTrainingHook:
             )
         y_co, w = cache[grid]
         if self.match == "labels_nearest":  # then to the logits' grid, DHR's nearest
-            y_co, w = resize_nearest(y_co, logits.shape[-2:]), resize_nearest(w, logits.shape[-2:])
+            size = tuple(logits.shape[-2:])
+            if size != grid:
+                y_co, w = self.label_resize(y_co, size), self.label_resize(w, size)
         return self.loss(logits, y_co, w)
 
     def update(self, model: nn.Module) -> None:

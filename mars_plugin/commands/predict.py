@@ -26,7 +26,7 @@ from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.formats.files import read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IMAGES, DEFAULT_SCALES, _crf_params,
                                            _scaled_size, crf_rgb, labels_from_probs, multiscale_probs,
-                                           multiscale_probs_dhr)
+                                           multiscale_probs_dhr, multiscale_probs_max)
 from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
@@ -52,6 +52,16 @@ def _default_preprocess(rgb: torch.Tensor) -> torch.Tensor:
     from mars_plugin.networks.deeplab import normalize
 
     return normalize(rgb)
+
+
+def _preprocess_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The input a network takes: deeplabv2 (deeplab-pytorch's) BGR minus the caffe mean
+    (:func:`mars_plugin.networks.deeplab_pytorch.normalize`), the others :func:`_default_preprocess`."""
+    if (getattr(model, "config", None) or {}).get("arch") == "deeplabv2":
+        from mars_plugin.networks.deeplab_pytorch import normalize
+
+        return normalize
+    return _default_preprocess
 
 
 def predict_job(
@@ -85,20 +95,23 @@ def predict_job(
         crf_image: the bytes the CRF compares: ``"file"`` (the image's own) or ``"denormalized"``
             (upstream's: the network's input turned back to bytes by truncation,
             :func:`~mars_plugin.networks.inference.denormalized_bytes`; assumes ``preprocess``
-            normalises with ImageNet's mean and std, as the default does).
+            normalises with ImageNet's mean and std, as the default does) or ``"mean-subtracted"``
+            (deeplab-pytorch's, :func:`~mars_plugin.networks.inference.mean_subtracted_bytes`).
         fuse_at: where the scales' probabilities are averaged: ``"input"`` (RS+EPM's,
             :func:`~mars_plugin.networks.inference.multiscale_probs`), ``"logits"`` (DHR's
             ``apply_ms``, :func:`~mars_plugin.networks.inference.multiscale_probs_dhr`), ``"seam"``
             (SEAM's test.py: :func:`~mars_plugin.networks.deeplabv1.seam_multiscale_probs`, and with
             ``crf_image="denormalized"`` its float32 bytes, :func:`~mars_plugin.networks.deeplabv1.seam_crf_bytes`),
+            ``"max-logits"`` (deeplab-pytorch's MSC, :func:`~mars_plugin.networks.inference.multiscale_probs_max`),
             or None: the network's own upstream's (``"logits"`` for ``deeplabv3+dhr``, ``"seam"`` for
-            ``deeplabv1-wr38``, else ``"input"``).
+            ``deeplabv1-wr38``, ``"max-logits"`` for an ``MSC``, else ``"input"``).
         batch_size: images per forward pass (each with its flip); only images of one size share
             a batch (a few sizes are buffered, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (this rank's GPU if any): the
             network and the CRF run there.
         preprocess: (B, H, W, 3) uint8 RGB -> the network's (B, 3, H, W) input (default:
-            :func:`mars_plugin.networks.deeplab.normalize`, ImageNet's mean and std).
+            :func:`mars_plugin.networks.deeplab.normalize`, ImageNet's mean and std; for
+            deeplabv2, :func:`mars_plugin.networks.deeplab_pytorch.normalize`).
         num_classes: C, when known (``L = C + 1`` outputs are then checked, and each image's CRF
             memory before any work).
         on_error: a file that cannot be read or predicted: ``"stop"`` raises a
@@ -131,16 +144,19 @@ def predict_job(
     if crf_image not in CRF_IMAGES:
         raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
     if fuse_at is None:  # DHR's apply_ms is a method of its network: that network fuses as DHR does (SEAM's: test.py)
+        from mars_plugin.networks.deeplabv2 import MSC
+
         fuse_at = {"deeplabv3+dhr": "logits", "deeplabv1-wr38": "seam"}.get(
             (getattr(model, "config", None) or {}).get("arch"), "input")
-    if fuse_at not in ("input", "logits", "seam"):
-        raise ValueError(f"fuse_at must be 'input', 'logits', 'seam' or None, got {fuse_at!r}")
+        fuse_at = "max-logits" if isinstance(model, MSC) else fuse_at  # deeplab-pytorch's MSC: the max of its logits
+    if fuse_at not in ("input", "logits", "seam", "max-logits"):
+        raise ValueError(f"fuse_at must be 'input', 'logits', 'seam', 'max-logits' or None, got {fuse_at!r}")
     batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
     device = resolve_device(device) if isinstance(device, str) else device
     max_bytes = resolve_max_bytes(max_bytes, device)
-    preprocess = preprocess or _default_preprocess
+    preprocess = preprocess or _preprocess_of(model)
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     rank, world = _rank_world()
     from mars_plugin.commands.run_record import FolderRecord
@@ -234,7 +250,8 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
         x = preprocess(rgb)
         from mars_plugin.networks.deeplabv1 import seam_crf_bytes, seam_multiscale_probs
 
-        fuse = {"logits": multiscale_probs_dhr, "seam": seam_multiscale_probs}.get(fuse_at, multiscale_probs)
+        fuse = {"logits": multiscale_probs_dhr, "seam": seam_multiscale_probs,
+                "max-logits": multiscale_probs_max}.get(fuse_at, multiscale_probs)
         probs = fuse(model, x, scales, flip, fp16=fp16)
         if num_classes is not None and probs.shape[1] != num_classes + 1:
             raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "

@@ -44,6 +44,7 @@ from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE
 from mars_plugin.commands.train_data import (CHECKPOINT_NAME, LOG_NAME, check_train_files, data_record, out_lock, trim_log,
                                              image_labels_warning, list_train_files, open_run)
 from mars_plugin.commands.train_settings import TRAIN_DEFAULTS, TrainSettings
+from mars_plugin.networks import deeplab_pytorch as dlpt  # the deeplab-pytorch recipe's pieces
 from mars_plugin.networks.recipes import poly_factor
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
 from mars_plugin.networks.seg_data import SampleError, StepSampler, TrainFolder
@@ -214,7 +215,8 @@ def _place(s: TrainSettings, out: Path, class_names: Optional[List[str]], num_im
         raise ValueError("bn='sync' (SyncBatchNorm) runs on CUDA only; on the CPU use bn='train' or 'frozen'")
     check_train_budget(s.max_bytes, dev, arch=s.arch, backbone=s.backbone, output_stride=s.output_stride,
                        num_classes=s.num_classes, crop=s.crop, batch_size=s.batch_size, world=world, amp=use_amp,
-                       loss=s.loss, refine=s.refine, crf_params=s.crf_params, optimizer=s.optimizer, bn=s.bn)
+                       loss=s.loss, refine=s.refine, crf_params=s.crf_params, optimizer=s.optimizer, bn=s.bn,
+                       msc_scales=s.spec.msc_scales)
     return _Run(s, out, list(class_names) if class_names else None, rank, world, dev, use_amp, iterations)
 
 
@@ -254,6 +256,10 @@ def _build(run: _Run) -> None:
     s = run.s
     torch.manual_seed(s.seed)  # the random initialisation of the new layers (and of everything without --weights)
     model = build_model(**s.model)
+    if s.spec.msc_scales:  # deeplab-pytorch trains MSC(DeepLabV2): a loss on every scale and their max
+        from mars_plugin.networks.deeplabv2 import MSC
+
+        model = MSC(model, s.spec.msc_scales)
     if s.weights is not None:
         load_backbone_weights(model, s.weights)
     if s.bn == "frozen":
@@ -272,8 +278,12 @@ def _build(run: _Run) -> None:
         # network's logits are already at the input size).
         # reduction="sum": divided by the global pixel count in _step (the same gradient on any
         # number of processes).
-        run.hook = MARSTrainingHook(model, momentum=s.ema, match="logits", refine=s.refine, crf_params=s.crf_params,
-                                    biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum")
+        # MSC (deeplab-pytorch): the teacher completes the labels once at the crop's size, then
+        # labels and weights go to each output's grid by PIL nearest, as main.py resizes its labels.
+        match, resize = ("labels_nearest", dlpt.resize_labels_nearest) if s.spec.msc_scales else ("logits", None)
+        run.hook = MARSTrainingHook(model, momentum=s.ema, match=match, refine=s.refine, crf_params=s.crf_params,
+                                    biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum",
+                                    label_resize=resize)
     run.model = model
     run.opt = _optimizer(s, model)
     run.base_lrs = [g["lr"] for g in run.opt.param_groups]
@@ -294,9 +304,12 @@ def _optimizer(s: TrainSettings, model: nn.Module) -> torch.optim.Optimizer:
     1/1/10/20, head bias undecayed); ``nesterov`` as the recipe."""
     from mars_plugin.networks.deeplab import param_groups
 
-    groups = param_groups(model, s.lr, s.weight_decay)
+    if s.spec.msc_scales and s.arch == "deeplabv2":  # main.py's 3 groups (convs only); lr_mults/decay 0, 2, 3
+        groups, index = dlpt.param_groups(model, s.lr, s.weight_decay), {"1x": 0, "10x": 2, "20x": 3}
+    else:
+        groups, index = param_groups(model, s.lr, s.weight_decay), {n: i for i, n in enumerate(GROUPS)}
     for g in groups:
-        i = GROUPS.index(g["name"])
+        i = index[g["name"]]
         g["lr_mult"] = s.lr_mults[i]
         g["lr"], g["weight_decay"] = s.lr * g["lr_mult"], s.weight_decay if s.decay[i] else 0.0
     if s.optimizer == "sgd":
@@ -377,16 +390,22 @@ def _step(run: _Run, step: int, batches: Sequence[Mapping[str, Any]]) -> Tuple[t
     _set_lr(run.opt, run.base_lrs, s, step, run.iterations)
     torch.manual_seed(_step_seed(s.seed, step, run.rank))
     ys = [b["label"].to(dev, non_blocking=True) for b in batches]
-    # The global count of pixels the loss averages over (biased ones included: the teacher fills them).
-    count = _all_reduce_sum(sum((y != IGNORE_VALUE).sum().double() for y in ys))
+    # The global count of pixels the loss averages over (biased ones included: the teacher fills them);
+    # MSC (deeplab-pytorch): each batch's loss is already a sum of per-output means, averaged over the batches.
+    count = (torch.tensor(float(len(ys)), dtype=torch.float64, device=dev) if s.spec.msc_scales else
+             _all_reduce_sum(sum((y != IGNORE_VALUE).sum().double() for y in ys)))
     run.opt.zero_grad(set_to_none=True)
     total_all = torch.zeros((), dtype=torch.float64, device=dev)
     for batch, y in zip(batches, ys):
         x = batch["image"].to(dev, non_blocking=True)
         with torch.autocast(dev.type, dtype=run.amp_dtype, enabled=run.use_amp):
             logits = run.net(x) if s.recipe != "seam" else seam_replicas_forward(run.net, x, s.spec.bn_batch)
-            _check_loss_grid(s, logits, y)
-            if run.hook is not None:
+            if not s.spec.msc_scales:  # MSC's outputs each meet the labels on their own grid
+                _check_loss_grid(s, logits, y)
+            if s.spec.msc_scales:
+                total = dlpt.msc_step_loss(logits, y, hook=run.hook, images=x, classes=batch["classes"].to(dev),
+                                           images_rgb=batch["rgb"].to(dev), all_reduce=_all_reduce_sum)
+            elif run.hook is not None:
                 total = run.hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))
             else:
                 total = F.cross_entropy(logits.float(), y, ignore_index=IGNORE_VALUE, reduction="sum")
@@ -443,7 +462,8 @@ def _save(run: _Run, step: int) -> None:
     if run.rank != 0:
         return
     save_checkpoint(run.ck_path, {
-        "recipe": run.s.recipe, "model": run.s.model, "iteration": step, "student": run.model.state_dict(),
+        "recipe": run.s.recipe, "iteration": step,
+        "model": {**run.s.model, **({"msc_scales": list(run.s.spec.msc_scales)} if run.s.spec.msc_scales else {})}, "student": run.model.state_dict(),
         "teacher": run.hook.teacher.module.state_dict() if run.hook is not None else None,
         "optimizer": run.opt.state_dict(), "scaler": run.scaler.state_dict(), "settings": run.identity,
         "class_names": run.class_names, "data": run.data_json,

@@ -207,13 +207,18 @@ class TrainSettings:
     @property
     def augmentation(self) -> Any:
         """The :class:`~mars_plugin.networks.seg_data.Augmentation` of ``crop``, ``min_size``, ``max_size``
-        (recipe ``seam``: :func:`~mars_plugin.networks.seam_data.seam_augmentation` of ``crop``)."""
+        (recipe ``seam``: :func:`~mars_plugin.networks.seam_data.seam_augmentation` of ``crop``; recipe
+        ``deeplab-pytorch``: its :class:`~mars_plugin.networks.deeplab_pytorch.DeeplabAugmentation` at ``crop``)."""
         from mars_plugin.networks.seg_data import Augmentation
 
         if self.spec.augmentation == "seam":
             from mars_plugin.networks.seam_data import seam_augmentation
 
             return seam_augmentation(self.crop, self.spec.augmentation_params)
+        if self.spec.augmentation == "deeplab-pytorch":
+            from mars_plugin.networks.deeplab_pytorch import DeeplabAugmentation
+
+            return DeeplabAugmentation(crop=self.crop, scales=tuple(dict(self.spec.augmentation_params)["scales"]))
 
         return Augmentation(crop=self.crop, min_size=self.min_size, max_size=self.max_size)
 
@@ -288,8 +293,6 @@ def _group_tuple(value: Any, name: str, kind: type) -> Tuple[Any, ...]:
 #: What each recipe value the network code of this build lacks needs, and the branch bringing it.
 _PIECES = (
     ("arch", "deeplabv3+dhr", "DHR's DeepLabv3+ network 'deeplabv3+dhr' (branch dhr)"),
-    ("normalization", "caffe-bgr", "deeplab-pytorch's caffe BGR normalisation (branch dlpt)"),
-    ("augmentation", "deeplab-pytorch", "deeplab-pytorch's augmentation (branch dlpt)"),
     ("bn_head", "frozen", "a frozen head BatchNorm (branch seam)"),
 )
 
@@ -305,14 +308,13 @@ def missing_piece(s: TrainSettings) -> Optional[str]:
     for key, value, piece in _PIECES:
         if values[key] == value and not (key == "arch" and value in ARCHS):
             return f"{key} {value!r} of recipe {s.recipe!r} needs {piece}"
-    if spec.msc_scales:
-        return f"msc_scales {spec.msc_scales} of recipe {s.recipe!r} needs deeplab-pytorch's MSC training (branch dlpt)"
     # SEAM's groups (deeplabv1.seam_param_groups) hold no BatchNorm parameter: its scheme needs nothing more
     if spec.bn_affine == "fixed" and s.bn != "frozen" and s.arch != "deeplabv1-wr38":
         return (f"recipe {s.recipe!r}: BatchNorm statistics trained with the affine weights out of the optimizer "
                 "(SEAM's scheme, branch seam)")
-    if s.weights is not None and spec.weights_format != "torchvision" and (spec.weights_format, s.arch) != (
-            "wr38", "deeplabv1-wr38"):  # load_backbone_weights reads WR38's file for that network
+    # load_backbone_weights reads WR38's file for that network and deeplab-pytorch's for deeplabv2
+    if s.weights is not None and spec.weights_format not in ("torchvision", "deeplab-pytorch") and (
+            spec.weights_format, s.arch) != ("wr38", "deeplabv1-wr38"):
         return f"recipe {s.recipe!r}: a reader of {spec.weights_format!r} weight files (branch dlpt or seam)"
     return None
 

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import check_real_param, describe
 
-__all__ = ["MEAN_BGR", "DeeplabAugmentation", "augment", "augment_bgr", "normalize", "param_groups", "poly_lr",
-           "resize_labels_nearest", "msc_loss"]
+__all__ = ["MEAN_BGR", "DeeplabAugmentation", "augment", "augment_bgr", "train_sample", "normalize", "param_groups",
+           "poly_lr", "resize_labels_nearest", "msc_loss", "msc_step_loss"]
 
 #: configs/voc12.yaml:21-24 (IMAGE.MEAN), in base.py's (B, G, R) order (main.py:121).
 MEAN_BGR = (104.008, 116.669, 122.675)
@@ -183,6 +183,19 @@ def augment(rgb: np.ndarray, label: np.ndarray, params: DeeplabAugmentation, rng
     return np.ascontiguousarray(rgb_out), lab.astype(np.uint8)
 
 
+def train_sample(rgb: np.ndarray, label: np.ndarray, params: DeeplabAugmentation, rng: Rng
+                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One draw of the augmentation as ``mars train`` uses it: the network's input exactly as
+    :func:`augment_bgr` (upstream's float crop, never rounded to bytes), the same crop as
+    :func:`augment`'s uint8 RGB (what the MARS teacher's CRF compares) and the (crop, crop)
+    uint8 label. Shapes: (3, crop, crop) float32, (crop, crop, 3) uint8, (crop, crop) uint8."""
+    image, lab = _augment(rgb, label, params, rng)
+    bgr = (image.astype(np.float64) - np.asarray(params.mean_bgr, dtype=np.float64)).astype(np.float32)
+    rgb_out = np.clip(np.rint(image[:, :, ::-1]), 0, 255).astype(np.uint8)
+    return (np.ascontiguousarray(bgr.transpose(2, 0, 1)), np.ascontiguousarray(rgb_out),
+            np.ascontiguousarray(lab.astype(np.uint8)))
+
+
 def normalize(images: Any, mean_bgr: Sequence[float] = MEAN_BGR) -> torch.Tensor:
     """(B, H, W, 3) uint8 RGB (tensor or array) -> (B, 3, H, W) float32 BGR minus ``mean_bgr``,
     no std (base.py:110: float64 arithmetic, float32 result); a tensor stays on its device."""
@@ -253,11 +266,13 @@ def poly_lr(base: float, iteration: int, iter_max: int, power: float = 0.9, step
 
 def resize_labels_nearest(labels: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     """(B, H, W) labels -> (B, h, w) long, PIL ``NEAREST`` as main.py's ``resize_labels`` (its
-    source indices, :func:`_nearest_index`; on the labels' device). ``size`` is (h, w)."""
+    source indices, :func:`_nearest_index`; on the labels' device). ``size`` is (h, w). Floating
+    maps (the MARS hook's per-pixel weights) are picked from the same pixels and keep their dtype."""
     h, w = int(size[0]), int(size[1])
     iy = torch.from_numpy(_nearest_index(int(labels.shape[-2]), h)).to(labels.device)
     ix = torch.from_numpy(_nearest_index(int(labels.shape[-1]), w)).to(labels.device)
-    return labels[..., iy[:, None], ix[None, :]].long()
+    out = labels[..., iy[:, None], ix[None, :]]
+    return out if out.is_floating_point() else out.long()
 
 
 def msc_loss(outputs: Union[torch.Tensor, Iterable[torch.Tensor]], labels: torch.Tensor, iter_size: int = 1,
@@ -276,3 +291,28 @@ def msc_loss(outputs: Union[torch.Tensor, Iterable[torch.Tensor]], labels: torch
     total = sum(F.cross_entropy(t, resize_labels_nearest(labels, tuple(t.shape[-2:])), ignore_index=ignore_index)
                 for t in outputs)
     return total / iter_size
+
+
+def msc_step_loss(outputs: Sequence[torch.Tensor], labels: torch.Tensor, *, hook: Any = None, images: Any = None,
+                  classes: Any = None, images_rgb: Any = None, all_reduce: Any = None,
+                  ignore_index: int = _IGNORE) -> torch.Tensor:
+    """One batch's loss as main.py:228-236 sums it, for ``mars train`` (before ``/ iter_size``):
+    the sum over the MSC outputs of the loss on that output's grid (labels resized by PIL
+    nearest) divided by *that output's* count of labelled pixels (not 255; MARS's biased 254
+    counted: the teacher fills them). ``--loss ce``: exactly :func:`msc_loss` with iter_size 1.
+    With ``hook`` (a :class:`~mars_plugin.adapters.training_hook.MARSTrainingHook` of
+    ``reduction="sum"``, ``match="labels_nearest"``, ``label_resize=resize_labels_nearest``)
+    each output's summed WCE; ``images``, ``classes``, ``images_rgb`` are its arguments.
+    ``all_reduce`` (in place sum over the processes, or None) makes each count global, so that
+    N processes step as one process on their batches together (upstream's DataParallel mean)."""
+    outputs = list(outputs)
+    if hook is not None:
+        sums = hook(images, outputs, labels, classes, images_rgb=images_rgb, reduce_outputs=False)
+    else:
+        sums = [F.cross_entropy(t.float(), resize_labels_nearest(labels, tuple(t.shape[-2:])),
+                                ignore_index=ignore_index, reduction="sum") for t in outputs]
+    counts = torch.stack([(resize_labels_nearest(labels, tuple(t.shape[-2:])) != ignore_index).sum()
+                          for t in outputs]).double()
+    if all_reduce is not None:
+        counts = all_reduce(counts)
+    return sum(v.float() / n.clamp_min(1).float() for v, n in zip(sums, counts))

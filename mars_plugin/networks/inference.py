@@ -58,7 +58,14 @@ normalised image meets the mean and std as Python lists, so numpy computes in fl
 truncation makes 13-30% of the RGB values of a photograph one below the file's, which changed
 0.3-0.5% of the CRF's labels on the photographs tried. :func:`denormalized_bytes` computes those
 bytes; ``crf_image="denormalized"`` (the ``dhr`` recipe's) gives them to the CRF, ``"file"`` (the
-default) the file's bytes. DHR stores the kept probabilities as float16 before its CRF
+default) the file's bytes. deeplab-pytorch (``main.py:481`` after ``libs/datasets/base.py:110``)
+gives its CRF ``image.astype(np.uint8)`` of the *mean-subtracted* BGR floats: numpy's cast on
+x86-64 truncates toward zero and wraps negatives modulo 256 (-3.7 -> 253), which
+:func:`mean_subtracted_bytes` computes (``crf_image="mean-subtracted"``, the
+``deeplab-pytorch`` recipe's; the channel order does not change the CRF, whose colour kernel
+weighs the three channels alike). It predicts with MSC's max of the logits over scales 1, 0.5
+and 0.75 (``libs/models/msc.py:41-47``), no flip, the max upsampled bilinearly to the image
+then the softmax: :func:`multiscale_probs_max`. DHR stores the kept probabilities as float16 before its CRF
 (``produce_wss_masks.py:45``); RS+EPM (and here) keep float32.
 
 ``mars predict`` runs this over a folder of images (the folder job: ``commands/predict.py``).
@@ -82,11 +89,13 @@ __all__ = [
     "CRF_CHOICES",
     "multiscale_probs",
     "multiscale_probs_dhr",
+    "multiscale_probs_max",
     "half_dtype",
     "labels_from_probs",
     "predict_labels",
     "CRF_IMAGES",
     "denormalized_bytes",
+    "mean_subtracted_bytes",
     "crf_rgb",
 ]
 
@@ -99,8 +108,8 @@ CLASS_THRESHOLD = 0.05
 #: ``--crf``: a preset of :data:`mars_plugin.engines.crf_params.CRF_PRESETS`, or none.
 CRF_CHOICES = ("mars", "psa", "none")
 #: ``crf_image``: the bytes the CRF compares (module docstring): the file's, or upstream's
-#: denormalised normalised image.
-CRF_IMAGES = ("file", "denormalized")
+#: denormalised normalised image, or deeplab-pytorch's wrapped cast of its mean-subtracted input.
+CRF_IMAGES = ("file", "denormalized", "mean-subtracted")
 
 
 def _resize(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
@@ -217,6 +226,39 @@ def multiscale_probs_dhr(model: Callable[[torch.Tensor], torch.Tensor], images: 
     return _resize_corners(total.div_(len(scales) * (2 if flip else 1)), (H, W)).contiguous()
 
 
+@torch.no_grad()
+def multiscale_probs_max(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                         scales: Sequence[float] = (1.0, 0.5, 0.75), flip: bool = False, *,
+                         fp16: bool = False) -> torch.Tensor:
+    """deeplab-pytorch's inference (main.py's test with its ``MSC``, libs/models/msc.py:28-47):
+    the network (an ``MSC``'s ``base``) on the image at ``scales[0]`` and on the image resized by
+    ``F.interpolate(scale_factor=s, bilinear, align_corners=False)`` for every other scale; those
+    logits resized bilinearly to the first's size, the pixel-wise max, upsampled bilinearly
+    (``align_corners=False``) to the image, then the softmax. With ``scales`` (1, 0.5, 0.75) it
+    is ``softmax(upsample(MSC(base).eval()(x)))``. Shapes and arguments as
+    :func:`multiscale_probs`; no flip (upstream has none: ``flip=True`` is refused)."""
+    if flip:
+        raise ValueError("flip: the max of the scales' logits (deeplab-pytorch's MSC) has no flip; use flip=False "
+                         "(--no-flip)")
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 or \
+            not images.is_floating_point():
+        raise ValueError(f"images must be a float (B, 3, H, W) tensor, got {describe(images)}")
+    scales = check_scales(scales)
+    base = getattr(model, "base", model)  # an MSC: its own scales are replaced by ``scales``
+    H, W = images.shape[-2:]
+    with torch.autocast(images.device.type, dtype=half_dtype(images.device), enabled=bool(fp16)):
+        every = [base(images if s == 1.0 else F.interpolate(images, scale_factor=s, mode="bilinear",
+                                                            align_corners=False)) for s in scales]
+    size = tuple(every[0].shape[-2:])
+    every = [every[0]] + [F.interpolate(t, size=size, mode="bilinear", align_corners=False) for t in every[1:]]
+    fused = torch.max(torch.stack(every), dim=0)[0]
+    fused = fused.float() if fused.dtype in (torch.float16, torch.bfloat16) else fused
+    probs = torch.softmax(F.interpolate(fused, size=(H, W), mode="bilinear", align_corners=False), dim=1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the network's output holds NaN or Inf" + (" under --fp16: run without it" if fp16 else ""))
+    return probs
+
+
 def _resize_corners(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     """DHR's ``torch_utils.resize``: bilinear, ``align_corners=True``, none at the same size."""
     if tuple(x.shape[-2:]) == tuple(size):
@@ -293,11 +335,32 @@ def denormalized_bytes(images: torch.Tensor, mean: Sequence[float] = IMAGENET_ME
     return ((x * s + m) * 255).trunc_().clamp_(0, 255).to(torch.uint8)
 
 
+def mean_subtracted_bytes(images: torch.Tensor) -> torch.Tensor:
+    """deeplab-pytorch's CRF bytes (``main.py:481``): its network input, BGR minus the caffe mean
+    (:func:`mars_plugin.networks.deeplab_pytorch.normalize`), cast to uint8 as numpy does on
+    x86-64: truncated toward zero, then wrapped modulo 256 (a negative value v in (-256, 0]
+    becomes 256 + trunc(v) unless trunc(v) is 0).
+
+    Shapes:
+        images: (B, 3, H, W) float BGR minus the mean (the network's input).
+        returns: (B, H, W, 3) uint8, the channels in RGB order (the CRF weighs them alike).
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 or \
+            not images.is_floating_point():
+        raise ValueError(f"images must be a float (B, 3, H, W) tensor of mean-subtracted images, got "
+                         f"{describe(images)}")
+    t = images.detach().flip(1).permute(0, 2, 3, 1).trunc().to(torch.int64)
+    return torch.remainder(t, 256).to(torch.uint8)
+
+
 def crf_rgb(rgb: torch.Tensor, images: torch.Tensor, crf_image: str = "file") -> torch.Tensor:
-    """The (B, H, W, 3) uint8 bytes the CRF compares: the file's ``rgb`` (``"file"``) or
-    :func:`denormalized_bytes` of the normalised ``images`` (``"denormalized"``, upstream's)."""
+    """The (B, H, W, 3) uint8 bytes the CRF compares: the file's ``rgb`` (``"file"``),
+    :func:`denormalized_bytes` of the normalised ``images`` (``"denormalized"``, DHR's) or
+    :func:`mean_subtracted_bytes` of them (``"mean-subtracted"``, deeplab-pytorch's)."""
     if crf_image not in CRF_IMAGES:
         raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
+    if crf_image == "mean-subtracted":
+        return mean_subtracted_bytes(images)
     return rgb if crf_image == "file" else denormalized_bytes(images)
 
 

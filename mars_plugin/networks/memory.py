@@ -147,21 +147,28 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _key(config: Config) -> Tuple[str, str, Optional[int], int]:
+def _key(config: Config) -> Tuple[Any, ...]:
+    # (arch, backbone, stride, classes, MSC's extra scales: () without MSC)
     return (str(config["arch"]), str(config["backbone"]),
-            None if config.get("output_stride") is None else int(config["output_stride"]), int(config["num_classes"]))
+            None if config.get("output_stride") is None else int(config["output_stride"]), int(config["num_classes"]),
+            tuple(float(v) for v in config.get("msc_scales") or ()))
 
 
-def _meta_model(key: Tuple[str, str, Optional[int], int], dtype: torch.dtype) -> torch.nn.Module:
+def _meta_model(key: Tuple[Any, ...], dtype: torch.dtype) -> torch.nn.Module:
     from mars_plugin.networks.deeplab import build_model
 
-    arch, backbone, stride, classes = key
+    arch, backbone, stride, classes, msc = key
     with torch.device("meta"):
-        return build_model(arch, backbone, classes, stride).to(dtype)
+        model = build_model(arch, backbone, classes, stride)
+        if msc:  # deeplab-pytorch's MSC: the network on every scale
+            from mars_plugin.networks.deeplabv2 import MSC
+
+            model = MSC(model, msc)
+        return model.to(dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _weights(key: Tuple[str, str, Optional[int], int]) -> Tuple[int, int]:
+def _weights(key: Tuple[Any, ...]) -> Tuple[int, int]:
     """(bytes of the float32 parameters and buffers, bytes of the parameters alone)."""
     m = _meta_model(key, torch.float32)
     params = sum(p.numel() * 4 for p in m.parameters())
@@ -169,7 +176,7 @@ def _weights(key: Tuple[str, str, Optional[int], int]) -> Tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_per_pixel(key: Tuple[str, str, Optional[int], int], half: bool) -> float:
+def _forward_per_pixel(key: Tuple[Any, ...], half: bool) -> float:
     """Peak live bytes of one image's inference forward (eval mode, no gradient) per input pixel."""
     m = _meta_model(key, torch.bfloat16 if half else torch.float32).eval()
     x = torch.empty(1, 3, _TRACE_SIDE, _TRACE_SIDE, device="meta", dtype=next(m.parameters()).dtype)
@@ -179,7 +186,7 @@ def _forward_per_pixel(key: Tuple[str, str, Optional[int], int], half: bool) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def _train_per_pixel(key: Tuple[str, str, Optional[int], int], half: bool, frozen_bn: bool) -> Tuple[float, float]:
+def _train_per_pixel(key: Tuple[Any, ...], half: bool, frozen_bn: bool) -> Tuple[float, float]:
     """(peak over the forward and backward, live after the forward) of a training step per
     input pixel of a batch of 2 (the network's gradients included)."""
     m = _meta_model(key, torch.bfloat16 if half else torch.float32).train()
@@ -197,7 +204,7 @@ def _train_per_pixel(key: Tuple[str, str, Optional[int], int], half: bool, froze
     with _LiveBytes() as t:
         y = m(x)
         after_forward = t.live
-        y.float().sum().backward()
+        sum(o.float().sum() for o in (y if isinstance(y, list) else [y])).backward()  # MSC: a list
     return t.peak / (2 * _TRACE_SIDE ** 2), after_forward / (2 * _TRACE_SIDE ** 2)
 
 
@@ -360,13 +367,15 @@ def check_train_memory(config: Config, crop: int, batch_size: int, max_bytes: in
 
 def check_train_budget(max_bytes: Union[None, str, int], device: Union[str, torch.device], *, arch: str,
                        backbone: str, output_stride: Optional[int], num_classes: int, crop: int, batch_size: int,
-                       world: int = 1, **kw: Any) -> None:
+                       world: int = 1, msc_scales: Sequence[float] = (), **kw: Any) -> None:
     """:func:`mars_plugin.commands.train.train`'s check before step 1: one process's share of the
     global batch (``ceil(batch_size / world)``) on ``device`` against ``max_bytes``
     (:func:`resolve_max_bytes`: ``"auto"``, bytes or None); ``kw``: :func:`train_memory_bytes`'s
-    settings. A ValueError names the flags, the numbers and ``--max-memory``."""
+    settings; ``msc_scales``: deeplab-pytorch's MSC around the network. A ValueError names the
+    flags, the numbers and ``--max-memory``."""
     budget = resolve_max_bytes(max_bytes, device)
     if budget is None:
         return
-    config = {"arch": arch, "backbone": backbone, "output_stride": output_stride, "num_classes": num_classes}
+    config = {"arch": arch, "backbone": backbone, "output_stride": output_stride, "num_classes": num_classes,
+              "msc_scales": list(msc_scales)}
     check_train_memory(config, int(crop), -(-int(batch_size) // max(1, int(world))), budget, device=device, **kw)

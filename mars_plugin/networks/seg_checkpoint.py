@@ -5,6 +5,7 @@ One file holds everything a resumed run needs to continue bit for bit, and every
 
     {"format": "mars-train/1",
      "model": {"arch": "deeplabv3+", "backbone": "resnet101", "output_stride": 16, "num_classes": 20},
+                                        # (+ "msc_scales": [0.5, 0.75]: deeplab-pytorch's MSC around it)
      "iteration": 1000,                 # optimizer steps done
      "student": state_dict, "teacher": state_dict or None (--loss ce has none),
      "optimizer": state_dict, "scaler": state_dict,
@@ -117,6 +118,10 @@ def model_from_checkpoint(
     if state is None:
         raise ValueError(f"{os.fspath(path)}: holds no {which} (a --loss ce run has no teacher)")
     model = build_model(**{k: ck["model"][k] for k in MODEL_KEYS})
+    if ck["model"].get("msc_scales"):  # deeplab-pytorch's MSC around the network (its eval: max of the scales' logits)
+        from mars_plugin.networks.deeplabv2 import MSC
+
+        model = MSC(model, tuple(float(v) for v in ck["model"]["msc_scales"]))
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:

@@ -195,6 +195,10 @@ class TrainFolder(Dataset):
     A sample that cannot be read (a file changed during the run) raises :class:`SampleError`
     naming its id and file.
 
+    ``aug``: an :class:`Augmentation` (DHR's, ImageNet RGB normalisation) or a
+    :class:`~mars_plugin.networks.deeplab_pytorch.DeeplabAugmentation` (its ``train_sample``: BGR
+    minus the caffe mean).
+
     Each item is a dict: ``image`` (3, crop, crop) float normalised, ``rgb`` (crop, crop, 3)
     uint8 (the teacher's CRF sees it), ``label`` (crop, crop) long with 254 kept, ``classes`` (C,)
     bool, ``position`` int.
@@ -250,12 +254,20 @@ class TrainFolder(Dataset):
         except Exception as e:  # noqa: BLE001 -- any failure to read a sample is that sample's, named
             raise SampleError(f"{stem}: {' '.join(str(e).split()) or type(e).__name__}") from None
         rng = np.random.default_rng([self.seed, position])
-        rgb_c, lab_c = _augment_of(self.aug)(rgb, label, self.aug, rng)
+        from mars_plugin.networks.seam_data import SeamAugmentation
+
+        if not isinstance(self.aug, (Augmentation, SeamAugmentation)):  # deeplab-pytorch's: its own input, unrounded (BGR minus its mean)
+            from mars_plugin.networks.deeplab_pytorch import train_sample
+
+            image, rgb_c, lab_c = train_sample(rgb, label, self.aug, rng)
+        else:
+            rgb_c, lab_c = _augment_of(self.aug)(rgb, label, self.aug, rng)
+            image = None
         multi_hot = torch.zeros(self.num_classes, dtype=torch.bool)
         if cls:
             multi_hot[torch.tensor(cls) - 1] = True
         rgb_t = torch.from_numpy(np.ascontiguousarray(rgb_c))
-        return {"image": normalize(rgb_t[None])[0], "rgb": rgb_t, "label": torch.from_numpy(lab_c.astype(np.int64)),
+        return {"image": normalize(rgb_t[None])[0] if image is None else torch.from_numpy(image), "rgb": rgb_t, "label": torch.from_numpy(lab_c.astype(np.int64)),
                 "classes": multi_hot, "position": position}
 
 
