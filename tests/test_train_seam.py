@@ -162,7 +162,7 @@ def test_memory_trace_runs_the_network_as_mars_train_does(monkeypatch, tiny):
     called = []
     real = dv1.seam_train_mode
     monkeypatch.setattr(dv1, "seam_train_mode", lambda m: called.append(m) or real(m))
-    key = ("deeplabv1-wr38", "wr38", 8, C)
+    key = memory._key({"arch": "deeplabv1-wr38", "backbone": "wr38", "output_stride": 8, "num_classes": C})
     peak, kept = memory._train_per_pixel.__wrapped__(key, False, False)
     assert 0 < kept <= peak and len(called) == 1
     # the trace of WR38's train() override alone (BatchNorm frozen) keeps less than mars train does
