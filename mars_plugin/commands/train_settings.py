@@ -281,7 +281,6 @@ def _group_tuple(value: Any, name: str, kind: type) -> Tuple[Any, ...]:
 
 #: What each recipe value the network code of this build lacks needs, and the branch bringing it.
 _PIECES = (
-    ("arch", "deeplabv3+dhr", "DHR's DeepLabv3+ network 'deeplabv3+dhr' (branch dhr)"),
     ("arch", "deeplabv1-wr38", "SEAM's WR38 DeepLabv1 'deeplabv1-wr38' (branch seam)"),
     ("backbone", "wr38", "SEAM's wide ResNet-38 backbone (branch seam)"),
     ("normalization", "caffe-bgr", "deeplab-pytorch's caffe BGR normalisation (branch dlpt)"),
