@@ -285,6 +285,12 @@ def test_reproduce_train_runs_the_second_step_on_dhr_tree(tmp_path, capsys):
     assert "mIoU of the trained network on validation" in text, text
     ck = load_checkpoint(out / "train" / CHECKPOINT_NAME)
     assert ck["iteration"] == 2 and ck["settings"]["loss"] == "mars" and ck["teacher"] is not None
+    # the dhr recipe but for the flags given; predicted as mars predict predicts its checkpoint
+    assert ck["recipe"] == "dhr" and ck["model"]["arch"] == "deeplabv3+dhr" and ck["settings"]["overrides"] == [
+        "backbone", "iterations", "batch_size", "crop", "min_size", "max_size"]
+    for d in ("masks", "val_pred"):
+        rec = json.loads((out / d / ".mars-run.json").read_text())["settings"]
+        assert rec["model"]["which"] == "teacher" and rec["crf_image"] == "denormalized", rec
     scores = json.loads((out / "scores_trained.json").read_text())
     assert len(scores["iou"]) == 21 and scores["iterations"] == 2
     stems = sorted(p.stem for p in (root / "VOC2012/train_aug/image").iterdir())
