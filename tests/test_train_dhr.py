@@ -210,3 +210,23 @@ def test_train_the_default_recipe_then_predict_with_the_teacher_and_upstream_byt
     assert crf_images and torch.equal(crf_images[0], want) and not torch.equal(crf_images[0], rgb)
     rec = json.loads((tmp_path / "pred" / ".mars-run.json").read_text())["settings"]
     assert rec["model"]["which"] == "teacher" and rec["crf_image"] == "denormalized" and rec["fuse_at"] == "logits"
+
+
+def test_logits_at_the_input_train_as_before_recipes():
+    """RS+EPM's network (--arch deeplabv3+, the README's demo world) has its logits at the crop:
+    the dhr grid is the crop's, and the step (CRF teacher included) is bit for bit the one of the
+    hook mars train built before recipes (match='logits')."""
+    from mars_plugin.adapters.training_hook import MARSTrainingHook
+
+    s = TrainSettings(num_classes=C, arch="deeplabv3+", output_stride=16, **R18)
+    runs = [_run(s), _run(s)]
+    old = runs[1].hook
+    runs[1].hook = MARSTrainingHook(runs[1].model, momentum=s.ema, match="logits", refine=s.refine,
+                                    crf_params=s.crf_params, reduction="sum")
+    runs[1].hook.teacher.module.load_state_dict(old.teacher.module.state_dict())
+    batch = _batch(H=32, W=32, biased=True)
+    (t0, c0), (t1, c1) = (_step(r, 0, [batch]) for r in runs)
+    assert runs[0].hook.match == "labels_nearest" and float(c0) == float(c1) == (batch["label"] != 255).sum()
+    assert float(t0) == float(t1)
+    for (n, a), b in zip(runs[0].model.state_dict().items(), runs[1].model.state_dict().values()):
+        assert torch.equal(a, b), n
