@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from mars_plugin.formats.files import atomic_write
 
@@ -49,9 +49,7 @@ def train_after_reproduce(
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
     from mars_plugin.commands.evaluate import evaluate_job
     from mars_plugin.commands.distributed import _rank_world
-    from mars_plugin.commands.predict import load_model, predict_job
-    from mars_plugin.commands.identities import weight_file_id
-    from mars_plugin.commands.predict_recipe import predict_settings
+    from mars_plugin.commands.predict import predict_job
     from mars_plugin.commands.train import train
     from mars_plugin.commands.train_settings import TrainSettings
 
@@ -71,11 +69,7 @@ def train_after_reproduce(
     res = train(layout.image_dir(domain), debiased, out / "train", settings=s, image_labels=tags, class_names=names,
                 progress=progress, stems=sorted(tags), require_biased=False)
     ck = res["checkpoint"]
-    # predicted as `mars predict --model ck` does: the recipe's weights, scales, CRF and its bytes
-    model, meta = load_model(ck, which=None)
-    inference = predict_settings(argparse.Namespace(model=ck), meta)
-    settings = {"file": weight_file_id(ck), "which": meta["which"], "network": meta["model"],
-                "recipe": meta["recipe"]}
+    model, inference, settings = _predictor(ck)
     result: Dict[str, Any] = {"checkpoint": ck, "val": None, "masks": None}
     val_images, val_masks = layout.image_dir(val_domain), layout.mask_dir(val_domain)
     if val_images.is_dir() and val_masks.is_dir():
@@ -97,6 +91,21 @@ def train_after_reproduce(
                     device=device, num_classes=C, progress=progress, settings=settings)
         result["masks"] = out / "masks"
     return result
+
+
+def _predictor(ck: os.PathLike) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """The network of checkpoint ``ck``, :func:`~mars_plugin.commands.predict.predict_job`'s
+    inference settings and its record's ``settings``, as ``mars predict --model ck`` takes them:
+    the recipe's weights (``dhr``: the EMA teacher), scales, flip, CRF, the CRF's bytes."""
+    from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.commands.predict import load_model
+    from mars_plugin.commands.predict_recipe import predict_settings
+
+    model, meta = load_model(ck, which=None)
+    inference = predict_settings(argparse.Namespace(model=ck), meta)
+    settings = {"file": weight_file_id(ck), "which": meta["which"], "network": meta["model"],
+                **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}
+    return model, inference, settings
 
 
 def _check_out(root: os.PathLike, out_dir: os.PathLike, data: str, domains: List[str],
