@@ -229,7 +229,7 @@ def test_cli_trains_and_the_checkpoint_rebuilds_the_network(tree, tmp_path, caps
     assert cli.main(_cli_args(tree, out, ("--loss", "ce", "--labels", str(tree / "pseudo"), *arch))) == 0
     assert "train (ce) ->" in capsys.readouterr().out
     model, meta = model_from_checkpoint(out / CHECKPOINT_NAME)
-    assert meta["model"] == {"arch": "deeplabv3+", "backbone": "resnet18", "output_stride": 16, "num_classes": C}
+    assert meta["model"] == {"arch": "deeplabv3+", "backbone": "resnet18", "output_stride": 8, "num_classes": C}  # dhr's
     assert meta["iteration"] == 3
     with pytest.raises(ValueError, match="holds no teacher"):
         model_from_checkpoint(out / CHECKPOINT_NAME, which="teacher")
@@ -285,6 +285,12 @@ def test_reproduce_train_runs_the_second_step_on_dhr_tree(tmp_path, capsys):
     assert "mIoU of the trained network on validation" in text, text
     ck = load_checkpoint(out / "train" / CHECKPOINT_NAME)
     assert ck["iteration"] == 2 and ck["settings"]["loss"] == "mars" and ck["teacher"] is not None
+    # the dhr recipe but for the flags given; predicted as mars predict predicts its checkpoint
+    assert ck["recipe"] == "dhr" and ck["model"]["arch"] == "deeplabv3+dhr" and ck["settings"]["overrides"] == [
+        "backbone", "iterations", "batch_size", "crop", "min_size", "max_size"]
+    for d in ("masks", "val_pred"):
+        rec = json.loads((out / d / ".mars-run.json").read_text())["settings"]
+        assert rec["model"]["which"] == "teacher" and rec["crf_image"] == "denormalized", rec
     scores = json.loads((out / "scores_trained.json").read_text())
     assert len(scores["iou"]) == 21 and scores["iterations"] == 2
     stems = sorted(p.stem for p in (root / "VOC2012/train_aug/image").iterdir())

@@ -151,9 +151,7 @@ def test_the_checkpoint_and_train_json_carry_the_recipe(tmp_path):
 
 def test_a_piece_this_build_lacks_is_named():
     from mars_plugin.commands.train_settings import missing_piece
-    from mars_plugin.networks.deeplab import ARCHS
 
-    if "deeplabv3+dhr" not in ARCHS:
-        assert "branch dhr" in missing_piece(TrainSettings(num_classes=2))
-    assert missing_piece(TrainSettings(num_classes=2, recipe="deeplab-pytorch")) is None  # wired (branch wiredlpt)
+    assert missing_piece(TrainSettings(num_classes=2)) is None  # dhr: every piece is in this build
+    assert missing_piece(TrainSettings(num_classes=2, recipe="deeplab-pytorch")) is None
     assert missing_piece(TrainSettings(num_classes=2, **SMALL)) is None

@@ -11,6 +11,7 @@ The commands:
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record;
+  ``train_dhr.py``: the loss grid (the dhr recipe's, on DHR's stride-4 logits);
   ``predict_recipe.py``: predict's settings from the checkpoint's recipe.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_settings.py`` (its settings record,
   checked once), ``reproduce_state.py`` (its record),

@@ -287,16 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="then train the segmentation network on the debiased labels (out/train), predict and score "
                          "the validation split (out/val_pred, scores_trained.json) and write the MARS masks of the "
                          "training split (out/masks); each stage resumes")
-    tr.add_argument("--arch", choices=("deeplabv3+", "deeplabv2"), default="deeplabv3+", help="as mars train --arch")
-    tr.add_argument("--train-backbone", choices=("resnet18", "resnet50", "resnet101"), default="resnet101",
-                    help="as mars train --backbone")
+    # each left out is the dhr recipe's, as mars train's (deeplabv3+dhr resnet101, 100 epochs of 16 512 crops, lr 1e-3)
+    tr.add_argument("--arch", choices=("deeplabv3+dhr", "deeplabv3+", "deeplabv2"), default=None,
+                    help="as mars train --arch (default: the dhr recipe's, deeplabv3+dhr)")
+    tr.add_argument("--train-backbone", choices=("resnet18", "resnet50", "resnet101"), default=None,
+                    help="as mars train --backbone (default: resnet101)")
     tr.add_argument("--weights", default=None, help="as mars train --weights (ImageNet ResNet, torchvision layout)")
-    tr.add_argument("--iterations", type=T.iterations, default=30000, help="as mars train --iterations")
-    tr.add_argument("--train-batch-size", type=T.batch_size, default=16, help="as mars train --batch-size")
-    tr.add_argument("--crop", type=T.crop, default=512, help="as mars train --crop")
-    tr.add_argument("--min-size", type=T.image_side, default=320, help="as mars train --min-size")
-    tr.add_argument("--max-size", type=T.image_side, default=640, help="as mars train --max-size")
-    tr.add_argument("--lr", type=T.lr, default=1e-3, help="as mars train --lr")
+    tr.add_argument("--iterations", type=T.iterations, default=None,
+                    help="as mars train --iterations (default: the recipe's 100 epochs)")
+    tr.add_argument("--train-batch-size", type=T.batch_size, default=None, help="as mars train --batch-size (16)")
+    tr.add_argument("--crop", type=T.crop, default=None, help="as mars train --crop (512)")
+    tr.add_argument("--min-size", type=T.image_side, default=None, help="as mars train --min-size (320)")
+    tr.add_argument("--max-size", type=T.image_side, default=None, help="as mars train --max-size (640)")
+    tr.add_argument("--lr", type=T.lr, default=None, help="as mars train --lr (1e-3)")
     tr.add_argument("--loader-workers", type=T.loader_workers, default=2, help="as mars train --workers")
     tr.add_argument("--val-domain", default="validation",
                     help="the split scored after training (<root>/<data>/<val-domain>/{image,mask}; DHR: validation)")

@@ -163,7 +163,10 @@ def check_weights(train: Mapping[str, Any], C: int, problems: List[Problem]) -> 
     from mars_plugin.networks.deeplab import build_model, load_backbone_weights
 
     try:
-        model = build_model(arch=train.get("arch", "deeplabv3+"), backbone=train.get("backbone", "resnet101"),
+        from mars_plugin.networks.recipes import DEFAULT_RECIPE, get_recipe
+
+        recipe = get_recipe(DEFAULT_RECIPE)  # what mars train builds for an arch or backbone left out
+        model = build_model(arch=train.get("arch") or recipe.arch, backbone=train.get("backbone") or recipe.backbone,
                             num_classes=C)
         load_backbone_weights(model, train["weights"])
     except Exception as e:  # noqa: BLE001 -- the training would stop on it after the debias

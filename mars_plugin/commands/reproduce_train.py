@@ -16,10 +16,11 @@ Each stage resumes: the training from its checkpoint, the predictions file by fi
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from mars_plugin.formats.files import atomic_write
 
@@ -48,9 +49,9 @@ def train_after_reproduce(
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
     from mars_plugin.commands.evaluate import evaluate_job
     from mars_plugin.commands.distributed import _rank_world
-    from mars_plugin.commands.predict import load_model, predict_job
-    from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.commands.predict import predict_job
     from mars_plugin.commands.train import train
+    from mars_plugin.commands.train_settings import TrainSettings
 
     out = _check_out(root, out_dir, data, [domain, val_domain], train_options)
     debiased, tags_path = out / "debiased", out / "image_labels.json"
@@ -58,22 +59,22 @@ def train_after_reproduce(
     names = list(layout.class_names())
     C = len(names) - 1
     tags = {str(k): [int(c) for c in v] for k, v in json.loads(tags_path.read_text()).items()}
-    opts = dict(train_options or {})
+    # the options given override the recipe's fields (train_options' None: the recipe's)
+    s = TrainSettings(num_classes=C, device=device, **{k: v for k, v in (train_options or {}).items() if v is not None})
     rank, _ = _rank_world()
-    log(f"[train] {opts.get('arch', 'deeplabv3+')} {opts.get('backbone', 'resnet101')}, "
-        f"{opts.get('iterations', 30000)} steps on {len(tags)} debiased labels -> {out / 'train'}")
+    log(f"[train] recipe {s.recipe}: {s.arch} {s.backbone}, {s.iterations_for(len(tags))} steps on {len(tags)} "
+        f"debiased labels -> {out / 'train'}")
     # require_biased=False: these are debias's own labels; where it marked nothing (a tree whose
     # pseudo labels hold no biased object), MARS trains on them as they are.
-    res = train(layout.image_dir(domain), debiased, out / "train", C, image_labels=tags, class_names=names,
-                device=device, progress=progress, stems=sorted(tags), require_biased=False, **opts)
+    res = train(layout.image_dir(domain), debiased, out / "train", settings=s, image_labels=tags, class_names=names,
+                progress=progress, stems=sorted(tags), require_biased=False)
     ck = res["checkpoint"]
-    model, meta = load_model(ck)
-    settings = {"file": weight_file_id(ck), "which": "student", "network": meta["model"]}
+    model, inference, settings = _predictor(ck)
     result: Dict[str, Any] = {"checkpoint": ck, "val": None, "masks": None}
     val_images, val_masks = layout.image_dir(val_domain), layout.mask_dir(val_domain)
     if val_images.is_dir() and val_masks.is_dir():
         log(f"[predict {val_domain}] multi-scale + flip + CRF -> {out / 'val_pred'}")
-        predict_job(model, val_images, out / "val_pred", batch_size=predict_batch_size, device=device,
+        predict_job(model, val_images, out / "val_pred", **inference, batch_size=predict_batch_size, device=device,
                     num_classes=C, progress=progress, settings=settings)
         if rank == 0:
             scores, _ = evaluate_job(out / "val_pred", val_masks, C, progress=False)
@@ -86,10 +87,25 @@ def train_after_reproduce(
         log(f"[predict {val_domain}] skipped: no {val_images} and {val_masks}")
     if masks:
         log(f"[masks {domain}] -> {out / 'masks'}")
-        predict_job(model, layout.image_dir(domain), out / "masks", batch_size=predict_batch_size, device=device,
-                    num_classes=C, progress=progress, settings=settings)
+        predict_job(model, layout.image_dir(domain), out / "masks", **inference, batch_size=predict_batch_size,
+                    device=device, num_classes=C, progress=progress, settings=settings)
         result["masks"] = out / "masks"
     return result
+
+
+def _predictor(ck: os.PathLike) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """The network of checkpoint ``ck``, :func:`~mars_plugin.commands.predict.predict_job`'s
+    inference settings and its record's ``settings``, as ``mars predict --model ck`` takes them:
+    the recipe's weights (``dhr``: the EMA teacher), scales, flip, CRF, the CRF's bytes."""
+    from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.commands.predict import load_model
+    from mars_plugin.commands.predict_recipe import predict_settings
+
+    model, meta = load_model(ck, which=None)
+    inference = predict_settings(argparse.Namespace(model=ck), meta)
+    settings = {"file": weight_file_id(ck), "which": meta["which"], "network": meta["model"],
+                **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}
+    return model, inference, settings
 
 
 def _check_out(root: os.PathLike, out_dir: os.PathLike, data: str, domains: List[str],

@@ -38,7 +38,6 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE
 from mars_plugin.commands.train_data import (CHECKPOINT_NAME, LOG_NAME, check_train_files, data_record, out_lock, trim_log,
@@ -251,6 +250,7 @@ def _build(run: _Run) -> None:
     """Stage 3: the network (random init, then ``weights``), its BatchNorm mode, the EMA teacher
     hook with ``loss="mars"``, the optimizer over DHR's groups and the AMP scaler."""
     from mars_plugin.adapters.training_hook import MARSTrainingHook
+    from mars_plugin.commands.train_dhr import hook_match
     from mars_plugin.networks.deeplab import build_model, load_backbone_weights
 
     s = run.s
@@ -274,13 +274,11 @@ def _build(run: _Run) -> None:
             m.momentum = s.spec.bn_momentum  # the statistics' update, as the recipe's layers (DHR: torch's 0.1)
     model.to(run.dev)
     if s.loss == "mars":
-        # match="logits": the loss and the CRF work on the label grid with the crop's RGB (the
-        # network's logits are already at the input size).
-        # reduction="sum": divided by the global pixel count in _step (the same gradient on any
-        # number of processes).
-        # MSC (deeplab-pytorch): the teacher completes the labels once at the crop's size, then
-        # labels and weights go to each output's grid by PIL nearest, as main.py resizes its labels.
-        match, resize = ("labels_nearest", dlpt.resize_labels_nearest) if s.spec.msc_scales else ("logits", None)
+        # match: the recipe's loss grid (train_dhr.hook_match); the CRF works on the crop's grid with
+        # its RGB either way. MSC (deeplab-pytorch): the teacher completes the labels once at the
+        # crop's size, then labels and weights go to each output's grid by PIL nearest, as main.py
+        # resizes its labels. reduction="sum": divided by the global pixel count in _step.
+        match, resize = ("labels_nearest", dlpt.resize_labels_nearest) if s.spec.msc_scales else (hook_match(s), None)
         run.hook = MARSTrainingHook(model, momentum=s.ema, match=match, refine=s.refine, crf_params=s.crf_params,
                                     biased_value=BIASED_VALUE, ignore_index=IGNORE_VALUE, reduction="sum",
                                     label_resize=resize)
@@ -384,31 +382,31 @@ def _step(run: _Run, step: int, batches: Sequence[Mapping[str, Any]]) -> Tuple[t
     summed loss, the global count of pixels the loss averages over). The gradients of the
     batches add up, each loss divided by the count of all of them: the step of one batch
     ``iter_size`` times as large (with frozen BatchNorm exactly)."""
+    from mars_plugin.commands.train_dhr import ce_loss_sum, check_logits, loss_labels
     from mars_plugin.networks.deeplabv1 import seam_replicas_forward  # SEAM's train.py: DataParallel on 2 GPUs
 
     s, dev = run.s, run.dev
     _set_lr(run.opt, run.base_lrs, s, step, run.iterations)
     torch.manual_seed(_step_seed(s.seed, step, run.rank))
     ys = [b["label"].to(dev, non_blocking=True) for b in batches]
-    # The global count of pixels the loss averages over (biased ones included: the teacher fills them);
-    # MSC (deeplab-pytorch): each batch's loss is already a sum of per-output means, averaged over the batches.
+    # The global count of pixels the loss averages over, on the loss grid (biased ones included: the
+    # teacher fills them); MSC (deeplab-pytorch): each batch's loss is already a sum of per-output
+    # means, averaged over the batches.
     count = (torch.tensor(float(len(ys)), dtype=torch.float64, device=dev) if s.spec.msc_scales else
-             _all_reduce_sum(sum((y != IGNORE_VALUE).sum().double() for y in ys)))
+             _all_reduce_sum(sum((loss_labels(s, y) != IGNORE_VALUE).sum().double() for y in ys)))
     run.opt.zero_grad(set_to_none=True)
     total_all = torch.zeros((), dtype=torch.float64, device=dev)
     for batch, y in zip(batches, ys):
         x = batch["image"].to(dev, non_blocking=True)
         with torch.autocast(dev.type, dtype=run.amp_dtype, enabled=run.use_amp):
             logits = run.net(x) if s.recipe != "seam" else seam_replicas_forward(run.net, x, s.spec.bn_batch)
-            if not s.spec.msc_scales:  # MSC's outputs each meet the labels on their own grid
-                _check_loss_grid(s, logits, y)
-            if s.spec.msc_scales:
+            if s.spec.msc_scales:  # MSC's outputs each meet the labels on their own grid
                 total = dlpt.msc_step_loss(logits, y, hook=run.hook, images=x, classes=batch["classes"].to(dev),
                                            images_rgb=batch["rgb"].to(dev), all_reduce=_all_reduce_sum)
-            elif run.hook is not None:
-                total = run.hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev))
             else:
-                total = F.cross_entropy(logits.float(), y, ignore_index=IGNORE_VALUE, reduction="sum")
+                check_logits(s, logits, y)
+                total = (ce_loss_sum(s, logits, y) if run.hook is None else
+                         run.hook(x, logits, y, batch["classes"].to(dev), images_rgb=batch["rgb"].to(dev)))
         # DDP averages the gradients over the processes: scale by their number so that the
         # gradient is the global sum over the global count.
         run.scaler.scale(total.float() * run.world / count.clamp_min(1).float()).backward()
@@ -426,17 +424,6 @@ def _set_lr(opt: torch.optim.Optimizer, base_lrs: Sequence[float], s: TrainSetti
     factor = poly_factor(s, step, total)
     for g, base in zip(opt.param_groups, base_lrs):
         g["lr"] = base * factor
-
-
-def _check_loss_grid(s: TrainSettings, logits: torch.Tensor, y: torch.Tensor) -> None:
-    """Logits on the labels' grid need nothing; a network whose logits are coarser (DHR's
-    DeepLabv3+ at stride 4, SEAM's DeepLabv1 at 8) needs the recipe's ``loss_grid``: the
-    labels resized to the logits (``"logits"``) or the logits to the crop (``"input"``)."""
-    if logits.shape[-2:] != y.shape[-2:]:
-        piece = ("the MARS hook's loss_grid='logits' option (branch dhr)" if s.loss_grid == "logits" else
-                 "upsampling the logits to the crop as SEAM's DeepLabv1 (branch seam)")
-        raise NotImplementedError(f"mars train: logits {tuple(logits.shape[-2:])} on labels {tuple(y.shape[-2:])} "
-                                  f"with loss_grid {s.loss_grid!r} need {piece}; not in this build yet")
 
 
 def _log(run: _Run, done: int, total: torch.Tensor, count: torch.Tensor, elapsed: float, steps: int) -> float:

@@ -292,7 +292,6 @@ def _group_tuple(value: Any, name: str, kind: type) -> Tuple[Any, ...]:
 
 #: What each recipe value the network code of this build lacks needs, and the branch bringing it.
 _PIECES = (
-    ("arch", "deeplabv3+dhr", "DHR's DeepLabv3+ network 'deeplabv3+dhr' (branch dhr)"),
     ("bn_head", "frozen", "a frozen head BatchNorm (branch seam)"),
 )
 
