@@ -10,4 +10,4 @@ checked against ``--max-memory`` before any work (``memory.py``); the recipe of 
 trains them, one frozen record per Table 2 row, each field citing its upstream line
 (``recipes.py``, its fields' checks in ``recipe_checks.py``). The SEAM row's DeepLabv1 on the
 wide ResNet-38 (``deeplabv1.py``, ``wide_resnet38.py``) and its codebase's augmentation
-(``seam_data.py``)."""
+(``seam_data.py``). What a weight file lacks against a network, for every reader (``weight_files.py``)."""

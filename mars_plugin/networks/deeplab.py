@@ -58,6 +58,7 @@ from mars_plugin._checks import check_num_classes, check_real_param, describe
 from mars_plugin.networks.deeplabv2 import MSC, DeepLabV2, load_deeplab_pytorch_weights
 from mars_plugin.networks.msra_resnet import MSRA_BACKBONES
 from mars_plugin.networks.resnet import BACKBONES, ResNet
+from mars_plugin.networks.weight_files import check_weight_values, state_mismatch
 
 __all__ = [
     "ARCHS",
@@ -285,10 +286,6 @@ def _layout(name: str) -> Dict[str, Tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in net.state_dict().items()}
 
 
-def _some(keys: List[str], n: int = 4) -> str:
-    return ", ".join(keys[:n]) + (f", ... {len(keys) - n} more" if len(keys) > n else "")
-
-
 def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
     """Load torchvision ImageNet weights (e.g. ``resnet101-63fe2227.pth``) into the backbone
     (a ``deeplabv1-wr38`` network: :func:`mars_plugin.networks.wide_resnet38.load_wr38_weights`).
@@ -339,18 +336,8 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
         raise ValueError(f"{path}: not a state dict of tensors (a torchvision ImageNet file), got {got}{hint}")
     state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     expected = backbone.state_dict()
-    missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [f"{k} {tuple(state[k].shape)} != {tuple(expected[k].shape)}"
-                  for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing ({_some(missing)})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({_some(unexpected)})")
-        if mismatched:
-            parts.append(f"{len(mismatched)} of another shape ({_some(mismatched, 3)})")
+    parts = state_mismatch(state, expected)
+    if parts:
         hint = ""
         prefixes = [p for p in ("module.", "backbone.", "model.") if state and all(k.startswith(p) for k in state)]
         if prefixes:
@@ -364,13 +351,7 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
                     hint = f"; the file fits {other} (choose that backbone, or the {backbone.name} file)"
         raise ValueError(f"{path}: does not fit the {backbone.name} backbone (torchvision layout): "
                          f"{'; '.join(parts)}{hint}")
-    for k, v in state.items():
-        if k.endswith("num_batches_tracked"):
-            continue
-        if not v.is_floating_point():
-            raise ValueError(f"{path}: {k} has dtype {v.dtype}, expected floating weights")
-        if not torch.isfinite(v).all():
-            raise ValueError(f"{path}: {k} holds non-finite values (a damaged weight file)")
+    check_weight_values(state, path)
     full = dict(state)
     for k in expected:
         if k not in full:  # num_batches_tracked of older files: start counting from 0

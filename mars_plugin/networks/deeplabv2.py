@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import check_num_classes, describe
 from mars_plugin.networks.msra_resnet import MSRA_BACKBONES, N_BLOCKS, _ResLayer, _Stem
+from mars_plugin.networks.weight_files import check_weight_values, state_mismatch
 
 __all__ = ["ATROUS_RATES", "MSC_SCALES", "DeepLabV2", "MSC", "load_deeplab_pytorch_weights"]
 
@@ -157,10 +158,6 @@ class MSC(nn.Module):
 PathLike = Union[str, os.PathLike]
 
 
-def _some(keys: List[str], n: int = 4) -> str:
-    return ", ".join(keys[:n]) + (f", ... {len(keys) - n} more" if len(keys) > n else "")
-
-
 def _net_of(model: Any) -> DeepLabV2:
     net = model
     while isinstance(getattr(net, "module", None), nn.Module):  # DDP / DataParallel / EMATeacher
@@ -213,36 +210,21 @@ def load_deeplab_pytorch_weights(model: nn.Module, path: PathLike) -> List[str]:
     head = [k for k in expected if k.startswith("aspp.")]
     has_head = any(k.startswith("aspp.") for k in state)
     required = [k for k in expected if not k.endswith("num_batches_tracked") and (has_head or k not in head)]
-    missing = [k for k in required if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [f"{k} {tuple(state[k].shape)} != {tuple(expected[k].shape)}"
-                  for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing ({_some(missing)})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({_some(unexpected)})")
-        if mismatched:
-            parts.append(f"{len(mismatched)} of another shape ({_some(mismatched, 3)})")
+    parts = state_mismatch(state, expected, required)
+    if parts:
+        reshaped = [k for k in expected if k in state and state[k].shape != expected[k].shape]
         hint = ""
         if "conv1.weight" in state or any(k.startswith("layer1.0.") for k in state):
             hint = ("; its keys are torchvision's (conv1.weight, layer1.0.conv1...): deeplabv2 takes deeplab-pytorch's "
                     "caffe-converted files (layer1.conv1.conv.weight, layer2.block1.reduce...)")
-        elif mismatched and all(k.startswith("aspp.") for k in (m.split(" ")[0] for m in mismatched)):
+        elif reshaped and all(k.startswith("aspp.") for k in reshaped):
             hint = (f"; its ASPP has {int(state['aspp.c0.weight'].shape[0])} outputs, the network "
                     f"{net.num_classes + 1} (--num-classes C gives C + 1)")
         elif len([k for k in state if k.startswith("layer4.")]) != len([k for k in expected if k.startswith("layer4.")]):
             hint = f"; the file's layer4 has another number of blocks (not the {net.backbone_name} file)"
         raise ValueError(f"{path}: does not fit deeplabv2 {net.backbone_name} (deeplab-pytorch layout): "
                          f"{'; '.join(parts)}{hint}")
-    for k, v in state.items():
-        if k.endswith("num_batches_tracked"):
-            continue
-        if not v.is_floating_point():
-            raise ValueError(f"{path}: {k} has dtype {v.dtype}, expected floating weights")
-        if not torch.isfinite(v).all():
-            raise ValueError(f"{path}: {k} holds non-finite values (a damaged weight file)")
+    check_weight_values(state, path)
     full = {k: state.get(k, expected[k]) for k in expected}  # absent: the network's own (random ASPP, counters)
     net.load_state_dict(full, strict=True)
     return [k for k in expected if k not in state]

@@ -120,6 +120,15 @@ def _resize(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
 
 
+def _check_network_input(images: object) -> None:
+    """``images`` as the fusions take them: a float (B, 3, H, W) tensor, else a ValueError
+    (shape) or TypeError (dtype) naming what it got."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+
+
 def _scaled_size(height: int, width: int, scale: float) -> Tuple[int, int]:
     """``(int(H * s), int(W * s))`` (RS+EPM truncates, ``tools/ai/torch_utils.py:37-38``); a side
     that truncates to 0 is a ValueError naming it."""
@@ -150,10 +159,7 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
     Probabilities that are not finite (a network whose float16 activations overflowed, as a
     randomly initialised ResNet-101 does: measured on an H200) are a ValueError.
     """
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
-    if not images.is_floating_point():
-        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+    _check_network_input(images)
     scales = check_scales(scales)
     B, _, H, W = images.shape
     half = half_dtype(images.device)
@@ -195,10 +201,7 @@ def multiscale_probs_dhr(model: Callable[[torch.Tensor], torch.Tensor], images: 
     ``:127``) and only the mean is resized to H x W. A size equal to the target is not resampled.
     Shapes and arguments as :func:`multiscale_probs`.
     """
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be a (B, 3, H, W) tensor, got {describe(images)}")
-    if not images.is_floating_point():
-        raise TypeError(f"images must be float (normalised as the network takes them), got {images.dtype}")
+    _check_network_input(images)
     scales = check_scales(scales)
     B, _, H, W = images.shape
     half = half_dtype(images.device)

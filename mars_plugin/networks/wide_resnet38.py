@@ -43,7 +43,7 @@ distributes that file, and SEAM's own trainer also takes the converted dict save
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import describe
 from mars_plugin.formats.mxnet_params import LIST_MAGIC, read_mxnet_params
+from mars_plugin.networks.weight_files import state_mismatch
 
 __all__ = ["WideResNet38", "BN_MOMENTUM", "WR38_WEIGHTS_FILE", "wr38_key", "load_wr38_weights"]
 
@@ -232,10 +233,6 @@ def _read_state(path: str) -> Dict[str, torch.Tensor]:
     return state
 
 
-def _some(keys: List[str], n: int = 4) -> str:
-    return ", ".join(keys[:n]) + (f", ... {len(keys) - n} more" if len(keys) > n else "")
-
-
 def load_wr38_weights(model: nn.Module, path: Union[str, os.PathLike]) -> None:
     """Load the WR38 ImageNet weights into ``model`` (a :class:`WideResNet38` or a network that
     holds one as ``.backbone``, possibly wrapped in DDP/DataParallel).
@@ -263,18 +260,8 @@ def load_wr38_weights(model: nn.Module, path: Union[str, os.PathLike]) -> None:
         raise FileNotFoundError(f"{path}: no such file (the WR38 ImageNet weights, {WR38_WEIGHTS_FILE})")
     state = _read_state(path)
     expected = backbone.state_dict()
-    missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [f"{k} {tuple(state[k].shape)} != {tuple(expected[k].shape)}"
-                  for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing ({_some(missing)})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({_some(unexpected)})")
-        if mismatched:
-            parts.append(f"{len(mismatched)} of another shape ({_some(mismatched, 3)})")
+    parts = state_mismatch(state, expected)
+    if parts:
         raise ValueError(f"{path}: does not fit the wr38 backbone (width 1/{backbone.width_div}): "
                          f"{'; '.join(parts)}")
     for k, v in state.items():
