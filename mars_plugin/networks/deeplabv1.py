@@ -299,7 +299,7 @@ def seam_multiscale_probs(model: nn.Module, images: torch.Tensor, scales: Sequen
     (B, C + 1, H, W) float32 probabilities, each image on its own as test.py runs it
     (:func:`seam_scaled_inputs` of its float32 (H, W, 3) array, then :func:`seam_multiscale_logits`).
     ``fp16``: the network under autocast (bfloat16; not upstream's), its logits taken in float32."""
-    from mars_plugin.networks.inference import half_dtype
+    from mars_plugin.networks.inference import check_finite_probs, half_dtype
 
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 or \
             not images.is_floating_point():
@@ -316,8 +316,7 @@ def seam_multiscale_probs(model: nn.Module, images: torch.Tensor, scales: Sequen
         scaled = [x.to(dev) for x in seam_scaled_inputs(np.ascontiguousarray(arr), scales)]
         out.append(seam_multiscale_logits(net, scaled, img.shape[-2:], flip))
     probs = torch.stack(out)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError("the network's output holds NaN or Inf" + (" under --fp16; run without it" if fp16 else ""))
+    check_finite_probs(probs, half_dtype(dev), fp16)
     return probs
 
 

@@ -91,6 +91,7 @@ __all__ = [
     "multiscale_probs_dhr",
     "multiscale_probs_max",
     "half_dtype",
+    "check_finite_probs",
     "labels_from_probs",
     "predict_labels",
     "CRF_IMAGES",
@@ -139,6 +140,28 @@ def _scaled_size(height: int, width: int, scale: float) -> Tuple[int, int]:
     return h, w
 
 
+def _logits_of(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, flip: bool, half: torch.dtype,
+               fp16: bool) -> torch.Tensor:
+    """The logits of one scaled batch (with ``flip``, the image and its mirror in one batch:
+    RS+EPM core/networks.py:244, DHR's ``apply_ms``), checked to be (2B or B, L, h, w)."""
+    if flip:
+        x = torch.cat([x, x.flip(-1)])
+    with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
+        logits = model(x)
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
+        raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
+                         f"{describe(logits)}")
+    return logits
+
+
+def check_finite_probs(total: torch.Tensor, half: torch.dtype, fp16: bool) -> None:
+    """Fused probabilities (or their sum) that are not finite are a ValueError, saying why under
+    ``fp16`` (``half``: the autocast type it ran under): every fusion's last check."""
+    if not bool(torch.isfinite(total).all()):
+        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
+        raise ValueError(f"the network's output holds NaN or Inf{why}")
+
+
 @torch.no_grad()
 def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
                      scales: Sequence[float] = DEFAULT_SCALES, flip: bool = True, *,
@@ -166,22 +189,13 @@ def multiscale_probs(model: Callable[[torch.Tensor], torch.Tensor], images: torc
     total: Optional[torch.Tensor] = None
     for s in scales:
         size = _scaled_size(H, W, s)
-        x = _resize(images, size)
-        if flip:  # the image and its mirror in one batch (RS+EPM core/networks.py:244)
-            x = torch.cat([x, x.flip(-1)])
-        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
-            logits = model(x)
-        if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
-            raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
-                             f"{describe(logits)}")
+        logits = _logits_of(model, _resize(images, size), flip, half, fp16)
         p = _resize(torch.softmax(_resize(logits.float(), size), dim=1), (H, W))
         if flip:
             p = p[:B] + p[B:].flip(-1)
         total = p if total is None else total.add_(p)
     assert total is not None
-    if not bool(torch.isfinite(total).all()):  # one check (one GPU sync) for every scale
-        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
-        raise ValueError(f"the network's output holds NaN or Inf{why}")
+    check_finite_probs(total, half, fp16)  # one check (one GPU sync) for every scale
     return total.div_(len(scales) * (2 if flip else 1))
 
 
@@ -208,14 +222,7 @@ def multiscale_probs_dhr(model: Callable[[torch.Tensor], torch.Tensor], images: 
     grid: Optional[Tuple[int, int]] = None
     total: Optional[torch.Tensor] = None
     for s in scales:
-        x = _resize_corners(images, _scaled_size(H, W, s))
-        if flip:
-            x = torch.cat([x, x.flip(-1)])
-        with torch.autocast(x.device.type, dtype=half, enabled=bool(fp16)):
-            logits = model(x)
-        if not isinstance(logits, torch.Tensor) or logits.ndim != 4 or logits.shape[0] != x.shape[0]:
-            raise ValueError(f"the network must return (B, L, h, w) logits with B = {x.shape[0]}, got "
-                             f"{describe(logits)}")
+        logits = _logits_of(model, _resize_corners(images, _scaled_size(H, W, s)), flip, half, fp16)
         if grid is None:
             grid = (int(logits.shape[-2]), int(logits.shape[-1]))
         p = _resize_corners(torch.softmax(logits.float(), dim=1), grid)
@@ -223,9 +230,7 @@ def multiscale_probs_dhr(model: Callable[[torch.Tensor], torch.Tensor], images: 
             p = p[:B] + p[B:].flip(-1)
         total = p if total is None else total.add_(p)
     assert total is not None and grid is not None
-    if not bool(torch.isfinite(total).all()):
-        why = f" under {str(half)[6:]} autocast (--fp16): its activations overflow; run without --fp16" if fp16 else ""
-        raise ValueError(f"the network's output holds NaN or Inf{why}")
+    check_finite_probs(total, half, fp16)
     return _resize_corners(total.div_(len(scales) * (2 if flip else 1)), (H, W)).contiguous()
 
 
@@ -257,8 +262,7 @@ def multiscale_probs_max(model: Callable[[torch.Tensor], torch.Tensor], images: 
     fused = torch.max(torch.stack(every), dim=0)[0]
     fused = fused.float() if fused.dtype in (torch.float16, torch.bfloat16) else fused
     probs = torch.softmax(F.interpolate(fused, size=(H, W), mode="bilinear", align_corners=False), dim=1)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError("the network's output holds NaN or Inf" + (" under --fp16: run without it" if fp16 else ""))
+    check_finite_probs(probs, half_dtype(images.device), fp16)
     return probs
 
 
