@@ -99,7 +99,7 @@ def test_photo_every_normalisation_and_compat(path, ref, normalization, kind):
     def build(d):
         d.setUnaryEnergy(u)
         d.addPairwiseGaussian(sxy=(3, 2), compat=compat, normalization=normalization)
-        d.addPairwiseBilateral(sxy=30, srgb=(13, 10, 8), rgbim=img, compat=compat, normalization=normalization)
+        d.addPairwiseBilateral(sxy=(30, 20), srgb=(13, 10, 8), rgbim=img, compat=compat, normalization=normalization)
     _compare(ref, build, 5, lambda m: m.DenseCRF2D(W, H, L))
 
 
