@@ -289,6 +289,22 @@ def test_refusals_are_pydensecrfs_kind(ref, monkeypatch, case):
         call()
 
 
+def test_read_only_inputs_are_accepted(path):
+    """pydensecrf's memoryviews refuse read-only arrays (sklearn's images are); nothing here
+    writes to its inputs, so they are taken as they are."""
+    H, W, L = 10, 12, 3
+    img, u = _photo(0, H, W), unary_from_softmax(_probs(L, H, W))
+    qs = []
+    for writeable in (True, False):
+        im, un = img.copy(), u.copy()
+        im.flags.writeable = un.flags.writeable = writeable
+        d = dcrf.DenseCRF2D(W, H, L)
+        d.setUnaryEnergy(un)
+        d.addPairwiseBilateral(20, 13, im, 5)
+        qs.append(d.inference(3))
+    np.testing.assert_array_equal(qs[0], qs[1])
+
+
 # ---------------------------------------------------------------- devices
 def test_device_setting(monkeypatch):
     monkeypatch.delenv(dcrf.DEVICE_ENV, raising=False)
