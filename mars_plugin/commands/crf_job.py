@@ -194,17 +194,18 @@ def crf_job(images_dir: os.PathLike, out_dir: os.PathLike, *, cams_dir: Optional
     if settings is not None and keywords:
         raise ValueError(f"give settings=CrfSettings(...) or its fields as keywords, not both (got {sorted(keywords)})")
     s = settings if settings is not None else CrfSettings(**keywords)
+    flag, src = ("--cams", cams_dir) if cams_dir is not None else ("--probs", probs_dir)
+    check_out_apart(out_dir, "--out", {"--cams": cams_dir, "--probs": probs_dir, "--images": images_dir})
     if (cams_dir is None) == (probs_dir is None):
-        raise ValueError("give cams_dir (--cams, with wsss) or probs_dir (--probs), one of them")
+        raise ValueError("give --cams DIR (a codebase's CAMs, with --wsss) or --probs DIR (probability maps), one of "
+                         "them" + (", not both" if cams_dir is not None else ""))
     if cams_dir is not None and s.wsss is None:
-        raise ValueError("cams_dir (--cams) needs wsss (--wsss): whose CAM files they are")
+        raise ValueError("--cams needs --wsss NAME: whose CAM files they are (irnet, advcam, seam, rsepm, dhr)")
     if probs_dir is not None and s.wsss is not None:
-        raise ValueError(f"probs_dir (--probs) takes plain probability maps; wsss={s.wsss!r} reads --cams")
-    flag, src = ("--cams", Path(cams_dir)) if cams_dir is not None else ("--probs", Path(probs_dir))
-    check_out_apart(out_dir, "--out", {flag: src, "--images": images_dir})
+        raise ValueError(f"--probs takes plain probability maps; --wsss {s.wsss} reads --cams")
     device = resolve_device(s.device)
     rank, world = _rank_world()
-    return _run(s, src, flag, Path(images_dir), Path(out_dir), stems, device, rank, world)
+    return _run(s, Path(src), flag, Path(images_dir), Path(out_dir), stems, device, rank, world)
 
 
 def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, stems: Optional[Sequence[str]],

@@ -125,12 +125,12 @@ def add_crf_arguments(p: argparse.ArgumentParser) -> None:
     from mars_plugin.commands import cli_types as T
     own = "%(default).0s"  # no "(default: None)" where the help says what None means
 
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--cams", default=None, metavar="DIR",
-                     help="folder of a codebase's CAM files, read as --wsss reads them (IRNet/AdvCAM/SEAM .npy and "
+    # one of --cams and --probs (checked by the job, after the inputs' check against --out)
+    p.add_argument("--cams", default=None, metavar="DIR",
+                     help="folder of a codebase's CAM files (or give --probs), read as --wsss reads them (IRNet/AdvCAM/SEAM .npy and "
                           "RS+EPM .pkl are pickles: they need --trust-pickle; DHR .pt)" + own)
-    src.add_argument("--probs", default=None, metavar="DIR",
-                     help="folder of <stem>.npy or <stem>.pt (L, H, W) probability maps, channel = class id "
+    p.add_argument("--probs", default=None, metavar="DIR",
+                     help="folder of <stem>.npy or <stem>.pt (L, H, W) probability maps (or give --cams), channel = class id "
                           "(np.load allow_pickle=False, torch.load weights_only=True)" + own)
     p.add_argument("--wsss", choices=WSSS_ADAPTERS, default=None,
                    help="the codebase of --cams: its rule makes the CRF's input (IRNet/AdvCAM: the confident "
