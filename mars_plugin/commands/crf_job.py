@@ -330,6 +330,8 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
 
     def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
         for (stem, item), q in zip(batch, marginals):
+            if q:  # the inputs are spent: only their count goes on (not 2 x L x H x W floats through a pipe)
+                item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
             job = (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg)
             fut = pool.submit(_finish, job) if pool is not None else _Done(_finish(job))
             pending.append((stem, _Digest(fut, stem, digests)))
