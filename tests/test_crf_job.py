@@ -245,3 +245,33 @@ def test_bad_settings_name_the_flag():
     with pytest.raises(ValueError, match=r"crf_params\['iterations'\]"):
         CrfSettings(crf_params={"iterations": 0})
     assert CrfSettings(crf="irnet", crf_params={"iterations": 3}).params["bilateral_srgb"] == 5
+
+
+def test_input_flags_refused_by_name(rsepm, tmp_path, capsys):
+    """--cams without --wsss, --probs with it, both or neither: one line naming the flags."""
+    cams, images = rsepm
+    base = ["crf", "--images", str(images), "--out", str(tmp_path / "o"), "--no-progress"]
+    cases = [(["--cams", str(cams)], "--cams needs --wsss"),
+             (["--probs", str(cams), "--wsss", "rsepm"], "--probs takes plain probability maps; --wsss rsepm"),
+             (["--cams", str(cams), "--probs", str(cams), "--wsss", "rsepm"], "one of them, not both"),
+             ([], "give --cams DIR")]
+    for extra, msg in cases:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_probs_cli_writes_probs(tmp_path, capsys):
+    """mars crf --probs on the command line, --write probs, float16: (L, H, W) .npy files."""
+    root = tmp_path / "t"
+    write_sample_tree("seam", root, num_images=2, size=32, seed=5)
+    images = root / LAYOUTS["seam"]["images"]
+    (tmp_path / "p").mkdir()
+    for p in images.iterdir():
+        np.save(tmp_path / "p" / f"{p.stem}.npy", np.full((3, 32, 32), 1 / 3, np.float32))
+    assert main(["crf", "--probs", str(tmp_path / "p"), "--images", str(images), "--out", str(tmp_path / "o"),
+                 "--write", "probs", "--probs-dtype", "float16", "--no-progress"]) == 0
+    assert "crf -> " in capsys.readouterr().out
+    got = [np.load(f) for f in sorted((tmp_path / "o").glob("*.npy"))]
+    assert len(got) == 2 and all(q.shape == (3, 32, 32) and q.dtype == np.float16 for q in got)
