@@ -1,12 +1,12 @@
 """Every GPU row of the project in one process (run by benchmarks/gpu.sh): the dense CRF at batch
-1/16/64, `mars debias --device cuda`, the training step (CE vs MARS with the CRF teacher), and the
+1/16/64, `mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda`, the training step (CE vs MARS with the CRF teacher), and the
 CUDA rows of the benchmarks that already have them (features fp32/fp16, `mars predict`).
 
 Each section prints a markdown table and its wall time; a failing section prints its error and
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,debias,train,features,predict] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,crf_job,debias,train,features,predict] [--smoke]
 """
 import argparse
 import os
@@ -120,7 +120,28 @@ def section_predict(dev, smoke):
         _script(["bench_predict.py", "--device", dev, "--size", "375x500", "--fp16"])
 
 
-SECTIONS = {"crf": section_crf, "debias": section_debias, "train": section_train, "features": section_features,
+def section_crf_job(dev, smoke):
+    """`mars crf --probs` (the folder job: read, CRF on the device, write) images/s at 21 and 81
+    labels, 500x375, and the COCO-val-sized job extrapolated from the measured rate."""
+    from bench_crf_job import coco_line, make_folder, time_job
+
+    H, W = (375, 500) if not smoke else (60, 80)
+    print(f"mars crf --probs --device {dev}, {W}x{H}, preset mars (10 iterations); every image holds all L labels "
+          "(a codebase's CAMs hold a few classes each: faster)")
+    print("| labels | images | batch | s | images/s | COCO val (40,137) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    lines = []
+    for L, n, b in ((21, 64, 32), (81, 32, 16)) if not smoke else ((21, 4, 2), (81, 2, 2)):
+        with tempfile.TemporaryDirectory() as root:
+            make_folder(root, n, L, H, W)
+            time_job(root, os.path.join(root, "warm"), device=dev, batch_size=b)  # CUDA kernels, allocator
+            dt = time_job(root, os.path.join(root, "out"), device=dev, batch_size=b)
+        print(f"| {L} | {n} | {b} | {dt:.1f} | {n / dt:.1f} | {40137 * dt / n / 3600:.2f} h |", flush=True)
+        lines.append(f"{L} labels: " + coco_line(n / dt))
+    print("\n".join(lines))
+
+
+SECTIONS = {"crf": section_crf, "crf_job": section_crf_job, "debias": section_debias, "train": section_train, "features": section_features,
             "predict": section_predict}
 
 

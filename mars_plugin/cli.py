@@ -172,6 +172,7 @@ _READS = {
     "report": ("--labels", "--debiased", "--images", "--class-names"),
     "evaluate": ("--pred", "--gt", "--class-names"),
     "predict": ("--images", "--model"),
+    "crf": ("--cams", "--probs", "--images"),
     "train": ("--images", "--labels", "--image-labels", "--class-names", "--weights"),
     "reproduce": ("--pseudo", "--features", "--checkpoint", "--backbone", "--heads"),
     "demo": (),  # demo and sample read no file: their world is generated
@@ -248,6 +249,19 @@ def _main(argv: Optional[List[str]]) -> int:
                 print(f"predictions -> {out}: {s.line()}")
             else:
                 print(f"predict rank {rank}/{world}: {s.line()} -> {out}", flush=True)
+                _print_skipped(s)
+                distributed.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
+                return 1 if s.failed else 0
+        if args.command == "crf":
+            from mars_plugin.commands.crf_job import run_crf_command
+
+            joined = _maybe_init_distributed()
+            s = run_crf_command(args)  # under torchrun: this rank's share; a failure on one rank fails all
+            rank, world = distributed._rank_world()
+            if world == 1:
+                print(f"crf -> {args.out}: {s.line()}")
+            else:
+                print(f"crf rank {rank}/{world}: {s.line()} -> {args.out}", flush=True)
                 _print_skipped(s)
                 distributed.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
                 return 1 if s.failed else 0

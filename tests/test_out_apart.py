@@ -36,6 +36,7 @@ COMMANDS: Dict[str, Tuple[List[str], str, Dict[str, str]]] = {
     "report": ([], "--out", {"--labels": DIR, "--debiased": DIR, "--images": DIR, "--class-names": FILE}),
     "evaluate": (["--num-classes", "2"], "--json", {"--pred": DIR, "--gt": DIR, "--class-names": FILE}),
     "predict": ([], "--out", {"--images": DIR, "--model": FILE}),
+    "crf": (["--wsss", "seam"], "--out", {"--cams": DIR, "--probs": DIR, "--images": DIR}),
     "train": (["--num-classes", "2"], "--out",
               {"--images": DIR, "--labels": DIR, "--image-labels": FILE, "--class-names": FILE, "--weights": FILE}),
     "reproduce": (["--root", "tree", "--train"], "--out",

@@ -82,6 +82,8 @@ __all__ = [
     "SEM_SEG_BG_THRES",
     "SEM_SEG_CAM_POWER",
     "CRF_PARAMS",
+    "crf_input",
+    "crf_label",
     "load_pseudo_labels",
     "load_cams",
     "cams_to_label",
@@ -158,6 +160,17 @@ def cams_to_label(
     """
     return _irn.confident_label(cams, conf_fg=conf_fg, conf_bg=conf_bg, image=image, crf=crf, crf_params=crf_params,
                                 crf_backend=crf_backend)
+
+
+def crf_input(cams: Mapping[str, Any], *, conf_fg: float = CONF_FG_THRES, conf_bg: float = CONF_BG_THRES,
+              gt_prob: float = CRF_PARAMS["gt_prob"]) -> Dict[str, Any]:
+    """:func:`mars_plugin.adapters.wsss.irnet.crf_input` (the CRF's input before the CRF) with
+    AdvCAM's thresholds 0.35 / 0.15."""
+    return _irn.crf_input(cams, conf_fg=conf_fg, conf_bg=conf_bg, gt_prob=gt_prob)
+
+
+#: :func:`mars_plugin.adapters.wsss.irnet.crf_label`: AdvCAM's rule after the CRF is IRNet's.
+crf_label = _irn.crf_label
 
 
 def load_image_labels(path: PathLike = "voc12/cls_labels.npy", *, trust_pickle: bool = False) -> Dict[str, torch.Tensor]:

@@ -81,6 +81,8 @@ __all__ = [
     "LABEL_MODE",
     "IGNORE",
     "CRF_PARAMS",
+    "crf_input",
+    "crf_label",
     "PROB_THRESHOLD",
     "DHRLayout",
     "read_tags",
@@ -381,6 +383,28 @@ def cams_to_label(cams: Mapping[str, Any], *, image: Any = None, crf_backend: st
 
     A prediction without any class (K = 0) is a ValueError (upstream's argmax fails on it).
     """
+    rgb = None
+    if image is not None:
+        rgb = np.asarray(image)
+        if rgb.ndim != 3 or rgb.shape[2] != 3:
+            raise ValueError(f"image must be (H, W, 3) RGB, got shape {rgb.shape}")
+    prepared = crf_input(cams, image_size=None if rgb is None else tuple(rgb.shape[:2]))
+    if rgb is None:
+        return crf_label(prepared)
+    from mars_plugin.engines.crf import dense_crf
+
+    return crf_label(prepared, [dense_crf(np.ascontiguousarray(prepared["maps"][0].numpy()), rgb, CRF_PARAMS,
+                                          backend=crf_backend)])
+
+
+def crf_input(cams: Mapping[str, Any], *, image_size: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
+    """The CRF's input by ``produce_wss_masks.py:56-67``, before the CRF (see :func:`cams_to_label`):
+    the stored probabilities, resized to ``image_size`` (H, W) when given and different
+    (bilinear, ``align_corners=True``).
+
+    Returns ``{"kind": "probs", "maps": [(L, H, W) float32 probabilities], "ids": (L,) class id of
+    each channel, "size": (H, W)}``; give it with the CRF's marginals of ``maps`` (or None: no
+    CRF) to :func:`crf_label`."""
     c = normalize_cams(cams) if not (isinstance(cams, Mapping) and "includes_background" in cams) else cams
     keys = torch.as_tensor(c["keys"]).long().cpu()
     cam = torch.as_tensor(c["cam"]).float().cpu()
@@ -388,15 +412,16 @@ def cams_to_label(cams: Mapping[str, Any], *, image: Any = None, crf_backend: st
         raise ValueError(f"cam must be (K, H, W) with K = len(keys) = {keys.shape[0]}, got {tuple(cam.shape)}")
     if keys.numel() == 0:
         raise ValueError(f"{c.get('id') or 'prediction'}: no class in the prediction (K = 0)")
-    probs = cam
-    if image is not None:
-        from mars_plugin.engines.crf import dense_crf
+    if image_size is not None and tuple(image_size) != tuple(cam.shape[1:]):
+        cam = torch.nn.functional.interpolate(cam[None], size=tuple(image_size), mode="bilinear",
+                                              align_corners=True)[0]
+    return {"kind": "probs", "maps": [cam], "ids": keys.numpy(), "size": tuple(cam.shape[1:])}
 
-        rgb = np.asarray(image)
-        if rgb.ndim != 3 or rgb.shape[2] != 3:
-            raise ValueError(f"image must be (H, W, 3) RGB, got shape {rgb.shape}")
-        if tuple(rgb.shape[:2]) != tuple(cam.shape[1:]):
-            probs = torch.nn.functional.interpolate(cam[None], size=tuple(rgb.shape[:2]), mode="bilinear",
-                                                    align_corners=True)[0]
-        probs = dense_crf(np.ascontiguousarray(probs.numpy()), rgb, CRF_PARAMS, backend=crf_backend)
-    return keys[torch.from_numpy(np.argmax(np.asarray(probs), axis=0))]
+
+def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
+    """(H, W) long mask from :func:`crf_input`'s dict and the CRF's (L, H, W) marginals of its
+    ``maps`` (None: the probabilities as they are): argmax (ties to the first) through the keys
+    (``produce_wss_masks.py:70-71``)."""
+    probs = prepared["maps"][0] if marginals is None else marginals[0]
+    probs = probs.detach().cpu().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
+    return torch.from_numpy(np.asarray(prepared["ids"]))[torch.from_numpy(np.argmax(probs, axis=0))]

@@ -87,6 +87,8 @@ __all__ = [
     "CONF_BG_THRES",
     "SEM_SEG_BG_THRES",
     "CRF_PARAMS",
+    "crf_input",
+    "crf_label",
     "load_pseudo_labels",
     "load_cams",
     "cams_to_label",
@@ -213,33 +215,25 @@ def _check_thresholds(conf_fg: float, conf_bg: float) -> Tuple[float, float]:
     return float(conf_fg), float(conf_bg)
 
 
-def _crf_inference_label(img: np.ndarray, labels: np.ndarray, n_labels: int, params: Mapping[str, float],
-                         backend: str) -> np.ndarray:
-    """misc/imutils.py:156-170 ``crf_inference_label``: a dense CRF started from a hard label map
-    (``unary_from_labels(gt_prob, zero_unsure=False)``), with :func:`mars_plugin.engines.crf.dense_crf_from_unary`."""
-    from mars_plugin.engines.crf import dense_crf_from_unary, unary_from_labels
+def _label_unary(labels: np.ndarray, n_labels: int, gt_prob: float) -> torch.Tensor:
+    """misc/imutils.py:156-170 ``crf_inference_label``'s unary: ``unary_from_labels(labels,
+    n_labels, gt_prob, zero_unsure=False)`` as an (n_labels, H, W) float32 energy."""
+    from mars_plugin.engines.crf import unary_from_labels
 
-    if n_labels < 2:  # nothing but background: unary_from_labels would divide by zero
-        return np.zeros(labels.shape, dtype=np.int64)
-    unary = unary_from_labels(torch.from_numpy(labels), n_labels, params["gt_prob"], zero_unsure=False)
-    crf = {k: v for k, v in params.items() if k != "gt_prob"}
-    q = dense_crf_from_unary(unary, img, crf, backend=backend)
-    return q.argmax(0).numpy()
+    return unary_from_labels(torch.from_numpy(labels), n_labels, gt_prob, zero_unsure=False)
 
 
-def confident_label(
-    cams: Mapping[str, Any],
-    *,
-    conf_fg: float,
-    conf_bg: float,
-    image: Any = None,
-    crf: Optional[bool] = None,
-    crf_params: Optional[Mapping[str, float]] = None,
-    num_classes: int = NUM_CLASSES,
-    crf_backend: str = "torch",
-) -> torch.Tensor:
-    """The confident-fg/bg rule of cam_to_ir_label.py (shared by IRNet and AdvCAM); see
-    :func:`cams_to_label`."""
+def crf_input(cams: Mapping[str, Any], *, conf_fg: float = CONF_FG_THRES, conf_bg: float = CONF_BG_THRES,
+              gt_prob: float = CRF_PARAMS["gt_prob"], num_classes: int = NUM_CLASSES) -> Dict[str, Any]:
+    """The CRF's input by cam_to_ir_label.py's rule (shared by IRNet and AdvCAM), before the CRF:
+    the two thresholded argmax maps (``conf_fg``, ``conf_bg``, cam_to_ir_label.py:27-35) and
+    their label unaries (``crf_inference_label``, misc/imutils.py:156-170, ``gt_prob``).
+
+    Returns ``{"kind": "unary", "maps": [(L, H, W) float32 energy of the fg side, of the bg
+    side] (empty when L < 2: no CRF, nothing but background), "idx": the two (H, W) argmax
+    maps, "ids": (L,) label id of each channel (0 first), "size": (H, W)}``; give it with the
+    CRF's marginals of ``maps`` (or None: no CRF) to :func:`crf_label`. :func:`cams_to_label`
+    is the two with the CRF of :data:`CRF_PARAMS` per image; ``mars crf`` batches the CRF."""
     conf_fg, conf_bg = _check_thresholds(conf_fg, conf_bg)
     if not isinstance(cams, Mapping) or "keys" not in cams or cams.get("high_res") is None:
         raise ValueError("cams must be the dict of load_cams(...) with 'keys' and a 'high_res' array")
@@ -253,38 +247,64 @@ def confident_label(
     hr = hr.detach().cpu().numpy() if isinstance(hr, torch.Tensor) else np.asarray(hr)
     if hr.ndim != 3 or hr.shape[0] != keys1.numel():
         raise ValueError(f"cams['high_res'] must be (K, H, W) with K = {keys1.numel()} keys, got {hr.shape}")
-    H, W = hr.shape[1:]
-    if crf is None:
-        crf = image is not None
-    rgb = None
-    if crf:
-        if image is None:
-            raise ValueError("crf=True needs the RGB image (H, W, 3) uint8: pass image=..., or crf=False")
-        from mars_plugin.engines.crf import image_to_hwc_uint8
-
-        rgb = image_to_hwc_uint8(image, "image", (H, W))
-        params = dict(CRF_PARAMS)
-        for k, v in (crf_params or {}).items():
-            if k not in params:
-                raise ValueError(f"crf_params has the unknown key {k!r}; expected some of {sorted(params)}")
-            params[k] = v
-
     keys = np.pad(keys1.numpy(), (1, 0), mode="constant")  # cam_to_ir_label.py:24
     n_labels = keys.shape[0]
+    # cam_to_ir_label.py:27-30 / 32-35: the background row is the constant threshold
+    idx = [np.argmax(np.pad(hr, ((1, 0), (0, 0), (0, 0)), mode="constant", constant_values=t), axis=0)
+           for t in (conf_fg, conf_bg)]
+    # n_labels < 2: nothing but background, and unary_from_labels would divide by zero
+    maps = [_label_unary(i, n_labels, gt_prob) for i in idx] if n_labels >= 2 else []
+    return {"kind": "unary", "maps": maps, "idx": idx, "ids": keys, "size": tuple(hr.shape[1:])}
 
-    def side(thres: float) -> np.ndarray:
-        # cam_to_ir_label.py:27-30 / 32-35: the background row is the constant threshold
-        idx = np.argmax(np.pad(hr, ((1, 0), (0, 0), (0, 0)), mode="constant", constant_values=thres), axis=0)
-        if crf:
-            idx = _crf_inference_label(rgb, idx, n_labels, params, crf_backend)
-        return keys[idx]
 
-    fg_conf = side(conf_fg)
-    bg_conf = side(conf_bg)
+def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
+    """(H, W) long confident label of cam_to_ir_label.py:38-40 from :func:`crf_input`'s dict and
+    the CRF's (L, H, W) marginals of its ``maps`` (None: the argmax maps as they are, no CRF)."""
+    keys = prepared["ids"]
+    idx = list(prepared["idx"])
+    if marginals is not None and prepared["maps"]:
+        idx = [torch.as_tensor(q).argmax(0).cpu().numpy() for q in marginals]
+    elif marginals is not None:  # no CRF to run: nothing but background
+        idx = [np.zeros(i.shape, dtype=np.int64) for i in idx]
+    fg_conf, bg_conf = keys[idx[0]], keys[idx[1]]
     conf = fg_conf.copy()  # cam_to_ir_label.py:38-40
     conf[fg_conf == 0] = IGNORE_VALUE
     conf[bg_conf + fg_conf == 0] = 0
     return torch.from_numpy(conf.astype(np.int64))
+
+
+def confident_label(
+    cams: Mapping[str, Any],
+    *,
+    conf_fg: float,
+    conf_bg: float,
+    image: Any = None,
+    crf: Optional[bool] = None,
+    crf_params: Optional[Mapping[str, float]] = None,
+    num_classes: int = NUM_CLASSES,
+    crf_backend: str = "torch",
+) -> torch.Tensor:
+    """The confident-fg/bg rule of cam_to_ir_label.py (shared by IRNet and AdvCAM): :func:`crf_input`,
+    the CRF per image, :func:`crf_label`; see :func:`cams_to_label`."""
+    if crf is None:
+        crf = image is not None
+    params = dict(CRF_PARAMS)
+    if crf:
+        if image is None:
+            raise ValueError("crf=True needs the RGB image (H, W, 3) uint8: pass image=..., or crf=False")
+        for k, v in (crf_params or {}).items():
+            if k not in params:
+                raise ValueError(f"crf_params has the unknown key {k!r}; expected some of {sorted(params)}")
+            params[k] = v
+    prepared = crf_input(cams, conf_fg=conf_fg, conf_bg=conf_bg, gt_prob=params["gt_prob"], num_classes=num_classes)
+    if not crf:
+        return crf_label(prepared)
+    from mars_plugin.engines.crf import dense_crf_from_unary, image_to_hwc_uint8
+
+    rgb = image_to_hwc_uint8(image, "image", prepared["size"])
+    crf_params_only = {k: v for k, v in params.items() if k != "gt_prob"}
+    return crf_label(prepared, [dense_crf_from_unary(u, rgb, crf_params_only, backend=crf_backend)
+                                for u in prepared["maps"]])
 
 
 def cams_to_label(

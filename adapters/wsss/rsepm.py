@@ -106,6 +106,8 @@ __all__ = [
     "LABEL_MODE",
     "BG_GAMMA",
     "CRF_PARAMS",
+    "crf_input",
+    "crf_label",
     "class_names",
     "num_classes",
     "pseudo_label_dir",
@@ -281,6 +283,24 @@ def cams_to_label(
       unnormalised scores (upstream's non-CRF mode, ``:125-128``, when ``bg_threshold`` is given);
     * argmax over channels (ties to the first), mapped through the keys (``:130-131``).
     """
+    prepared = crf_input(cams, bg_gamma=bg_gamma, bg_threshold=bg_threshold)
+    if image is None or not prepared["maps"]:
+        return crf_label(prepared)
+    from mars_plugin.engines.crf import dense_crf
+
+    return crf_label(prepared, [dense_crf(np.ascontiguousarray(prepared["maps"][0].numpy()), image, CRF_PARAMS,
+                                          backend=crf_backend)])
+
+
+def crf_input(cams: Mapping[str, Any], *, bg_gamma: Optional[float] = BG_GAMMA,
+              bg_threshold: Optional[float] = None) -> Dict[str, Any]:
+    """The CRF's input by ``convert_seed_to_pseudo_masks.py:109-124``, before the CRF (see
+    :func:`cams_to_label`): the probabilities [background, seeds] of RS+EPM seeds, a DeepLab
+    stage's channels as they are.
+
+    Returns ``{"kind": "probs", "maps": [(L, H, W) float32 probabilities] (empty for fewer than
+    two labels: all background), "ids": (L,) label id of each channel, "size": (H, W)}``; give it
+    with the CRF's marginals of ``maps`` (or None: no CRF) to :func:`crf_label`."""
     c = normalize_cams(cams) if not (isinstance(cams, Mapping) and "includes_background" in cams) else cams
     keys = torch.as_tensor(c["keys"]).long().cpu().numpy()
     cam = torch.as_tensor(c["cam"]).float().cpu().numpy()
@@ -288,7 +308,7 @@ def cams_to_label(
         raise ValueError(f"cam must be (K, H, W) with K = len(keys) = {keys.shape[0]}, got {cam.shape}")
     n_raw = keys.shape[0] + (0 if c["includes_background"] else 1)
     if n_raw <= 1:
-        return torch.zeros(cam.shape[1:], dtype=torch.long)
+        return {"kind": "probs", "maps": [], "ids": np.zeros(1, dtype=np.int64), "size": tuple(cam.shape[1:])}
     if c["includes_background"]:
         probs, ids = cam, keys
     else:
@@ -300,11 +320,19 @@ def cams_to_label(
             raise ValueError("RS+EPM seeds have no background channel: give bg_gamma (default 2.0) or bg_threshold")
         probs = np.concatenate([bg, cam], axis=0)
         ids = np.concatenate([[0], keys])
-    if image is not None:
-        from mars_plugin.engines.crf import dense_crf
+    return {"kind": "probs", "maps": [torch.from_numpy(np.ascontiguousarray(probs))], "ids": ids,
+            "size": tuple(cam.shape[1:])}
 
-        probs = dense_crf(np.ascontiguousarray(probs), image, CRF_PARAMS, backend=crf_backend).numpy()
-    return torch.from_numpy(ids[np.argmax(probs, axis=0)].astype(np.int64))
+
+def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
+    """(H, W) long mask from :func:`crf_input`'s dict and the CRF's (L, H, W) marginals of its
+    ``maps`` (None: the scores as they are): argmax (ties to the first) through the ids
+    (``:130-131``); all background where there was nothing to refine."""
+    if not prepared["maps"]:
+        return torch.zeros(tuple(prepared["size"]), dtype=torch.long)
+    scores = prepared["maps"][0] if marginals is None else marginals[0]
+    scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
+    return torch.from_numpy(np.asarray(prepared["ids"])[np.argmax(scores, axis=0)].astype(np.int64))
 
 
 # --------------------------------------------------------------------------- image tags, lists

@@ -105,6 +105,8 @@ __all__ = [
     "CRF_ALPHAS",
     "AFF_ALPHA",
     "CRF_PARAMS",
+    "crf_input",
+    "crf_label",
     "load_pseudo_labels",
     "normalize_cams",
     "load_cams",
@@ -279,6 +281,24 @@ def cams_to_label(
     (background, then the dict's key order), as ``np.argmax`` upstream. ``size`` gives (H, W)
     for an empty dict (all background).
     """
+    prepared = crf_input(cams, bg_threshold=bg_threshold, bg_alpha=bg_alpha, size=size)
+    if image is None or not prepared["maps"]:
+        return crf_label(prepared)
+    from mars_plugin.engines.crf import dense_crf
+
+    return crf_label(prepared, [dense_crf(np.ascontiguousarray(prepared["maps"][0].numpy()), image, CRF_PARAMS,
+                                          backend=crf_backend)])
+
+
+def crf_input(cams: Mapping[str, Any], *, bg_threshold: float = BG_THRESHOLD, bg_alpha: Optional[float] = None,
+              size: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
+    """The CRF's input by SEAM's rule, before the CRF (see :func:`cams_to_label`): the scores
+    [background, cams] of a CAM dict (the background by ``bg_threshold`` or ``bg_alpha``), a CRF
+    dict's channels as they are.
+
+    Returns ``{"kind": "probs", "maps": [(L, H, W) float32 scores] (empty for a dict without a
+    class: all background), "ids": (L,) label id of each channel, "size": (H, W)}``; give it
+    with the CRF's marginals of ``maps`` (or None: no CRF) to :func:`crf_label`."""
     c = _as_normalized(cams)
     keys = torch.as_tensor(c["keys"]).long().cpu().numpy()
     cam = torch.as_tensor(c["cam"]).float().cpu().numpy()
@@ -286,7 +306,7 @@ def cams_to_label(
         hw = size if size is not None else c.get("size")
         if hw is None:
             raise ValueError("this CAM dict is empty (no class): pass size=(H, W) to get an all-background label")
-        return torch.zeros(tuple(hw), dtype=torch.long)
+        return {"kind": "probs", "maps": [], "ids": np.zeros(1, dtype=np.int64), "size": tuple(hw)}
     if cam.ndim != 3 or cam.shape[0] != keys.shape[0]:
         raise ValueError(f"cam must be (K, H, W) with K = len(keys) = {keys.shape[0]}, got {cam.shape}")
     if c["includes_background"]:
@@ -298,11 +318,19 @@ def cams_to_label(
             bg = np.power(1 - np.max(cam, axis=0, keepdims=True), float(bg_alpha))
         scores = np.concatenate([bg, cam], axis=0)
         ids = np.concatenate([[0], keys])
-    if image is not None:
-        from mars_plugin.engines.crf import dense_crf
+    return {"kind": "probs", "maps": [torch.from_numpy(np.ascontiguousarray(scores))], "ids": ids,
+            "size": tuple(cam.shape[1:])}
 
-        scores = dense_crf(np.ascontiguousarray(scores), image, CRF_PARAMS, backend=crf_backend).numpy()
-    return torch.from_numpy(ids[np.argmax(scores, axis=0)].astype(np.int64))
+
+def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
+    """(H, W) long label from :func:`crf_input`'s dict and the CRF's (L, H, W) marginals of its
+    ``maps`` (None: the scores as they are): the argmax (ties to the first channel, as
+    ``np.argmax`` upstream) mapped through the ids."""
+    if not prepared["maps"]:
+        return torch.zeros(tuple(prepared["size"]), dtype=torch.long)
+    scores = prepared["maps"][0] if marginals is None else marginals[0]
+    scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
+    return torch.from_numpy(np.asarray(prepared["ids"])[np.argmax(scores, axis=0)].astype(np.int64))
 
 
 # --------------------------------------------------------------------------- image labels, lists

@@ -20,6 +20,9 @@ The commands:
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).
 * ``demo.py`` -- ``mars demo``; its figures and the report's: ``label_images.py`` (labels in
   colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).
+* ``crf_job.py`` -- ``mars crf``: the dense CRF over a folder of a codebase's CAMs (its
+  adapter's ``load_cams`` and ``crf_input``) or of probability maps, batched on the device;
+  ``crf_settings.py``: its settings record and flags.
 * ``sample_trees.py`` -- ``mars sample``: small trees in each codebase's layout (random-weight
   model files), for trying every command without downloads.
 

@@ -409,4 +409,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_arguments(pr)
     add_threads(pr)
 
+    from mars_plugin.commands.crf_settings import add_crf_arguments
+
+    cr = sub.add_parser("crf", formatter_class=_Formatter,
+                        help="the dense CRF over a folder of a codebase's CAMs or of probability maps, in batches on "
+                             "the device",
+                        description="One label PNG (P mode, VOC palette) or (L, H, W) .npy of marginals per file of "
+                                    "--cams (a codebase's CAMs, made into the CRF's input by its own rule) or --probs "
+                                    "(probability maps, channel = class id), with its image of --images. Resumable, "
+                                    "atomic writes; under torchrun the ranks share the files.")
+    add_crf_arguments(cr)
+    add_threads(cr)
+
     return ap

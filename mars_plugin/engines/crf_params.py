@@ -19,6 +19,7 @@ from mars_plugin.engines.permutohedral import MAX_COORDINATE, lifted_bounds
 
 __all__ = [
     "CRF_PRESETS",
+    "CRF_PRESET_NAMES",
     "DEFAULT_CRF_PRESET",
     "DEFAULT_CRF_PARAMS",
     "CRF_BACKENDS",
@@ -66,8 +67,25 @@ CRF_PRESETS: Dict[str, Dict[str, float]] = {
         "bilateral_srgb": 13,
         "bilateral_compat": 10,
     },
+    # IRNet's and AdvCAM's crf_inference_label (misc/imutils.py:156-170 of both): Gaussian sxy 3
+    # compat 3, bilateral sxy 50 srgb 5 compat 10, t=10 (its gt_prob 0.7 belongs to the unary:
+    # mars_plugin.adapters.wsss.irnet.CRF_PARAMS).
+    "irnet": {
+        "iterations": 10,
+        "gaussian_sxy": 3,
+        "gaussian_compat": 3,
+        "bilateral_sxy": 50,
+        "bilateral_srgb": 5,
+        "bilateral_compat": 10,
+    },
 }
-_ALIASES = {"deeplab": "mars", "seam": "psa"}
+#: Each codebase's own CRF by its name: AdvCAM's is IRNet's; deeplab-pytorch's
+#: ``configs/voc12.yaml``, RS+EPM's ``convert_seed_to_pseudo_masks.py:77-84`` and DHR's
+#: ``core/refinements/densecrf.py`` defaults are DeepLab's (``mars``); SEAM's is PSA's.
+_ALIASES = {"deeplab": "mars", "seam": "psa", "advcam": "irnet", "deeplab-pytorch": "mars", "rsepm": "mars",
+            "dhr": "mars"}
+#: Every name ``crf_params`` takes as a preset (the presets and their aliases).
+CRF_PRESET_NAMES: Tuple[str, ...] = tuple(sorted(set(CRF_PRESETS) | set(_ALIASES)))
 DEFAULT_CRF_PRESET = "mars"
 #: The default parameters (a copy of ``CRF_PRESETS["mars"]``); a dict given as ``crf_params``
 #: overrides these keys.

@@ -1,0 +1,419 @@
+"""``mars crf``: the dense CRF over a folder of a codebase's CAMs (or of probability maps) and
+their images, in batches on the device; label PNGs or probabilities out. Resumable, sharded
+under torchrun, ``--on-error skip``.
+
+Per file, in ``--workers`` processes (or this one): the CAMs are read by the codebase's adapter
+(``load_cams``) and turned into the CRF's input by its own rule (``crf_input``: IRNet/AdvCAM's
+confident labels' unary, SEAM's and RS+EPM's background from the CAMs, DHR's probabilities
+resized to the image); in this process, the CRF of a batch (:func:`mars_plugin.engines.crf.dense_crf`
+or :func:`~mars_plugin.engines.crf.dense_crf_from_unary`, images of any sizes with one number of
+labels); then, in the workers again, the codebase's rule after the CRF (``crf_label``) and the
+file's encoding. A batched run equals the adapter's per-image ``cams_to_label``.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+from collections import deque
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
+from mars_plugin.formats.files import FEATURE_EXTENSIONS, atomic_write, list_stems, read_image, write_label
+from mars_plugin.commands.crf_settings import CrfSettings
+from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.commands.errors import JobError, JobSummary, one_line
+
+__all__ = ["crf_job", "run_crf_command", "CAM_EXTENSIONS"]
+
+#: The CAM file of each codebase (its ``load_cams``).
+CAM_EXTENSIONS = {"irnet": ".npy", "advcam": ".npy", "seam": ".npy", "rsepm": ".pkl", "dhr": ".pt"}
+
+
+# ------------------------------------------------------------------------ one file (workers)
+
+def _adapter(wsss: str):
+    from mars_plugin.commands.label_formats import _adapter as adapter
+
+    return adapter(wsss)
+
+
+def _read_probs(path: Path) -> Dict[str, Any]:
+    """A ``--probs`` file: (L, H, W) probabilities, channel = class id (never unpickled)."""
+    from mars_plugin.formats.files import read_features
+
+    try:
+        p = read_features(path)
+    except ValueError as e:
+        raise ValueError(one_line(e).replace("features", "probability map")) from None
+    return {"kind": "probs", "maps": [p], "ids": np.arange(p.shape[0]), "size": tuple(p.shape[1:])}
+
+
+def _prepare(job: Tuple[str, str, str, Dict[str, Any]]) -> Tuple[str, Optional[Dict[str, Any]], Optional[str]]:
+    """Read one file and its image, and make the CRF's input (in a worker): (stem, the prepared
+    item or None, the error message or None)."""
+    stem, src, image_path, cfg = job
+    try:
+        rgb = read_image(image_path)
+        if cfg["wsss"] is None:
+            item = _read_probs(Path(src))
+        else:
+            adapter = _adapter(cfg["wsss"])
+            cams = adapter.load_cams(src, trust_pickle=cfg["trust_pickle"])
+            if cfg["wsss"] == "dhr":  # DHR resizes its maps to the image (produce_wss_masks.py:64-67)
+                item = adapter.crf_input(cams, image_size=rgb.shape[:2])
+            elif cfg["wsss"] == "seam":  # an empty dict (no class) is all background, of the image's size
+                item = adapter.crf_input(cams, size=rgb.shape[:2])
+            else:
+                item = adapter.crf_input(cams)
+        if tuple(item["size"]) != tuple(rgb.shape[:2]):
+            raise ValueError(f"the maps are {item['size'][1]}x{item['size'][0]} and the image {image_path} "
+                             f"{rgb.shape[1]}x{rgb.shape[0]} (width x height); expected one size")
+        if cfg["write"] == "probs" and cfg["wsss"] is not None and item["maps"] \
+                and int(np.max(item["ids"])) >= cfg["num_labels"]:
+            raise ValueError(f"class id {int(np.max(item['ids']))} does not fit the {cfg['num_labels']} channels of "
+                             f"--dataset {cfg['dataset']}")
+        item["maps"] = [m.float().numpy() for m in item["maps"]]  # plain arrays cross processes cheaply
+        item["rgb"] = rgb
+        return stem, item, None
+    except Exception as e:  # noqa: BLE001 -- any failure to read one file is that file's failure
+        return stem, None, one_line(e)
+
+
+def _output(item: Dict[str, Any], marginals: Optional[List[np.ndarray]], cfg: Dict[str, Any]) -> np.ndarray:
+    """The file's content after the CRF: its codebase's label, or the marginals by class id."""
+    if cfg["write"] == "labels":
+        if cfg["wsss"] is None:
+            return np.asarray(item["ids"])[np.argmax(marginals[0], axis=0)].astype(np.uint8)
+        q = None if marginals is None else [torch.from_numpy(m) for m in marginals]
+        return _adapter(cfg["wsss"]).crf_label(item, q).numpy().astype(np.uint8)
+    dtype = np.dtype(cfg["probs_dtype"])
+    if cfg["wsss"] is None:
+        return marginals[0].astype(dtype)
+    H, W = item["size"]
+    out = np.zeros((cfg["num_labels"], H, W), dtype=dtype)
+    if marginals:
+        out[np.asarray(item["ids"])] = marginals[0]
+    else:  # nothing to refine: all background
+        out[0] = 1
+    return out
+
+
+def _finish(job: Tuple[str, Dict[str, Any], Optional[List[np.ndarray]], str, Dict[str, Any]]) -> Tuple[str, str]:
+    """After the CRF (in a worker): the output, written atomically; (stem, its digest)."""
+    from mars_plugin.commands.identities import array_digest
+
+    stem, item, marginals, path, cfg = job
+    out = _output(item, marginals, cfg)
+    if cfg["write"] == "labels":
+        write_label(path, torch.from_numpy(out), mode="P")
+    else:
+        atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), out, allow_pickle=False))
+    return stem, array_digest(out)
+
+
+# ------------------------------------------------------------------------ the batch's CRF
+
+def _crf_batch(items: List[Dict[str, Any]], params: Dict[str, float], device: torch.device,
+               max_bytes: Optional[int]) -> List[Optional[List[np.ndarray]]]:
+    """One CRF call for every map of a batch (one kind, one number of labels; IRNet's two maps
+    per image in the same call): each item's marginals, as float32 arrays."""
+    from mars_plugin.engines.crf import dense_crf, dense_crf_from_unary
+
+    maps = [torch.from_numpy(m).to(device) for it in items for m in it["maps"]]
+    if not maps:
+        return [None if not it["maps"] else [] for it in items]
+    rgbs = [torch.from_numpy(it["rgb"]).to(device) for it in items for _ in it["maps"]]
+    run = dense_crf_from_unary if items[0]["kind"] == "unary" else dense_crf
+    q = [t.cpu().numpy() for t in run(maps, rgbs, params, max_bytes=max_bytes)]
+    out, i = [], 0
+    for it in items:
+        out.append(q[i:i + len(it["maps"])])
+        i += len(it["maps"])
+    return out
+
+
+def _batch_key(item: Dict[str, Any]) -> Tuple[str, int]:
+    """Items that share one CRF call: one kind of input, one number of labels."""
+    return (item["kind"], item["maps"][0].shape[0]) if item["maps"] else ("none", 0)
+
+
+# ------------------------------------------------------------------------ the folder
+
+def _inputs(src_dir: Path, images_dir: Path, wsss: Optional[str], flag: str
+            ) -> Tuple[Dict[str, Path], Dict[str, Path], Dict[str, str]]:
+    """({stem: input file}, {stem: image}, {stem: why it cannot run}) of the whole folder: an
+    input without an image, or with two files, fails alone."""
+    from mars_plugin.commands.inputs import list_images
+
+    exts = (CAM_EXTENSIONS[wsss],) if wsss else FEATURE_EXTENSIONS
+    if not src_dir.is_dir():
+        raise JobError(f"{flag} {src_dir}: no such folder")
+    found: Dict[str, List[Path]] = {}
+    for stem in list_stems(src_dir, exts):
+        found.setdefault(stem, [p for p in (src_dir / f"{stem}{e}" for e in exts) if p.is_file()])
+    if not found:
+        raise JobError(f"{flag} {src_dir}: no {' or '.join(exts)} files in this folder")
+    images, clashes = list_images(images_dir, "--images")
+    images_of = dict(images)
+    bad = {s: f"several files share this stem ({', '.join(p.name for p in ps)}); keep one"
+           for s, ps in found.items() if len(ps) > 1}
+    bad.update({s: f"several images share this stem ({', '.join(clashes[s])}); rename all but one"
+                for s in found if s in clashes})
+    bad.update({s: f"no image {s}.jpg/.png in --images {images_dir}" for s in found
+                if s not in images_of and s not in clashes})
+    return {s: ps[0] for s, ps in found.items()}, images_of, bad
+
+
+def crf_job(images_dir: os.PathLike, out_dir: os.PathLike, *, cams_dir: Optional[os.PathLike] = None,
+            probs_dir: Optional[os.PathLike] = None, settings: Optional[CrfSettings] = None,
+            stems: Optional[Sequence[str]] = None, **keywords: Any) -> JobSummary:
+    """Write ``out_dir/<stem>.png`` (labels, P mode with the VOC palette) or ``<stem>.npy``
+    ((L, H, W) marginals of ``settings.probs_dtype``, channel = class id) for every input file.
+
+    Args:
+        cams_dir: a folder of ``settings.wsss``'s CAM files (its adapter's ``load_cams``); or
+        probs_dir: a folder of (L, H, W) ``.npy``/``.pt`` probability maps (channel = class id).
+        settings: a :class:`~mars_plugin.commands.crf_settings.CrfSettings`, or its fields as
+            ``keywords``.
+        stems: only these of the folder's files.
+
+    The inputs of one kind and number of labels go ``settings.batch_size`` at a time through one
+    CRF call on ``settings.device``; ``settings.workers`` processes read, prepare and write the
+    files. Resumable (:mod:`mars_plugin.commands.run_record`): ``.mars-run.json`` holds
+    :meth:`~mars_plugin.commands.crf_settings.CrfSettings.identity` (other settings are refused,
+    unless ``restart``) and each file is kept while its input and image are unchanged. Under
+    torchrun each rank takes ``rank, rank + W, ...`` of the sorted stems.
+    """
+    from mars_plugin.commands.inputs import check_out_apart
+
+    if settings is not None and keywords:
+        raise ValueError(f"give settings=CrfSettings(...) or its fields as keywords, not both (got {sorted(keywords)})")
+    s = settings if settings is not None else CrfSettings(**keywords)
+    flag, src = ("--cams", cams_dir) if cams_dir is not None else ("--probs", probs_dir)
+    check_out_apart(out_dir, "--out", {"--cams": cams_dir, "--probs": probs_dir, "--images": images_dir})
+    if (cams_dir is None) == (probs_dir is None):
+        raise ValueError("give --cams DIR (a codebase's CAMs, with --wsss) or --probs DIR (probability maps), one of "
+                         "them" + (", not both" if cams_dir is not None else ""))
+    if cams_dir is not None and s.wsss is None:
+        raise ValueError("--cams needs --wsss NAME: whose CAM files they are (irnet, advcam, seam, rsepm, dhr)")
+    if probs_dir is not None and s.wsss is not None:
+        raise ValueError(f"--probs takes plain probability maps; --wsss {s.wsss} reads --cams")
+    device = resolve_device(s.device)
+    rank, world = _rank_world()
+    return _run(s, Path(src), flag, Path(images_dir), Path(out_dir), stems, device, rank, world)
+
+
+def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, stems: Optional[Sequence[str]],
+         device: torch.device, rank: int, world: int) -> JobSummary:
+    """:func:`crf_job` once its arguments are checked: the record, the ranks' meeting points."""
+    from mars_plugin.commands.inputs import _check_out_dir
+    from mars_plugin.commands.run_record import FolderRecord
+
+    record = FolderRecord(out_dir, "crf", s.identity(), rank=rank)
+    ext = ".png" if s.write == "labels" else ".npy"
+    group = sync_group()  # before anything that can fail on one rank only: every rank reaches it
+    try:
+        error, files, images, bad = None, {}, {}, {}
+        try:
+            files, images, bad = _inputs(src, images_dir, s.wsss, flag)
+            if rank == 0:
+                _check_out_dir(out_dir, "--out")
+                if s.restart:
+                    _forget(out_dir)
+                record.open(set(files), (ext,))
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        share_error(error, group)
+        if rank == 0:
+            record.write_settings()
+        record.load()
+        everything = sorted(files) if stems is None else [x for x in sorted(files) if x in set(stems)]
+        mine = everything[rank::world]
+        summary = JobSummary()
+        record.tell(summary)
+        error = None
+        try:
+            _shard(s, mine, files, images, bad, out_dir, ext, record, summary, device,
+                   desc="crf" if world == 1 else f"crf rank 0/{world}", progress=s.progress and rank == 0)
+        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+            error = e
+        share_error(error, group)  # every rank meets here, also one that failed
+        return summary
+    finally:
+        record.close()
+        _free(group)
+
+
+def _forget(out_dir: Path) -> None:
+    """``--restart``: the folder's record and journals go, so every file is computed again (and
+    other settings are taken); the files stay until each is overwritten."""
+    from mars_plugin.commands.run_record import JOURNAL_NAME, RECORD_NAME
+
+    for p in [out_dir / RECORD_NAME, *out_dir.glob(JOURNAL_NAME.format(rank="*"))]:
+        if p.is_file():
+            p.unlink()
+
+
+def _shard(s: CrfSettings, stems: List[str], files: Dict[str, Path], images: Dict[str, Path], bad: Dict[str, str],
+           out_dir: Path, ext: str, record: Any, summary: JobSummary, device: torch.device, *, desc: str,
+           progress: bool) -> None:
+    """One rank's files: which are current, then the others through the pipeline."""
+    from mars_plugin.commands.identities import file_id
+
+    cfg = {"wsss": s.wsss, "trust_pickle": s.trust_pickle, "write": s.write, "probs_dtype": s.probs_dtype,
+           "num_labels": s.num_labels, "dataset": s.dataset}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(stems), desc=desc, unit="img")
+    todo, inputs, again = [], {}, set()
+    for stem in stems:
+        if stem in bad:
+            _fail(s, summary, stem, bad[stem], bar)
+            continue
+        inputs[stem] = {"input": file_id(files[stem]), "image": file_id(images[stem])}  # before reading them
+        kept, exists = record.current(stem, out_dir / f"{stem}{ext}", inputs[stem])
+        if kept:
+            summary.existing += 1
+            if bar is not None:
+                bar.update(1)
+        else:
+            todo.append((stem, os.fspath(files[stem]), os.fspath(images[stem]), cfg))
+            again.update([stem] if exists else [])
+    try:
+        _pipeline(s, todo, cfg, out_dir, ext, device, record, inputs, again, summary, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _fail(s: CrfSettings, summary: JobSummary, stem: str, why: str, bar: Any) -> None:
+    if s.on_error == "stop":
+        raise JobError(f"{stem}: {why}")
+    summary.failed.append((stem, why))
+    if bar is not None:
+        bar.update(1)
+
+
+def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], cfg: Dict[str, Any], out_dir: Path,
+              ext: str, device: torch.device, record: Any, inputs: Dict[str, Any], again: set, summary: JobSummary,
+              bar: Any) -> None:
+    """Read and prepare (workers), the CRF by batches (here), label and write (workers), with
+    at most a few batches in flight, so memory stays bounded whatever the folder's size."""
+    from mars_plugin.commands.size_batches import SizeBatches
+
+    pool = _pool(s.workers)
+    pending: deque = deque()  # the writes in flight, collected in order
+    max_bytes = DEFAULT_MAX_BYTES if s.max_bytes is None else s.max_bytes
+
+    def collect(limit: int) -> None:
+        # every write already done is recorded at once (an interrupted run keeps it), and the
+        # oldest are waited for beyond ``limit`` in flight
+        while pending and (len(pending) > limit or pending[0][1].done()):
+            stem = pending[0][0]
+            pending.popleft()[1].result()  # a failed write (disk full) is not the file's fault: it stops
+            path = out_dir / f"{stem}{ext}"
+            record.add(stem, path, inputs[stem], digests.pop(stem, ""))
+            summary.done += 1
+            summary.redone += stem in again
+            if bar is not None:
+                bar.update(1)
+
+    digests: Dict[str, str] = {}
+
+    def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
+        for (stem, item), q in zip(batch, marginals):
+            if q:  # the inputs are spent: only their count goes on (not 2 x L x H x W floats through a pipe)
+                item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
+            job = (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg)
+            fut = pool.submit(_finish, job) if pool is not None else _Done(_finish(job))
+            pending.append((stem, _Digest(fut, stem, digests)))
+        collect(2 * s.batch_size)
+
+    batches = SizeBatches(s.batch_size, lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes),
+                          write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
+    try:
+        for stem, item, err in _reads(pool, todo, 2 * s.batch_size + s.workers):
+            if item is None:
+                _fail(s, summary, stem, err or "", bar)
+                continue
+            batches.add(_batch_key(item), (stem, item))
+        batches.flush()
+        collect(0)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _reads(pool: Any, todo: List[Tuple[str, str, str, Dict[str, Any]]], window: int):
+    """:func:`_prepare` of each of ``todo`` in order, at most ``window`` ahead in the workers (a
+    pool's ``map`` would read the whole folder ahead of a slow device)."""
+    if pool is None:
+        yield from map(_prepare, todo)
+        return
+    ahead: deque = deque()
+    for job in todo:
+        ahead.append(pool.submit(_prepare, job))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
+
+
+class _Done:
+    """A finished result in the shape of a future (``--workers 0``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+    def done(self) -> bool:
+        return True
+
+
+class _Digest:
+    """A write's future whose result files the output's digest under its stem."""
+
+    def __init__(self, fut: Any, stem: str, digests: Dict[str, str]) -> None:
+        self.fut, self.stem, self.digests = fut, stem, digests
+
+    def result(self) -> None:
+        self.digests[self.stem] = self.fut.result()[1]
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+
+def _pool(workers: int) -> Any:
+    """``workers`` spawned processes (None for 0), with SIGINT left to this one (see
+    :mod:`mars_plugin.commands.debias`)."""
+    if workers == 0:
+        return None
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: forking a process whose torch already started OpenMP threads can hang
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+
+
+def _worker_init() -> None:
+    from mars_plugin.commands.debias import _ignore_sigint
+
+    _ignore_sigint()
+    torch.set_num_threads(1)  # N workers use N cores instead of fighting over them
+
+
+# ------------------------------------------------------------------------ command line
+
+def run_crf_command(args: argparse.Namespace) -> JobSummary:
+    """``mars crf``: :func:`crf_job` on the parsed flags."""
+    settings = CrfSettings.from_args(args)
+    return crf_job(args.images, args.out, cams_dir=args.cams, probs_dir=args.probs, settings=settings)
