@@ -9,6 +9,8 @@ lattice it filters on, and the windowed CRF. Nothing here knows MARS's equations
 * ``crf_lattices.py`` -- its two kernels' lattices and the kept position-kernel lattices.
 * ``crf_mean_field.py`` -- its mean field per backend (torch, compiled, pydensecrf).
 * ``crf_compiled.py`` -- the CPU dense CRF compiled with numba.
+* ``crf_terms.py`` -- the general dense CRF (any pairwise terms, normalisations and label
+  compatibilities), under the pydensecrf drop-in :mod:`mars_plugin.densecrf`.
 * ``permutohedral.py`` -- the permutohedral lattice (Adams et al. 2010) in torch.
 * ``local_crf.py`` -- the windowed approximation of the dense CRF.
 """

@@ -556,11 +556,14 @@ class CompiledLattice:
         sizes: the pixel counts of the images, in order (sum N).
 
     ``filter(x)`` maps (N, L) float32 to n K(n x), the symmetric-normalised Gaussian filter of
-    pydensecrf (``n = 1 / sqrt(K 1)``). ``max_points`` refuses a lattice of more points before
+    pydensecrf (``n = 1 / sqrt(K 1)``); with ``normalise=False``, the plain K(x) (the general CRF,
+    :mod:`mars_plugin.engines.crf_terms`, folds its own normalisers into ``sw`` and ``lw``).
+    ``max_points`` refuses a lattice of more points before
     its neighbour tables are made (``LatticeTooLarge``).
     """
 
-    def __init__(self, features: np.ndarray, sizes: Sequence[int], max_points: Optional[int] = None) -> None:
+    def __init__(self, features: np.ndarray, sizes: Sequence[int], max_points: Optional[int] = None,
+                 normalise: bool = True) -> None:
         features = np.ascontiguousarray(features, dtype=np.float32)
         N, d = features.shape
         d1 = d + 1
@@ -621,6 +624,8 @@ class CompiledLattice:
         alpha = _f32(1.0 / (1.0 + 2.0 ** -d))
         # the unnormalised filter of ones, then the normaliser folded into both weights
         self.sw, self.lw = bary, bary * alpha
+        if not normalise:  # the plain filter K(x), for callers that normalise otherwise
+            return
         k1 = self.filter(np.ones((N, 1), dtype=np.float32))
         sw, lw = np.empty_like(bary), np.empty_like(bary)
         _normalise(k1, bary, alpha, sw, lw)

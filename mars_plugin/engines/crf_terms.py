@@ -1,0 +1,195 @@
+"""The general dense CRF's mean field: any number of pairwise terms, each a Gaussian kernel over
+features of any dimension with one of pydensecrf's four normalisations and one of its three
+label compatibilities; the engine under the pydensecrf drop-in (:mod:`mars_plugin.densecrf`).
+
+It computes what pydensecrf's ``DenseCRF`` computes (``densecrf.cpp`` ``inference``,
+``stepInference``, ``klDivergence``; ``pairwise.cpp`` ``DenseKernel``; ``labelcompatibility.cpp``):
+
+    Q = softmax(-U), then each iteration Q = softmax(-U - sum_k C_k(Kn_k(Q)))
+
+over the labels of every point, where Kn_k is term k's normalised Gaussian filter (n = the
+filter of ones, K 1):
+
+* NO_NORMALIZATION: K(Q) (pydensecrf computes a mean normaliser for it and never applies it);
+* NORMALIZE_BEFORE: K(Q / n); NORMALIZE_AFTER: K(Q) / n;
+* NORMALIZE_SYMMETRIC: K(Q / sqrt(n)) / sqrt(n) (pydensecrf's default);
+
+(each 1 / (n + 1e-20), in double, rounded to float32 as there), and C_k the compatibility:
+Potts ``-w x``, diagonal ``diag(v) x``, matrix ``W x`` with W = (M + M^T) / 2.
+
+Arrays here are (N, L), one row per point (the layout both lattices filter); the drop-in
+transposes at its edge. The lattice of each term is built once, when the term is added: the
+numba :class:`~mars_plugin.engines.crf_compiled.CompiledLattice` on the CPU when numba is
+available, else the torch :class:`~mars_plugin.engines.permutohedral.PermutohedralLattice` on
+the CRF's device. The normaliser is folded into the lattice's splat and slice weights, as the
+fixed-pair CRF folds its own (:mod:`mars_plugin.engines.crf_lattices`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from mars_plugin.engines import crf_compiled
+from mars_plugin.engines.crf_mean_field import _softmax_rows_
+from mars_plugin.engines.permutohedral import MAX_COORDINATE, PermutohedralLattice, max_lifted_coordinate
+
+__all__ = ["NO_NORMALIZATION", "NORMALIZE_BEFORE", "NORMALIZE_AFTER", "NORMALIZE_SYMMETRIC", "Compat",
+           "PairwiseTerm", "GeneralCRF"]
+
+# pydensecrf's NormalizationType values (densecrf/include/pairwise.h).
+NO_NORMALIZATION, NORMALIZE_BEFORE, NORMALIZE_AFTER, NORMALIZE_SYMMETRIC = 0, 1, 2, 3
+
+#: A label compatibility: ("potts", w), ("diagonal", (L,) float32 v) or ("matrix", (L, L)
+#: float32 symmetric W); the pairwise message is C(Kn(Q)) as labelcompatibility.cpp applies it.
+Compat = Tuple[str, Union[float, np.ndarray]]
+
+
+def _normalisers(k1: np.ndarray, normalization: int) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(before, after): the (N,) float32 factors of the values before and after the filter, None
+    for none, from the (N,) float32 filter of ones, in pydensecrf's double arithmetic."""
+    k = k1.astype(np.float64)
+    if normalization == NORMALIZE_SYMMETRIC:
+        n = (1.0 / np.sqrt(k + 1e-20)).astype(np.float32)
+        return n, n
+    if normalization == NO_NORMALIZATION:
+        return None, None
+    n = (1.0 / (k + 1e-20)).astype(np.float32)
+    return (n, None) if normalization == NORMALIZE_BEFORE else (None, n)
+
+
+def _check_features(features: np.ndarray) -> None:
+    if not np.isfinite(features).all():
+        raise ValueError("features: contain NaN or Inf values; expected finite positions (feature / standard deviation)")
+    top = max_lifted_coordinate(np.abs(features).max(0).astype(np.float64).tolist())
+    if top > MAX_COORDINATE:
+        raise ValueError(f"features: too large for the float32 lattice (lifted coordinates reach {top:.4g}, at most "
+                         f"{MAX_COORDINATE:.4g}); expected positions divided by larger standard deviations")
+
+
+class PairwiseTerm:
+    """One pairwise term: a normalised Gaussian kernel over (N, D) float32 features and a label
+    compatibility. ``compiled`` picks the numba lattice (CPU only), else torch on ``device``."""
+
+    def __init__(self, features: np.ndarray, compat: Compat, normalization: int, device: torch.device,
+                 compiled: bool) -> None:
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        _check_features(features)
+        N = features.shape[0]
+        self.compiled, self.device, self.kind = compiled, device, compat[0]
+        if compiled:
+            lat = crf_compiled.CompiledLattice(features, [N], normalise=False)
+            before, after = _normalisers(lat.filter(np.ones((N, 1), np.float32))[:, 0], normalization)
+            # the normalisers in the splat and slice weights, as CompiledLattice folds its own
+            if before is not None:
+                lat.sw = lat.sw * before[:, None]
+            if after is not None:
+                lat.lw = lat.lw * after[:, None]
+            self.lattice = lat
+        else:
+            lat = PermutohedralLattice(torch.from_numpy(features).to(device))
+            k1 = lat.filter(torch.ones(N, 1, dtype=torch.float32, device=device))[:, 0].cpu().numpy()
+            before, after = _normalisers(k1, normalization)
+            ones = torch.ones(N, dtype=torch.float32, device=device)
+            lat.scale_(ones if before is None else torch.from_numpy(before).to(device),
+                       ones if after is None else torch.from_numpy(after).to(device))
+            self.lattice = lat
+        if self.kind == "potts":
+            self.weight = float(np.float32(compat[1]))
+        elif compiled:
+            self.weight = np.ascontiguousarray(compat[1], dtype=np.float32)
+        else:
+            self.weight = torch.from_numpy(np.ascontiguousarray(compat[1], dtype=np.float32)).to(device)
+
+    def add_energy(self, q, energy) -> None:
+        """energy -= C(Kn(q)), in place: (N, L) numpy arrays (compiled) or tensors (torch)."""
+        if self.kind == "potts":  # -(-w Kn(q)) = w Kn(q), added by the filter itself
+            if self.compiled:
+                self.lattice.filter(q, out=energy, scale=self.weight)
+            else:
+                self.lattice.filter(q, add_to=energy, scale=self.weight)
+            return
+        m = self.lattice.filter(q)
+        if self.kind == "diagonal":
+            m *= self.weight
+            energy -= m
+        elif self.compiled:  # rows: (W m^T)^T = m W^T = m W (W symmetric)
+            energy -= m @ self.weight
+        else:
+            energy.addmm_(m, self.weight, alpha=-1.0)
+
+    def message(self, q):
+        """C(Kn(q)), pydensecrf's ``PairwisePotential::apply``, (N, L)."""
+        out = np.zeros_like(q) if self.compiled else torch.zeros_like(q)
+        self.add_energy(q, out)
+        return -out
+
+
+class GeneralCRF:
+    """Mean field of a dense CRF over N points and L labels with any pairwise terms.
+
+    Shapes: the unary ``neg_unary`` is (N, L) float32 -U (numpy); Q is (N, L) float32 numpy.
+    ``device``: where the torch lattices and iterations run (CPU or CUDA); ``compiled`` (CPU
+    only): the numba lattices instead. Results always come back as numpy on the host.
+    """
+
+    def __init__(self, num_points: int, num_labels: int, device: torch.device, compiled: bool) -> None:
+        self.N, self.L = int(num_points), int(num_labels)
+        self.device = torch.device(device)
+        self.compiled = bool(compiled) and self.device.type == "cpu"
+        self.terms: List[PairwiseTerm] = []
+
+    def add_term(self, features: np.ndarray, compat: Compat, normalization: int) -> None:
+        """features: (N, D) float32 (one row per point)."""
+        self.terms.append(PairwiseTerm(features, compat, normalization, self.device, self.compiled))
+
+    # ------------------------------------------------------------ the two layouts' arithmetic
+    def _softmax(self, x):
+        if self.compiled:
+            crf_compiled._softmax_rows(x, 0, x.shape[0])
+            return x
+        return _softmax_rows_(x)
+
+    def _to_work(self, a: np.ndarray):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        return a if self.compiled else torch.from_numpy(a).to(self.device)
+
+    def _to_host(self, a) -> np.ndarray:
+        return a if self.compiled else a.cpu().numpy()
+
+    def _step(self, neg_u, q, energy):
+        """energy = -U - sum_k C_k(Kn_k(q)), then softmax: returns the new Q (in ``energy``)."""
+        energy[...] = neg_u
+        for term in self.terms:
+            term.add_energy(q, energy)
+        return self._softmax(energy)
+
+    def inference(self, neg_unary: np.ndarray, iterations: int) -> np.ndarray:
+        """Q after ``iterations`` steps from softmax(-U): (N, L) float32."""
+        neg_u = self._to_work(neg_unary)
+        q = self._softmax(neg_u.copy() if self.compiled else neg_u.clone())
+        spare = np.empty_like(q) if self.compiled else torch.empty_like(q)
+        for _ in range(int(iterations)):
+            q, spare = self._step(neg_u, q, spare), q
+        return self._to_host(q)
+
+    def step(self, neg_unary: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """One step from ``q`` (N, L): the new Q, (N, L) float32."""
+        neg_u = self._to_work(neg_unary)
+        work = self._to_work(q)
+        energy = np.empty_like(work) if self.compiled else torch.empty_like(work)
+        return self._to_host(self._step(neg_u, work, energy))
+
+    def kl_divergence(self, unary: Optional[np.ndarray], q: np.ndarray) -> float:
+        """pydensecrf's ``klDivergence``: sum Q log Q + sum U Q + sum_k sum Q C_k(Kn_k(Q)), in
+        double (U None: no unary term)."""
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        q64 = q.astype(np.float64)
+        kl = float((q64 * np.log(np.maximum(q, np.float32(1e-20))).astype(np.float64)).sum())
+        if unary is not None:
+            kl += float((unary.astype(np.float64) * q64).sum())
+        work = self._to_work(q)
+        for term in self.terms:
+            kl += float((q64 * self._to_host(term.message(work)).astype(np.float64)).sum())
+        return kl
