@@ -1,12 +1,13 @@
 """Every GPU row of the project in one process (run by benchmarks/gpu.sh): the dense CRF at batch
-1/16/64, the pydensecrf drop-in on CUDA at 21 and 81 labels, `mars debias --device cuda`, the training step (CE vs MARS with the CRF teacher), and the
+1/16/64, the pydensecrf drop-in on CUDA at 21 and 81 labels, the blur's gather forms at 2-81 labels,
+`mars debias --device cuda`, the training step (CE vs MARS with the CRF teacher), and the
 CUDA rows of the benchmarks that already have them (features fp32/fp16, `mars predict`).
 
 Each section prints a markdown table and its wall time; a failing section prints its error and
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,densecrf,debias,train,features,predict] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,debias,train,features,predict] [--smoke]
 """
 import argparse
 import os
@@ -130,7 +131,15 @@ def section_densecrf(dev, smoke):
         _script(["bench_densecrf.py", "--device", dev, "--labels", "", "--cuda-labels", "21,81", "--rounds", "3"])
 
 
-SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "debias": section_debias, "train": section_train, "features": section_features,
+def section_gather(dev, smoke):
+    """The lattice blur's gather forms (rows vs the transposed values) at 2-81 labels."""
+    if smoke:
+        _script(["bench_gather.py", "--device", dev, "--channels", "2", "--repeats", "1"])
+    else:
+        _script(["bench_gather.py", "--device", dev, "--repeats", "15"])
+
+
+SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "debias": section_debias, "train": section_train, "features": section_features,
             "predict": section_predict}
 
 
