@@ -141,7 +141,8 @@ def rsepm_crf(mods, image, probmap, bg_th=None, gamma=None):
 def dhr_crf(mods, image, probmap, for_seg, gamma=0):
     """shjo-april/DHR@94d5189 core/refinements/densecrf.py:19-44 DenseCRF.__call__ with the
     constructor's defaults (:10, iter 10, pos 3/1, bilateral 4/67/3); for_seg=True is what
-    produce_wss_masks.py:115 and train.py:99 build."""
+    produce_wss_masks.py:115 and train.py:99 build (produce_wss_masks.py:45-48 saves the masks
+    as float16 and passes them on as read)."""
     probmap = probmap.copy()
     if not for_seg:
         probmap = np.concatenate([np.power(1 - np.max(probmap, axis=0, keepdims=True), gamma), probmap], axis=0)
@@ -212,6 +213,9 @@ def _cases() -> Dict[str, Callable[[], List[Tuple[Callable, tuple, dict]]]]:
             lambda: each(SMALL, lambda i, H, W: (dhr_crf, (photo(i, H, W), cam_map(2, H, W, i), False), {"gamma": 1})),
         "DHR for_seg=True (its train.py)":
             lambda: each(SMALL, lambda i, H, W: (dhr_crf, (photo(i, H, W), softmax_map(4, H, W, i, 4), True), {})),
+        "DHR for_seg=True on float16 masks (produce_wss_masks.py)":
+            lambda: each(SMALL, lambda i, H, W: (dhr_crf, (photo(i, H, W), softmax_map(3, H, W, i, 3).astype(np.float16),
+                                                           True), {})),
         "DHR for_seg=True gamma 2":
             lambda: each(SMALL, lambda i, H, W: (dhr_crf, (photo(i, H, W), softmax_map(4, H, W, i, 4), True),
                                                  {"gamma": 2})),
@@ -329,6 +333,9 @@ def test_only_the_import_lines_change(codebase):
     assert differ == [i for i, a in enumerate(old) if IMPORT_LINE.match(a)]
     assert len(differ) == UPSTREAM[codebase][2], (origin, [old[i] for i in differ])
     assert "pydensecrf" not in changed, origin
+    # the forms the always-run cases cover: default kernel and normalisation, a scalar compat
+    assert not re.search(r"\b(kernel|normalization)\s*=", source), origin
+    assert all(re.fullmatch(r"[\w.]+", c.strip()) for c in re.findall(r"compat\s*=\s*([^,)\n]+)", source)), origin
 
 
 def _upstream_pair(codebase: str) -> Tuple[types.ModuleType, types.ModuleType]:
