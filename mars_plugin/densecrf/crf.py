@@ -85,11 +85,14 @@ class DenseCRF:
             raise ValueError(f"features: got shape {f.shape}; expected (D, {self._nvar}) with D >= 1 (one column per point)")
         self._add(np.ascontiguousarray(f.T), compat, kernel, normalization)
 
-    def _add(self, rows: np.ndarray, compat, kernel, normalization) -> None:
+    def _term_args(self, compat, kernel, normalization):
         comp = checks.compat(compat, self._nlabel)
         checks.enum_value(kernel, KernelType, "kernel")
-        norm = checks.enum_value(normalization, NormalizationType, "normalization")
-        self._engine.add_term(rows, comp, int(norm))
+        return comp, int(checks.enum_value(normalization, NormalizationType, "normalization"))
+
+    def _add(self, rows: np.ndarray, compat, kernel, normalization) -> None:
+        """A term over (N, D) features ``rows``."""
+        self._engine.add_term(rows, *self._term_args(compat, kernel, normalization))
 
     def setUnary(self, u: Unary) -> None:
         """A :class:`ConstUnary` or :class:`LogisticUnary` whose energy is (nlabels, nvar)."""
@@ -157,19 +160,12 @@ class DenseCRF2D(DenseCRF):
         self._h = checks.count(h, "h")
         super().__init__(self._w * self._h, nlabels, device=device)
 
-    def _positions(self, sxy, columns: int) -> np.ndarray:
-        """(N, columns) float32 with x / sx, y / sy in the first two (densecrf.cpp's float
-        division of the integer coordinate)."""
-        sx, sy = checks.pair(sxy, "sxy", 2)
-        f = np.empty((self._h, self._w, columns), np.float32)
-        f[:, :, 0] = np.arange(self._w, dtype=np.float32)[None, :] / sx
-        f[:, :, 1] = np.arange(self._h, dtype=np.float32)[:, None] / sy
-        return f
-
     def addPairwiseGaussian(self, sxy, compat, kernel: int = KernelType.DIAG_KERNEL,
                             normalization: int = NormalizationType.NORMALIZE_SYMMETRIC) -> None:
         """The appearance-free kernel over (x / sx, y / sy); ``sxy`` one number or (sx, sy)."""
-        self._add(self._positions(sxy, 2).reshape(self._nvar, 2), compat, kernel, normalization)
+        sx, sy = checks.pair(sxy, "sxy", 2)
+        comp, norm = self._term_args(compat, kernel, normalization)
+        self._engine.add_position_term(self._h, self._w, sx, sy, comp, norm)
 
     def addPairwiseBilateral(self, sxy, srgb, rgbim: np.ndarray, compat, kernel: int = KernelType.DIAG_KERNEL,
                              normalization: int = NormalizationType.NORMALIZE_SYMMETRIC) -> None:
@@ -182,7 +178,11 @@ class DenseCRF2D(DenseCRF):
         if im.shape[2] != 3:
             raise ValueError(f"rgbim: got {im.shape[2]} channels; expected 3 (RGB). For other images build the "
                              "features with utils.create_pairwise_bilateral and use addPairwiseEnergy")
+        sx, sy = checks.pair(sxy, "sxy", 2)
         s = np.array(checks.pair(srgb, "srgb", 3), dtype=np.float32)
-        f = self._positions(sxy, 5)
+        # densecrf.cpp's float division of the integer coordinates and colours
+        f = np.empty((self._h, self._w, 5), np.float32)
+        f[:, :, 0] = np.arange(self._w, dtype=np.float32)[None, :] / sx
+        f[:, :, 1] = np.arange(self._h, dtype=np.float32)[:, None] / sy
         np.divide(im, s, out=f[:, :, 2:], dtype=np.float32)
         self._add(f.reshape(self._nvar, 5), compat, kernel, normalization)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from mars_plugin.engines import crf_compiled
+from mars_plugin.engines.crf_lattices import _compiled_gaussian, _gaussian_lattice
 from mars_plugin.engines.crf_mean_field import _softmax_rows_
 from mars_plugin.engines.permutohedral import MAX_COORDINATE, PermutohedralLattice, max_lifted_coordinate
 
@@ -68,33 +69,53 @@ def _check_features(features: np.ndarray) -> None:
                          f"{MAX_COORDINATE:.4g}); expected positions divided by larger standard deviations")
 
 
-class PairwiseTerm:
-    """One pairwise term: a normalised Gaussian kernel over (N, D) float32 features and a label
-    compatibility. ``compiled`` picks the numba lattice (CPU only), else torch on ``device``."""
+def build_lattice(features: np.ndarray, normalization: int, device: torch.device, compiled: bool):
+    """The normalised lattice of (N, D) float32 features: a CompiledLattice (``compiled``, CPU)
+    or a PermutohedralLattice on ``device``, the normalisers folded into its splat (before) and
+    slice (after) weights, as CompiledLattice folds its own symmetric one."""
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    _check_features(features)
+    N = features.shape[0]
+    if compiled:
+        lat = crf_compiled.CompiledLattice(features, [N], normalise=False)
+        before, after = _normalisers(lat.filter(np.ones((N, 1), np.float32))[:, 0], normalization)
+        if before is not None:
+            lat.sw = lat.sw * before[:, None]
+        if after is not None:
+            lat.lw = lat.lw * after[:, None]
+        return lat
+    lat = PermutohedralLattice(torch.from_numpy(features).to(device))
+    k1 = lat.filter(torch.ones(N, 1, dtype=torch.float32, device=device))[:, 0].cpu().numpy()
+    before, after = _normalisers(k1, normalization)
+    ones = torch.ones(N, dtype=torch.float32, device=device)
+    return lat.scale_(ones if before is None else torch.from_numpy(before).to(device),
+                      ones if after is None else torch.from_numpy(after).to(device))
 
-    def __init__(self, features: np.ndarray, compat: Compat, normalization: int, device: torch.device,
-                 compiled: bool) -> None:
-        features = np.ascontiguousarray(features, dtype=np.float32)
-        _check_features(features)
-        N = features.shape[0]
-        self.compiled, self.device, self.kind = compiled, device, compat[0]
+
+def position_lattice(height: int, width: int, sx: float, sy: float, normalization: int, device: torch.device,
+                     compiled: bool):
+    """The lattice of ``DenseCRF2D.addPairwiseGaussian`` over (x / sx, y / sy), pixel y W + x.
+    With sx == sy and the symmetric normaliser it is the fixed-pair CRF's kept lattice
+    (:mod:`mars_plugin.engines.crf_lattices`: same features, same normaliser, built once per
+    image size)."""
+    sx, sy = np.float32(sx), np.float32(sy)
+    if sx == sy and normalization == NORMALIZE_SYMMETRIC:
         if compiled:
-            lat = crf_compiled.CompiledLattice(features, [N], normalise=False)
-            before, after = _normalisers(lat.filter(np.ones((N, 1), np.float32))[:, 0], normalization)
-            # the normalisers in the splat and slice weights, as CompiledLattice folds its own
-            if before is not None:
-                lat.sw = lat.sw * before[:, None]
-            if after is not None:
-                lat.lw = lat.lw * after[:, None]
-            self.lattice = lat
-        else:
-            lat = PermutohedralLattice(torch.from_numpy(features).to(device))
-            k1 = lat.filter(torch.ones(N, 1, dtype=torch.float32, device=device))[:, 0].cpu().numpy()
-            before, after = _normalisers(k1, normalization)
-            ones = torch.ones(N, dtype=torch.float32, device=device)
-            lat.scale_(ones if before is None else torch.from_numpy(before).to(device),
-                       ones if after is None else torch.from_numpy(after).to(device))
-            self.lattice = lat
+            return _compiled_gaussian(((height, width),), float(sx))
+        return _gaussian_lattice(((height, width),), float(sx), device)
+    f = np.empty((height, width, 2), np.float32)
+    f[:, :, 0] = np.arange(width, dtype=np.float32)[None, :] / sx
+    f[:, :, 1] = np.arange(height, dtype=np.float32)[:, None] / sy
+    return build_lattice(f.reshape(-1, 2), normalization, device, compiled)
+
+
+class PairwiseTerm:
+    """One pairwise term: a normalised lattice (:func:`build_lattice`; never changed here, it
+    may be a kept one) and a label compatibility. ``compiled``: a CompiledLattice (numpy
+    arrays), else a torch PermutohedralLattice on ``device``."""
+
+    def __init__(self, lattice, compat: Compat, device: torch.device, compiled: bool) -> None:
+        self.lattice, self.compiled, self.device, self.kind = lattice, compiled, device, compat[0]
         if self.kind == "potts":
             self.weight = float(np.float32(compat[1]))
         elif compiled:
@@ -102,15 +123,29 @@ class PairwiseTerm:
         else:
             self.weight = torch.from_numpy(np.ascontiguousarray(compat[1], dtype=np.float32)).to(device)
 
-    def add_energy(self, q, energy) -> None:
-        """energy -= C(Kn(q)), in place: (N, L) numpy arrays (compiled) or tensors (torch)."""
+    @property
+    def num_lattice_points(self) -> int:
+        return self.lattice.num_lattice_points
+
+    def _filter(self, q, out, scale: float, scratch) -> None:
+        """out += scale Kn(q): the compiled filter with the caller's scratch buffers (made once
+        per inference: fresh ones would be paged in at every call), or the torch one."""
+        if self.compiled:
+            lat = self.lattice
+            crf_compiled._filter(lat.vert, lat.sw, lat.lw, lat.n1, lat.n2, q, scratch[0], scratch[1], out,
+                                 np.float32(scale), 0, q.shape[1])
+        else:
+            self.lattice.filter(q, add_to=out, scale=scale)
+
+    def add_energy(self, q, energy, scratch=None) -> None:
+        """energy -= C(Kn(q)), in place: (N, L) numpy arrays (compiled) or tensors (torch).
+        ``scratch``: (vbuf, wbuf, message), see :meth:`GeneralCRF._scratch`."""
         if self.kind == "potts":  # -(-w Kn(q)) = w Kn(q), added by the filter itself
-            if self.compiled:
-                self.lattice.filter(q, out=energy, scale=self.weight)
-            else:
-                self.lattice.filter(q, add_to=energy, scale=self.weight)
+            self._filter(q, energy, self.weight, scratch)
             return
-        m = self.lattice.filter(q)
+        m = scratch[2]
+        m[...] = 0
+        self._filter(q, m, 1.0, scratch)
         if self.kind == "diagonal":
             m *= self.weight
             energy -= m
@@ -118,12 +153,6 @@ class PairwiseTerm:
             energy -= m @ self.weight
         else:
             energy.addmm_(m, self.weight, alpha=-1.0)
-
-    def message(self, q):
-        """C(Kn(q)), pydensecrf's ``PairwisePotential::apply``, (N, L)."""
-        out = np.zeros_like(q) if self.compiled else torch.zeros_like(q)
-        self.add_energy(q, out)
-        return -out
 
 
 class GeneralCRF:
@@ -142,7 +171,14 @@ class GeneralCRF:
 
     def add_term(self, features: np.ndarray, compat: Compat, normalization: int) -> None:
         """features: (N, D) float32 (one row per point)."""
-        self.terms.append(PairwiseTerm(features, compat, normalization, self.device, self.compiled))
+        lattice = build_lattice(features, normalization, self.device, self.compiled)
+        self.terms.append(PairwiseTerm(lattice, compat, self.device, self.compiled))
+
+    def add_position_term(self, height: int, width: int, sx: float, sy: float, compat: Compat,
+                          normalization: int) -> None:
+        """The (x / sx, y / sy) kernel of an H x W image (N = H W), see :func:`position_lattice`."""
+        lattice = position_lattice(height, width, sx, sy, normalization, self.device, self.compiled)
+        self.terms.append(PairwiseTerm(lattice, compat, self.device, self.compiled))
 
     # ------------------------------------------------------------ the two layouts' arithmetic
     def _softmax(self, x):
@@ -158,11 +194,21 @@ class GeneralCRF:
     def _to_host(self, a) -> np.ndarray:
         return a if self.compiled else a.cpu().numpy()
 
-    def _step(self, neg_u, q, energy):
+    def _scratch(self, q):
+        """The filters' buffers for (N, L) values ``q``: two of (M+1) L floats for the
+        compiled filter (M: the largest lattice), and an (N, L) message for non-Potts terms."""
+        message = (np.empty_like(q) if self.compiled else torch.empty_like(q)) if any(
+            t.kind != "potts" for t in self.terms) else None
+        if not self.compiled or not self.terms:
+            return None, None, message
+        size = (max(t.num_lattice_points for t in self.terms) + 1) * q.shape[1]
+        return np.empty(size, np.float32), np.empty(size, np.float32), message
+
+    def _step(self, neg_u, q, energy, scratch):
         """energy = -U - sum_k C_k(Kn_k(q)), then softmax: returns the new Q (in ``energy``)."""
         energy[...] = neg_u
         for term in self.terms:
-            term.add_energy(q, energy)
+            term.add_energy(q, energy, scratch)
         return self._softmax(energy)
 
     def inference(self, neg_unary: np.ndarray, iterations: int) -> np.ndarray:
@@ -170,8 +216,9 @@ class GeneralCRF:
         neg_u = self._to_work(neg_unary)
         q = self._softmax(neg_u.copy() if self.compiled else neg_u.clone())
         spare = np.empty_like(q) if self.compiled else torch.empty_like(q)
+        scratch = self._scratch(q)
         for _ in range(int(iterations)):
-            q, spare = self._step(neg_u, q, spare), q
+            q, spare = self._step(neg_u, q, spare, scratch), q
         return self._to_host(q)
 
     def step(self, neg_unary: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -179,7 +226,7 @@ class GeneralCRF:
         neg_u = self._to_work(neg_unary)
         work = self._to_work(q)
         energy = np.empty_like(work) if self.compiled else torch.empty_like(work)
-        return self._to_host(self._step(neg_u, work, energy))
+        return self._to_host(self._step(neg_u, work, energy, self._scratch(work)))
 
     def kl_divergence(self, unary: Optional[np.ndarray], q: np.ndarray) -> float:
         """pydensecrf's ``klDivergence``: sum Q log Q + sum U Q + sum_k sum Q C_k(Kn_k(Q)), in
@@ -190,6 +237,9 @@ class GeneralCRF:
         if unary is not None:
             kl += float((unary.astype(np.float64) * q64).sum())
         work = self._to_work(q)
-        for term in self.terms:
-            kl += float((q64 * self._to_host(term.message(work)).astype(np.float64)).sum())
+        scratch = self._scratch(work)
+        for term in self.terms:  # C(Kn(Q)) = -(0 - C(Kn(Q)))
+            message = np.zeros_like(work) if self.compiled else torch.zeros_like(work)
+            term.add_energy(work, message, scratch)
+            kl -= float((q64 * self._to_host(message).astype(np.float64)).sum())
         return kl
