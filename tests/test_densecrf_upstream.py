@@ -373,12 +373,32 @@ def _upstream_runs(codebase: str, theirs: types.ModuleType) -> List[Tuple[str, C
             ("Q", lambda: theirs.crf_inference(img0, softmax_map(21, H, W, 2), scale_factor=0.5))]
 
 
+def assert_same_runs(codebase: str, want: List[Tuple[str, np.ndarray]], got: List[np.ndarray]) -> None:
+    """Labels (run_label, crf_inference_label) equal on MIN_AGREEMENT of the pixels; Q as assert_same."""
+    for (kind, w), g in zip(want, got):
+        if kind == "labels":
+            assert g.shape == w.shape and (g == w).mean() >= MIN_AGREEMENT, f"{codebase}: labels differ"
+    assert_same([g for (kind, _), g in zip(want, got) if kind == "Q"], [w for kind, w in want if kind == "Q"])
+
+
 @pytest.mark.parametrize("codebase", list(UPSTREAM))
 def test_the_upstream_file_with_our_import_gives_pydensecrfs_answer(codebase):
     theirs, ours = _upstream_pair(codebase)
     want = [(kind, run()) for kind, run in _upstream_runs(codebase, theirs)]
     got = [run() for _, run in _upstream_runs(codebase, ours)]
-    for (kind, w), g in zip(want, got):
-        if kind == "labels":
-            assert g.shape == w.shape and (g == w).mean() >= MIN_AGREEMENT, f"{codebase}: labels differ"
-    assert_same([g for (kind, _), g in zip(want, got) if kind == "Q"], [w for kind, w in want if kind == "Q"])
+    assert_same_runs(codebase, want, got)
+
+
+@pytest.mark.parametrize("codebase", list(UPSTREAM))
+def test_the_upstream_file_on_cuda_by_the_environment(codebase, monkeypatch):
+    """An unchanged codebase (import line aside) runs its CRF on the GPU by MARS_DENSECRF_DEVICE
+    alone, with pydensecrf's answer (runs where CUDA and the mirrors are)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    theirs, ours = _upstream_pair(codebase)
+    want = [(kind, run()) for kind, run in _upstream_runs(codebase, theirs)]
+    monkeypatch.setenv("MARS_DENSECRF_DEVICE", "cuda")
+    got = [run() for _, run in _upstream_runs(codebase, ours)]
+    assert_same_runs(codebase, want, got)
