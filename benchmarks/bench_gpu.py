@@ -1,12 +1,14 @@
 """Every GPU row of the project in one process (run by benchmarks/gpu.sh): the dense CRF at batch
-1/16/64, `mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda`, the training step (CE vs MARS with the CRF teacher), and the
+1/16/64, the pydensecrf drop-in on CUDA at 21 and 81 labels, the blur's gather forms at 2-81 labels,
+`mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda`, the training
+step (CE vs MARS with the CRF teacher), and the
 CUDA rows of the benchmarks that already have them (features fp32/fp16, `mars predict`).
 
 Each section prints a markdown table and its wall time; a failing section prints its error and
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,crf_job,debias,train,features,predict] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,crf_job,debias,train,features,predict] [--smoke]
 """
 import argparse
 import os
@@ -141,7 +143,27 @@ def section_crf_job(dev, smoke):
     print("\n".join(lines))
 
 
-SECTIONS = {"crf": section_crf, "crf_job": section_crf_job, "debias": section_debias, "train": section_train, "features": section_features,
+
+def section_densecrf(dev, smoke):
+    """The pydensecrf drop-in on CUDA, one image per object as an unchanged codebase calls it:
+    deeplab-pytorch's and IRNet's settings at 21 and 81 labels, 500x375."""
+    if smoke:
+        _script(["bench_densecrf.py", "--labels", "2", "--settings", "deeplab-pytorch", "--rounds", "1",
+                 "--height", "48", "--width", "64", "--no-reference"])
+    else:
+        _script(["bench_densecrf.py", "--device", dev, "--labels", "", "--cuda-labels", "21,81", "--rounds", "3"])
+
+
+def section_gather(dev, smoke):
+    """The lattice blur's gather forms (rows vs the transposed values) at 2-81 labels."""
+    if smoke:
+        _script(["bench_gather.py", "--device", dev, "--channels", "2", "--repeats", "1"])
+    else:
+        _script(["bench_gather.py", "--device", dev, "--repeats", "15"])
+
+
+SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "crf_job": section_crf_job,
+            "debias": section_debias, "train": section_train, "features": section_features,
             "predict": section_predict}
 
 

@@ -103,6 +103,27 @@ def _check_crf(cwd: Path, scope: dict) -> None:
     assert U.shape == (21, 120, 160)
 
 
+def _check_dropin(cwd: Path, scope: dict) -> None:
+    """The drop-in's block gives pydensecrf's Q (where the crf extra is installed), as it says."""
+    if "Q" not in scope:  # another block of the section
+        return
+    Q, d = scope["Q"], scope["d"]
+    assert Q.shape == (21,) + scope["img"].shape[:2] and Q.dtype == np.float32
+    assert np.allclose(Q.sum(0), 1, atol=1e-4)
+    try:
+        import pydensecrf.densecrf as reference
+    except ImportError:
+        return
+    H, W = scope["img"].shape[:2]
+    ref = reference.DenseCRF2D(W, H, 21)
+    ref.setUnaryEnergy(np.ascontiguousarray(scope["unary_from_softmax"](scope["probs"])))
+    ref.addPairwiseGaussian(sxy=3, compat=3)
+    ref.addPairwiseBilateral(sxy=80, srgb=13, rgbim=scope["img"], compat=10)
+    want = np.array(ref.inference(10)).reshape(Q.shape)
+    assert np.abs(Q - want).max() <= 1e-4 and (Q.argmax(0) == want.argmax(0)).mean() >= 0.9999
+    assert type(d).__module__.startswith("mars_plugin.densecrf")
+
+
 def _check_sample_reproduce(cwd: Path, scope: dict) -> None:
     """The offline try of `mars reproduce` on `mars sample --tree dhr` ran every stage."""
     scores = json.loads((cwd / "scratch" / "sample_reproduce" / "scores.json").read_text())
@@ -118,6 +139,7 @@ CHECKS: Dict[str, Callable[[Path, dict], None]] = {
     "Every command on the demo world": _check_commands,
     "Three calls in your WSSS codebase": _check_three_calls,
     "The dense CRF": _check_crf,
+    "Use our CRF in your codebase": _check_dropin,
     "A reproduction anyone can run: `mars reproduce`": _check_sample_reproduce,
 }
 
