@@ -8,7 +8,6 @@ import torch
 
 import mars_plugin.densecrf as dcrf
 from mars_plugin.densecrf.utils import create_pairwise_bilateral, create_pairwise_gaussian, unary_from_softmax
-from mars_plugin.engines import crf_compiled
 
 Q_TOL = 1e-4
 LABEL_AGREEMENT = 0.9999
