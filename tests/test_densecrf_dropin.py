@@ -149,6 +149,18 @@ def test_custom_features(path, ref, D):
     _compare(ref, build, 5, lambda m: m.DenseCRF(N, L))
 
 
+def test_too_many_dimensions_for_the_compiled_lattice(path):
+    from mars_plugin.engines.crf_terms import COMPILED_MAX_DIM
+    feats = np.zeros((COMPILED_MAX_DIM + 1, 4), np.float32)
+    d = dcrf.DenseCRF(4, 2)
+    if path == "compiled":
+        with pytest.raises(ValueError, match=f"features: got D = {COMPILED_MAX_DIM + 1} dimensions"):
+            d.addPairwiseEnergy(feats, 3)
+    else:
+        d.addPairwiseEnergy(feats, 3)
+        assert d.inference(1).shape == (2, 4)
+
+
 def test_utils_features_through_add_pairwise_energy(path, ref):
     H, W, L = 30, 36, 3
     img, u = _photo(1, H, W), unary_from_softmax(_probs(L, H, W, seed=7))
