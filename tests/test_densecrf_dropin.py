@@ -8,7 +8,6 @@ import torch
 
 import mars_plugin.densecrf as dcrf
 from mars_plugin.densecrf.utils import create_pairwise_bilateral, create_pairwise_gaussian, unary_from_softmax
-from mars_plugin.engines import crf_compiled
 
 Q_TOL = 1e-4
 LABEL_AGREEMENT = 0.9999
@@ -148,6 +147,18 @@ def test_custom_features(path, ref, D):
         d.addPairwiseEnergy(feats, compat=2.0)
         d.addPairwiseEnergy(feats * np.float32(0.5), compat=_compat("symmetric", L), normalization=dcrf.NORMALIZE_AFTER)
     _compare(ref, build, 5, lambda m: m.DenseCRF(N, L))
+
+
+def test_too_many_dimensions_for_the_compiled_lattice(path):
+    from mars_plugin.engines.crf_terms import COMPILED_MAX_DIM
+    feats = np.zeros((COMPILED_MAX_DIM + 1, 4), np.float32)
+    d = dcrf.DenseCRF(4, 2)
+    if path == "compiled":
+        with pytest.raises(ValueError, match=f"features: got D = {COMPILED_MAX_DIM + 1} dimensions"):
+            d.addPairwiseEnergy(feats, 3)
+    else:
+        d.addPairwiseEnergy(feats, 3)
+        assert d.inference(1).shape == (2, 4)
 
 
 def test_utils_features_through_add_pairwise_energy(path, ref):

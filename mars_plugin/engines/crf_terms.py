@@ -36,11 +36,15 @@ from mars_plugin.engines.crf_lattices import _compiled_gaussian, _gaussian_latti
 from mars_plugin.engines.crf_mean_field import _softmax_rows_
 from mars_plugin.engines.permutohedral import MAX_COORDINATE, PermutohedralLattice, max_lifted_coordinate
 
-__all__ = ["NO_NORMALIZATION", "NORMALIZE_BEFORE", "NORMALIZE_AFTER", "NORMALIZE_SYMMETRIC", "Compat",
+__all__ = ["COMPILED_MAX_DIM", "NO_NORMALIZATION", "NORMALIZE_BEFORE", "NORMALIZE_AFTER", "NORMALIZE_SYMMETRIC", "Compat",
            "PairwiseTerm", "GeneralCRF"]
 
 # pydensecrf's NormalizationType values (densecrf/include/pairwise.h).
 NO_NORMALIZATION, NORMALIZE_BEFORE, NORMALIZE_AFTER, NORMALIZE_SYMMETRIC = 0, 1, 2, 3
+
+#: The most feature dimensions the numba lattice takes: it keeps each vertex's rank, 0..D, as int8
+#: (past 127 it relies on wrap-around; at D = 256 its filter was wrong by 1e-4, measured).
+COMPILED_MAX_DIM = 126
 
 #: A label compatibility: ("potts", w), ("diagonal", (L,) float32 v) or ("matrix", (L, L)
 #: float32 symmetric W); the pairwise message is C(Kn(Q)) as labelcompatibility.cpp applies it.
@@ -75,7 +79,10 @@ def build_lattice(features: np.ndarray, normalization: int, device: torch.device
     slice (after) weights, as CompiledLattice folds its own symmetric one."""
     features = np.ascontiguousarray(features, dtype=np.float32)
     _check_features(features)
-    N = features.shape[0]
+    N, D = features.shape
+    if compiled and D > COMPILED_MAX_DIM:
+        raise ValueError(f"features: got D = {D} dimensions; the compiled CPU lattice takes at most "
+                         f"{COMPILED_MAX_DIM} (set MARS_NO_NUMBA=1 for the torch lattice, which takes any)")
     if compiled:
         lat = crf_compiled.CompiledLattice(features, [N], normalise=False)
         before, after = _normalisers(lat.filter(np.ones((N, 1), np.float32))[:, 0], normalization)
