@@ -65,13 +65,21 @@ def _labels(folder: Path):
     return {p.stem: np.asarray(Image.open(p)) for p in sorted(folder.glob("*.png"))}
 
 
-def test_each_codebase_equals_its_adapter_per_image(tree, tmp_path):
+def test_each_codebase_equals_its_adapter_per_image(tree, tmp_path, monkeypatch):
     """The batched job (3 images per CRF call, on the sample tree) writes, per file, the label of
     the adapter's own cams_to_label with the image (its CRF, one image at a time)."""
     name, root, images = tree
     from mars_plugin.commands.label_formats import _adapter
+    import mars_plugin.commands.crf_job as job
 
     adapter = _adapter(name)
+    real, maps_per_call = job._crf_batch, []
+
+    def counted(items, *a):
+        maps_per_call.append(sum(len(it["maps"]) for it in items))
+        return real(items, *a)
+
+    monkeypatch.setattr(job, "_crf_batch", counted)
     s = crf_job(images, tmp_path / "out", cams_dir=root / "cams", wsss=name, trust_pickle=True, batch_size=3,
                 progress=False)
     assert s.done == N and not s.failed
@@ -84,6 +92,7 @@ def test_each_codebase_equals_its_adapter_per_image(tree, tmp_path):
         want = adapter.cams_to_label(cams, image=img).numpy()
         np.testing.assert_array_equal(label, want)
         assert Image.open(tmp_path / "out" / f"{stem}.png").mode == "P"
+    assert max(maps_per_call) > 1  # several maps went through one CRF call
 
 
 def test_the_codebase_own_crf_is_the_default(tree, tmp_path):

@@ -223,8 +223,12 @@ def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, 
             files, images, bad = _inputs(src, images_dir, s.wsss, flag)
             if rank == 0:
                 _check_out_dir(out_dir, "--out")
-                if s.restart:
-                    _forget(out_dir)
+                if s.restart:  # under the folder's lock: never the record of a run still going
+                    record.lock.acquire()
+                    try:
+                        _forget(out_dir)
+                    finally:
+                        record.lock.release()
                 record.open(set(files), (ext,))
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
