@@ -8,7 +8,6 @@ import torch
 
 import mars_plugin.densecrf as dcrf
 from mars_plugin.densecrf.utils import create_pairwise_bilateral, create_pairwise_gaussian, unary_from_softmax
-from mars_plugin.engines import crf_compiled
 
 Q_TOL = 1e-4
 LABEL_AGREEMENT = 0.9999
@@ -287,6 +286,22 @@ def test_refusals_are_pydensecrfs_kind(ref, monkeypatch, case):
     call, kind, _ = REFUSALS[case]
     with pytest.raises(kind):
         call()
+
+
+def test_read_only_inputs_are_accepted(path):
+    """pydensecrf's memoryviews refuse read-only arrays (sklearn's images are); nothing here
+    writes to its inputs, so they are taken as they are."""
+    H, W, L = 10, 12, 3
+    img, u = _photo(0, H, W), unary_from_softmax(_probs(L, H, W))
+    qs = []
+    for writeable in (True, False):
+        im, un = img.copy(), u.copy()
+        im.flags.writeable = un.flags.writeable = writeable
+        d = dcrf.DenseCRF2D(W, H, L)
+        d.setUnaryEnergy(un)
+        d.addPairwiseBilateral(20, 13, im, 5)
+        qs.append(d.inference(3))
+    np.testing.assert_array_equal(qs[0], qs[1])
 
 
 # ---------------------------------------------------------------- devices

@@ -63,6 +63,15 @@ def test_create_pairwise_bilateral(dtype, case):
           ref.create_pairwise_bilateral(sdims, schan, img, chdim=chdim))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_deprecated_names():
+    sm = _softmax((3, 4, 5), np.float32) + np.float32(1e-3)
+    labels = np.random.default_rng(3).integers(0, 4, (4, 5))
+    _same(utils.softmax_to_unary(sm), ref.softmax_to_unary(sm))
+    _same(utils.softmax_to_unary(sm, 0.8), ref.softmax_to_unary(sm, 0.8))
+    _same(utils.compute_unary(labels, 3), ref.compute_unary(labels, 3))
+
+
 def test_bad_probabilities_are_refused():
     with pytest.raises(ValueError, match="gt_prob: got 1.0; expected a probability in"):
         utils.unary_from_labels(np.zeros(4, int), 3, 1.0)

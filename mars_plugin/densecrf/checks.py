@@ -3,6 +3,11 @@ memoryviews: ValueError for a wrong dtype, number of dimensions or memory order,
 None or an object without a buffer) with messages that name the argument, what it got and what
 was expected; and the device of a new CRF object (keyword, :func:`set_default_device`, the
 ``MARS_DENSECRF_DEVICE`` environment variable, else the CPU).
+
+Where we differ, we accept more, never less: read-only arrays (pydensecrf's memoryviews refuse
+them; nothing here writes to its inputs), and we refuse what pydensecrf would run on into
+undefined or meaningless results: NaN or -inf energies, a compat whose length is not the number
+of labels, a kernel or normalisation value outside pydensecrf's enums, NaN features.
 """
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ class DenseCRF:
         self.device = checks.resolve_device(device)
         self._engine = GeneralCRF(self._nvar, self._nlabel, self.device,
                                   compiled=self.device.type == "cpu" and crf_compiled.available())
-        self._unary: Optional[Unary] = None
+        self._unary: Optional[np.ndarray] = None  # the (L, N) energy, computed once
 
     # ------------------------------------------------------------ set-up
     def addPairwiseEnergy(self, features: np.ndarray, compat, kernel: int = KernelType.DIAG_KERNEL,
@@ -98,11 +98,11 @@ class DenseCRF:
         """A :class:`ConstUnary` or :class:`LogisticUnary` whose energy is (nlabels, nvar)."""
         if not isinstance(u, Unary):
             raise TypeError(f"u: got a {type(u).__name__}; expected a ConstUnary or LogisticUnary")
-        shape = u.get().shape
-        if shape != (self._nlabel, self._nvar):
-            raise ValueError(f"u: its energy has shape {shape}; expected {(self._nlabel, self._nvar)}")
-        checks.no_nan(u.get(), "u")
-        self._unary = u
+        energy = np.asarray(u.get(), dtype=np.float32)
+        if energy.shape != (self._nlabel, self._nvar):
+            raise ValueError(f"u: its energy has shape {energy.shape}; expected {(self._nlabel, self._nvar)}")
+        checks.no_nan(energy, "u")
+        self._unary = energy
 
     def setUnaryEnergy(self, u: np.ndarray, f: Optional[np.ndarray] = None) -> None:
         """The (nlabels, nvar) float32 C-contiguous energy U (e.g. -log p); with ``f``, the
@@ -117,7 +117,7 @@ class DenseCRF:
         """-U as (N, L) float32 (zeros without a unary, as pydensecrf)."""
         if self._unary is None:
             return np.zeros((self._nvar, self._nlabel), np.float32)
-        return np.ascontiguousarray(-self._unary.get().T)
+        return np.ascontiguousarray(-self._unary.T)
 
     def inference(self, niter: int) -> np.ndarray:
         """Q after ``niter`` mean-field steps from softmax(-U): (nlabels, nvar) float32."""
@@ -147,7 +147,7 @@ class DenseCRF:
     def klDivergence(self, Q: np.ndarray) -> float:
         """KL(Q || P) up to a constant (densecrf.cpp): sum Q log Q + sum U Q + the pairwise terms."""
         Q = self._q(Q)
-        unary = None if self._unary is None else self._unary.get().T
+        unary = None if self._unary is None else self._unary.T
         return self._engine.kl_divergence(unary, Q.T)
 
 

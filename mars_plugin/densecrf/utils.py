@@ -7,12 +7,14 @@ features (D, N) float32 with N the product of the image's sizes, in C order.
 """
 from __future__ import annotations
 
+import warnings
 from numbers import Number
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
-__all__ = ["unary_from_labels", "unary_from_softmax", "create_pairwise_gaussian", "create_pairwise_bilateral"]
+__all__ = ["unary_from_labels", "unary_from_softmax", "create_pairwise_gaussian", "create_pairwise_bilateral",
+           "compute_unary", "softmax_to_unary"]
 
 
 def unary_from_labels(labels: np.ndarray, n_labels: int, gt_prob: float, zero_unsure: bool = True) -> np.ndarray:
@@ -44,6 +46,18 @@ def unary_from_softmax(sm: np.ndarray, scale: Optional[float] = None, clip: Opti
     if clip is not None:
         p = np.clip(p, clip, 1.0)
     return np.negative(np.log(p)).reshape(num, -1).astype(np.float32)
+
+
+def compute_unary(labels: np.ndarray, M: int, GT_PROB: float = 0.5) -> np.ndarray:
+    """pydensecrf's deprecated name of :func:`unary_from_labels` (kept for old code)."""
+    warnings.warn("compute_unary is deprecated, use unary_from_labels instead", DeprecationWarning, stacklevel=2)
+    return unary_from_labels(labels, M, GT_PROB)
+
+
+def softmax_to_unary(sm: np.ndarray, GT_PROB: float = 1) -> np.ndarray:
+    """pydensecrf's deprecated name of :func:`unary_from_softmax` without clipping (GT_PROB 1: no scale)."""
+    warnings.warn("softmax_to_unary is deprecated, use unary_from_softmax instead", DeprecationWarning, stacklevel=2)
+    return unary_from_softmax(sm, None if GT_PROB == 1 else GT_PROB, clip=None)
 
 
 def _grid(shape: Sequence[int], scales: Sequence[float]) -> np.ndarray:

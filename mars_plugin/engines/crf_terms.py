@@ -132,8 +132,8 @@ class PairwiseTerm:
         per inference: fresh ones would be paged in at every call), or the torch one."""
         if self.compiled:
             lat = self.lattice
-            crf_compiled._filter(lat.vert, lat.sw, lat.lw, lat.n1, lat.n2, q, scratch[0], scratch[1], out,
-                                 np.float32(scale), 0, q.shape[1])
+            crf_compiled._filter_all(lat.vert, lat.sw, lat.lw, lat.n1, lat.n2, q, scratch[0], scratch[1], out,
+                                     np.float32(scale))
         else:
             self.lattice.filter(q, add_to=out, scale=scale)
 
