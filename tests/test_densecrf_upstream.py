@@ -16,7 +16,7 @@ and SEAM with only their import line changed. Two layers:
   in a fresh module against the unchanged file on pydensecrf.
 
 Photographs: scikit-learn's two sample images (china.jpg, flower.jpg), resized to 80x60 for most
-cases plus one 500x375 crop. Probability maps look like CAMs: a softmax of random low-frequency
+cases plus 500x375 centre crops. Probability maps look like CAMs: a softmax of random low-frequency
 fields where a few classes are present (others near 0), or per-class max-normalised CAMs that do
 not sum to 1 (what RS+EPM and DHR pass); label maps are their argmax.
 """
