@@ -309,4 +309,9 @@ def test_cuda_equals_cpu():
     gpu = dense_crf([p.cuda() for p in probs], [torch.from_numpy(i).cuda() for i in imgs])
     for a, b in zip(gpu, cpu):
         assert a.device.type == "cuda"
-        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=1e-5)
+        # the CPU runs the numba lattice, CUDA the torch one: their float32 sums differ in order
+        # (on these inputs the CPU's numba and torch paths differ by up to 2.1e-5 themselves; on an
+        # H100 CUDA vs the numba CPU was 4.1e-5 on 2 of 3,267 values), so the tolerance is the one
+        # the CRF keeps against pydensecrf
+        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=1e-4)
+        assert (a.cpu().argmax(0) == b.argmax(0)).float().mean() >= 0.9999

@@ -248,6 +248,27 @@ def test_workers_write_the_same_files(rsepm, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_writes_what_the_cpu_writes(tmp_path):
+    """--device cuda (the batched CRF on the GPU) writes the CPU run's labels (to 1e-4 of the
+    pixels) and its marginals (to 1e-4): images of different sizes in one batch."""
+    rng = np.random.default_rng(5)
+    for d in ("images", "probs"):
+        (tmp_path / d).mkdir()
+    for i, (H, W) in enumerate([(40, 56), (48, 40), (40, 56), (33, 47)]):
+        Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).save(tmp_path / "images" / f"im{i}.png")
+        q = rng.dirichlet(np.ones(6), size=(H, W)).transpose(2, 0, 1).astype(np.float32)
+        np.save(tmp_path / "probs" / f"im{i}.npy", q)
+    for write in ("labels", "probs"):
+        for dev in ("cpu", "cuda"):
+            crf_job(tmp_path / "images", tmp_path / f"{write}_{dev}", probs_dir=tmp_path / "probs", write=write,
+                    device=dev, batch_size=3, progress=False)
+    a, b = _labels(tmp_path / "labels_cpu"), _labels(tmp_path / "labels_cuda")
+    assert a.keys() == b.keys() and sum((a[k] != b[k]).sum() for k in a) <= 1e-4 * sum(v.size for v in a.values())
+    for p in sorted((tmp_path / "probs_cpu").glob("*.npy")):
+        np.testing.assert_allclose(np.load(tmp_path / "probs_cuda" / p.name), np.load(p), rtol=0, atol=1e-4)
+
+
 def test_bad_settings_name_the_flag():
     with pytest.raises(ValueError, match="crf must be one of"):
         CrfSettings(crf="nope")
