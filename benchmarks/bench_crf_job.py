@@ -37,26 +37,28 @@ def make_folder(root: str, n: int, L: int, H: int = 375, W: int = 500) -> None:
         Image.fromarray(natural_image(H, W, i % 8)).save(os.path.join(root, "images", f"img{i:05d}.jpg"), quality=90)
 
 
-def _identity(items, params, device, max_bytes):
-    """The CRF replaced by nothing: each item's maps as its marginals (the I/O rows)."""
-    return [list(it["maps"]) for it in items]
+def _identity(maps, rgbs, params, max_bytes=None):
+    """The CRF call replaced by a copy of its float32 inputs (the I/O rows): everything else of
+    the job runs, the widening of float16 maps and the device's argmax included."""
+    return [m.float().clone() for m in maps]
 
 
 def time_job(root: str, out: str, *, device: str = "cpu", batch_size: int = 4, workers: int = 0,
              identity: bool = False) -> float:
     """Seconds of one `mars crf --probs` run into a new ``out`` (its own process state: the CRF
-    stub only where asked)."""
+    stub only where asked: the CRF runs in this process, the --workers read and write)."""
+    import mars_plugin.engines.crf as crf
     import mars_plugin.commands.crf_job as job
 
-    real = job._crf_batch
-    job._crf_batch = _identity if identity else real
+    real = crf.dense_crf
+    crf.dense_crf = _identity if identity else real
     try:
         t0 = time.perf_counter()
         s = job.crf_job(os.path.join(root, "images"), out, probs_dir=os.path.join(root, "probs"), device=device,
                         batch_size=batch_size, workers=workers, progress=False)
         dt = time.perf_counter() - t0
     finally:
-        job._crf_batch = real
+        crf.dense_crf = real
     assert not s.failed, s.failed
     return dt
 

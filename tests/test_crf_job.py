@@ -269,6 +269,40 @@ def test_cuda_writes_what_the_cpu_writes(tmp_path):
         np.testing.assert_allclose(np.load(tmp_path / "probs_cuda" / p.name), np.load(p), rtol=0, atol=1e-4)
 
 
+def test_labels_from_a_device_argmax_equal_the_host_argmax():
+    """On a GPU, --probs to labels takes the argmax on the device and sends back (H, W): the
+    label written from it equals the one from the (L, H, W) marginals, ties included (both
+    take the first maximum)."""
+    from mars_plugin.commands.crf_job import _output
+
+    rng = np.random.default_rng(2)
+    q = rng.integers(0, 3, (5, 9, 11)).astype(np.float32)  # many ties
+    item = {"ids": np.arange(5), "size": (9, 11)}
+    cfg = {"write": "labels", "wsss": None}
+    host = _output(item, [q], cfg)
+    device = _output(item, [torch.from_numpy(q).argmax(0).numpy()], cfg)
+    assert host.dtype == device.dtype == np.uint8
+    np.testing.assert_array_equal(host, device)
+    np.testing.assert_array_equal(host, q.argmax(0))
+
+
+def test_half_maps_give_the_float32_maps_labels(tmp_path):
+    """float16 maps travel as float16 and widen on the device: the same files as the same maps
+    stored as float32."""
+    rng = np.random.default_rng(4)
+    for d in ("images", "p16", "p32"):
+        (tmp_path / d).mkdir()
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (30, 38, 3), dtype=np.uint8)).save(tmp_path / "images" / f"im{i}.png")
+        q = rng.dirichlet(np.ones(4), size=(30, 38)).transpose(2, 0, 1).astype(np.float16)
+        np.save(tmp_path / "p16" / f"im{i}.npy", q)
+        np.save(tmp_path / "p32" / f"im{i}.npy", q.astype(np.float32))
+    for src in ("p16", "p32"):
+        crf_job(tmp_path / "images", tmp_path / f"o_{src}", probs_dir=tmp_path / src, write="probs", progress=False)
+    for p in sorted((tmp_path / "o_p32").glob("*.npy")):
+        np.testing.assert_array_equal(np.load(tmp_path / "o_p16" / p.name), np.load(p))
+
+
 def test_bad_settings_name_the_flag():
     with pytest.raises(ValueError, match="crf must be one of"):
         CrfSettings(crf="nope")

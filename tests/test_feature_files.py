@@ -410,3 +410,24 @@ def test_format_flag():
         p.parse_args(base + ["--format", "pth"])
     help_text = build_parser()._subparsers._group_actions[0].choices["features"].format_help()
     assert "--format" in help_text and "<stem>.pt" in help_text
+
+
+def test_keep_half_keeps_only_half_dtypes(tmp_path):
+    """read_features(keep_half=True): float16 (.npy, .pt) and bfloat16 (.pt) come back as
+    stored, equal to their float32 widening; other float dtypes are float32 as without it."""
+    from mars_plugin.formats.files import read_features
+
+    x = torch.randn(3, 4, 5)
+    cases = {"h.npy": x.half().numpy(), "d.npy": x.double().numpy(), "h.pt": x.half(), "b.pt": x.bfloat16(),
+             "d.pt": x.double()}
+    for name, value in cases.items():
+        if name.endswith(".npy"):
+            np.save(tmp_path / name, value)
+        else:
+            torch.save(value, tmp_path / name)
+    want = {"h.npy": torch.float16, "d.npy": torch.float32, "h.pt": torch.float16, "b.pt": torch.bfloat16,
+            "d.pt": torch.float32}
+    for name, dtype in want.items():
+        kept, wide = read_features(tmp_path / name, keep_half=True), read_features(tmp_path / name)
+        assert kept.dtype == dtype and wide.dtype == torch.float32, name
+        assert torch.equal(kept.float(), wide), name

@@ -47,7 +47,7 @@ def _read_probs(path: Path) -> Dict[str, Any]:
     from mars_plugin.formats.files import read_features
 
     try:
-        p = read_features(path)
+        p = read_features(path, keep_half=True)  # widened on the device: half the bytes move
     except ValueError as e:
         raise ValueError(one_line(e).replace("features", "probability map")) from None
     return {"kind": "probs", "maps": [p], "ids": np.arange(p.shape[0]), "size": tuple(p.shape[1:])}
@@ -77,7 +77,8 @@ def _prepare(job: Tuple[str, str, str, Dict[str, Any]]) -> Tuple[str, Optional[D
                 and int(np.max(item["ids"])) >= cfg["num_labels"]:
             raise ValueError(f"class id {int(np.max(item['ids']))} does not fit the {cfg['num_labels']} channels of "
                              f"--dataset {cfg['dataset']}")
-        item["maps"] = [m.float().numpy() for m in item["maps"]]  # plain arrays cross processes cheaply
+        # plain arrays cross processes cheaply; a float16 map stays float16 until the device
+        item["maps"] = [(m if m.dtype == torch.float16 else m.float()).numpy() for m in item["maps"]]
         item["rgb"] = rgb
         return stem, item, None
     except Exception as e:  # noqa: BLE001 -- any failure to read one file is that file's failure
@@ -87,8 +88,9 @@ def _prepare(job: Tuple[str, str, str, Dict[str, Any]]) -> Tuple[str, Optional[D
 def _output(item: Dict[str, Any], marginals: Optional[List[np.ndarray]], cfg: Dict[str, Any]) -> np.ndarray:
     """The file's content after the CRF: its codebase's label, or the marginals by class id."""
     if cfg["write"] == "labels":
-        if cfg["wsss"] is None:
-            return np.asarray(item["ids"])[np.argmax(marginals[0], axis=0)].astype(np.uint8)
+        if cfg["wsss"] is None:  # (H, W): the argmax already taken on the GPU (see _crf_batch)
+            best = marginals[0] if marginals[0].ndim == 2 else np.argmax(marginals[0], axis=0)
+            return np.asarray(item["ids"])[best].astype(np.uint8)
         q = None if marginals is None else [torch.from_numpy(m) for m in marginals]
         return _adapter(cfg["wsss"]).crf_label(item, q).numpy().astype(np.uint8)
     dtype = np.dtype(cfg["probs_dtype"])
@@ -119,17 +121,21 @@ def _finish(job: Tuple[str, Dict[str, Any], Optional[List[np.ndarray]], str, Dic
 # ------------------------------------------------------------------------ the batch's CRF
 
 def _crf_batch(items: List[Dict[str, Any]], params: Dict[str, float], device: torch.device,
-               max_bytes: Optional[int]) -> List[Optional[List[np.ndarray]]]:
+               max_bytes: Optional[int], argmax: bool = False) -> List[Optional[List[np.ndarray]]]:
     """One CRF call for every map of a batch (one kind, one number of labels; IRNet's two maps
-    per image in the same call): each item's marginals, as float32 arrays."""
-    from mars_plugin.engines.crf import dense_crf, dense_crf_from_unary
+    per image in the same call): each item's marginals, as float32 arrays, or with ``argmax``
+    on a GPU their (H, W) argmax, taken there (``--probs`` to labels: 1/L of the bytes come
+    back, and the CPU's slowest step, numpy's argmax over the label axis, is not needed)."""
+    from mars_plugin.engines import crf
 
-    maps = [torch.from_numpy(m).to(device) for it in items for m in it["maps"]]
+    # float16 maps widen on the device (exact): half the bytes cross the bus
+    maps = [torch.from_numpy(m).to(device).float() for it in items for m in it["maps"]]
     if not maps:
         return [None if not it["maps"] else [] for it in items]
     rgbs = [torch.from_numpy(it["rgb"]).to(device) for it in items for _ in it["maps"]]
-    run = dense_crf_from_unary if items[0]["kind"] == "unary" else dense_crf
-    q = [t.cpu().numpy() for t in run(maps, rgbs, params, max_bytes=max_bytes)]
+    run = crf.dense_crf_from_unary if items[0]["kind"] == "unary" else crf.dense_crf
+    reduce = argmax and device.type == "cuda"  # numpy's argmax beats torch's on the CPU
+    q = [(t.argmax(0) if reduce else t).cpu().numpy() for t in run(maps, rgbs, params, max_bytes=max_bytes)]
     out, i = [], 0
     for it in items:
         out.append(q[i:i + len(it["maps"])])
@@ -341,7 +347,8 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
             pending.append((stem, _Digest(fut, stem, digests)))
         collect(2 * s.batch_size)
 
-    batches = SizeBatches(s.batch_size, lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes),
+    argmax = s.write == "labels" and s.wsss is None
+    batches = SizeBatches(s.batch_size, lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes, argmax),
                           write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
     try:
         for stem, item, err in _reads(pool, todo, 2 * s.batch_size + s.workers):

@@ -347,8 +347,12 @@ def _check_pt_features(path: str, obj) -> torch.Tensor:
     return _check_pt_storage(path, obj)
 
 
-def read_features(path: PathLike) -> torch.Tensor:
+def read_features(path: PathLike, *, keep_half: bool = False) -> torch.Tensor:
     """(D, h, w) float32 embeddings from a ``.npy`` or ``.pt`` file (never unpickled).
+
+    ``keep_half``: a float16 or bfloat16 file comes back in its own dtype (widening it later, on
+    the device that uses it, gives the same float32 values and moves half the bytes); every
+    other float dtype is still converted to float32 here.
 
     ``.npy``: ``np.load(allow_pickle=False)`` of a float array. ``.pt``: ``torch.load(...,
     map_location="cpu", weights_only=True)`` of one float tensor, as DHR writes them
@@ -363,7 +367,8 @@ def read_features(path: PathLike) -> torch.Tensor:
     if _feature_suffix(path) == ".pt":
         t = _check_pt_features(path, _load_pt(path))
         _check_not_empty(path, t.shape, "features (D, h, w)")
-        return t.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        dtype = t.dtype if keep_half and t.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        return t.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:  # EOFError: a 0-byte file
@@ -371,6 +376,8 @@ def read_features(path: PathLike) -> torch.Tensor:
     if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{path}: features must be a float array of shape (D, h, w), got {arr.dtype} {arr.shape}")
     _check_not_empty(path, arr.shape, "features (D, h, w)")
+    if keep_half and arr.dtype == np.float16:
+        return torch.from_numpy(np.ascontiguousarray(arr))
     return torch.from_numpy(arr.astype(np.float32))
 
 
