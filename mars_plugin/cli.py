@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import List, Optional
+import argparse
+from typing import Any, List, Optional, Tuple
 
 from mars_plugin import _interrupt
 from mars_plugin._checks import MAX_THREADS, check_int_param
@@ -201,6 +202,25 @@ def _check_out_apart(args) -> None:
     check_out_apart(getattr(args, flag[2:]), flag, reads)
 
 
+#: The folder jobs that torchrun shards file by file, and the word their one-process line starts with.
+_SHARDED_JOBS = {"features": "features", "predict": "predictions", "crf": "crf"}
+
+
+def _run_sharded_job(args: argparse.Namespace) -> Tuple[Any, str]:
+    """Run one of :data:`_SHARDED_JOBS`: (this rank's summary, the folder written)."""
+    if args.command == "features":
+        from mars_plugin.commands.features import run_features
+
+        return run_features(args), args.out
+    if args.command == "predict":
+        from mars_plugin.commands.predict import run_predict
+
+        return run_predict(args)
+    from mars_plugin.commands.crf_job import run_crf_command
+
+    return run_crf_command(args), args.out
+
+
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     from mars_plugin.commands import centroids, debias, distributed, errors, evaluate, report
@@ -224,46 +244,18 @@ def _main(argv: Optional[List[str]]) -> int:
             print("\n".join(describe(args.tree, args.out)))
             return 0
         progress = not args.no_progress
-        if args.command == "features":
-            from mars_plugin.commands.features import run_features
-
+        if args.command in _SHARDED_JOBS:
             joined = _maybe_init_distributed()
-            s = run_features(args)  # under torchrun: this rank's share; a failure on one rank fails all
+            s, out = _run_sharded_job(args)  # under torchrun: this rank's share; a failure on one rank fails all
             rank, world = distributed._rank_world()
             if world == 1:
-                print(f"features -> {args.out}: {s.line()}")
+                print(f"{_SHARDED_JOBS[args.command]} -> {out}: {s.line()}")
             else:
-                print(f"features rank {rank}/{world}: {s.line()} -> {args.out}", flush=True)
+                print(f"{args.command} rank {rank}/{world}: {s.line()} -> {out}", flush=True)
                 _print_skipped(s)
                 # torchrun stops every rank as soon as one exits non-zero (1: skipped files): no
                 # rank leaves before every rank has printed its lines.
                 distributed.barrier()
-                return 1 if s.failed else 0
-        if args.command == "predict":
-            from mars_plugin.commands.predict import run_predict
-
-            joined = _maybe_init_distributed()
-            s, out = run_predict(args)  # under torchrun: this rank's share; a failure on one rank fails all
-            rank, world = distributed._rank_world()
-            if world == 1:
-                print(f"predictions -> {out}: {s.line()}")
-            else:
-                print(f"predict rank {rank}/{world}: {s.line()} -> {out}", flush=True)
-                _print_skipped(s)
-                distributed.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
-                return 1 if s.failed else 0
-        if args.command == "crf":
-            from mars_plugin.commands.crf_job import run_crf_command
-
-            joined = _maybe_init_distributed()
-            s = run_crf_command(args)  # under torchrun: this rank's share; a failure on one rank fails all
-            rank, world = distributed._rank_world()
-            if world == 1:
-                print(f"crf -> {args.out}: {s.line()}")
-            else:
-                print(f"crf rank {rank}/{world}: {s.line()} -> {args.out}", flush=True)
-                _print_skipped(s)
-                distributed.barrier()  # no rank leaves (torchrun stops all at a non-zero exit) before all printed
                 return 1 if s.failed else 0
         if args.command in ("centroids", "debias"):
             joined = _maybe_init_distributed()
