@@ -244,7 +244,9 @@ def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None
     gt = [_relabel(y, lut) for y in world.gt]
     pseudo = [(i, _relabel(y, lut)) for i, y in zip(ids, world.pseudo)]
     paths = {k: root / v for k, v in LAYOUTS[tree].items()}
-    cam_ext = {"rsepm": ".pkl", "dhr": ".pt", "dhr-coco": ".pt"}.get(tree, ".npy")
+    from mars_plugin.commands.crf_job import CAM_EXTENSIONS
+
+    cam_ext = CAM_EXTENSIONS["dhr" if tree in DHR_DATA else tree]
     for i, stem in enumerate(ids):
         write_image(paths["images"] / f"{stem}.jpg", world.images[i])
         # the image's tags as the world's class indices, in the order of the codebase's ids
@@ -322,9 +324,8 @@ def sample_commands(tree: str, out: Union[str, os.PathLike]) -> List[str]:
     crf_out = {"dhr": r / "WSS/VOC2012/DHR/train_aug", "dhr-coco": r / "WSS/COCO2014/DHR/train",
                "irnet": r / "result/ir_label", "advcam": r / "result/ir_label", "seam": r / "out_cam_crf",
                "rsepm": r / "experiments/pseudo-labels/sample@CRF/train"}[tree]
-    trust = " --trust-pickle"  # every codebase's CAM file is a pickle (DHR's holds numpy arrays in its .pt)
-    cmds += [
-        f"mars crf --cams {q(p['cams'])} --wsss {'dhr' if dhr else tree}{trust} --images {q(p['images'])} "
+    cmds += [  # --trust-pickle: every codebase's CAM file is a pickle (DHR's .pt holds numpy arrays)
+        f"mars crf --cams {q(p['cams'])} --wsss {'dhr' if dhr else tree} --trust-pickle --images {q(p['images'])} "
         f"--out {q(str(crf_out))}",
         f"mars evaluate --pred {q(str(crf_out))} --gt {q(p['gt'])} --num-classes {num_classes}{names}",
     ]
