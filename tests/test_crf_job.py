@@ -142,8 +142,13 @@ def test_write_probs_by_class_id(tmp_path):
     write_sample_tree("seam", root, num_images=2, size=SIZE, seed=2)
     _write_cams("seam", root, root / "cams")
     images = root / LAYOUTS["seam"]["images"]
-    crf_job(images, tmp_path / "p", cams_dir=root / "cams", wsss="seam", trust_pickle=True, write="probs",
-            progress=False)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # every .npy written is closed by the job
+        warnings.simplefilter("always", ResourceWarning)
+        crf_job(images, tmp_path / "p", cams_dir=root / "cams", wsss="seam", trust_pickle=True, write="probs",
+                progress=False)
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
     crf_job(images, tmp_path / "l", cams_dir=root / "cams", wsss="seam", trust_pickle=True, progress=False)
     from mars_plugin.adapters.wsss import seam
 

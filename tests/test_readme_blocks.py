@@ -103,9 +103,27 @@ def _check_crf(cwd: Path, scope: dict) -> None:
     assert U.shape == (21, 120, 160)
 
 
+def _check_sample_crf(cwd: Path) -> None:
+    """`mars crf` wrote one file per image of the sample tree: labels (PNG) or (21, H, W) marginals."""
+    from PIL import Image
+
+    for tree, out, ext in (("irnet", "result/ir_label", ".png"), ("seam", "out_cam_probs", ".npy"),
+                           ("seam", "probs_crf", ".png")):
+        folder, images = cwd / f"sample_{tree}" / out, cwd / f"sample_{tree}" / "JPEGImages"
+        if not folder.is_dir():  # a block before the one that writes it
+            continue
+        stems = sorted(p.stem for p in images.glob("*.jpg"))
+        assert stems and sorted(p.stem for p in folder.glob(f"*{ext}")) == stems, folder
+        for stem in stems:
+            size = Image.open(images / f"{stem}.jpg").size[::-1]
+            got = np.load(folder / f"{stem}{ext}").shape if ext == ".npy" else Image.open(folder / f"{stem}{ext}").size[::-1]
+            assert tuple(got) == ((21,) + size if ext == ".npy" else size), (folder, stem, got)
+
+
 def _check_dropin(cwd: Path, scope: dict) -> None:
     """The drop-in's block gives pydensecrf's Q (where the crf extra is installed), as it says."""
-    if "Q" not in scope:  # another block of the section
+    if "Q" not in scope:  # another block of the section: `mars crf` on the sample trees
+        _check_sample_crf(cwd)
         return
     Q, d = scope["Q"], scope["d"]
     assert Q.shape == (21,) + scope["img"].shape[:2] and Q.dtype == np.float32

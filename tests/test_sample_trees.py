@@ -1,5 +1,7 @@
 """``mars sample``: each tree is in its codebase's layout (read back by that adapter's readers), its
-model files load as ``mars features`` loads them (weights only), and every command it prints runs."""
+CAM files are the codebase's own (read by its ``load_cams``, refused without the trust flag) and
+``mars crf`` refines them into labels, its model files load as ``mars features`` loads them
+(weights only), and every command it prints runs."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.formats.files import read_features, read_image, read_label
+from mars_plugin.commands.crf_job import CAM_EXTENSIONS
 from mars_plugin.commands.sample_trees import (CHEAP_TRAIN, COCO_IDS, DHR_DATA, LAYOUTS, TREES, class_ids, image_ids,
                                                sample_commands, write_sample_tree)
 from mars_plugin.worlds.synthetic_scenes import make_world
@@ -64,6 +67,95 @@ def test_the_tree_is_the_codebase_layout_read_back_by_its_adapter(tree):
         assert adapter.load_image_list(lay["tags"].parent / "train_aug.txt") == IDS
     for i in IDS:  # the tags are the classes of the ground truth
         assert [c + 1 for c in torch.nonzero(tags[i]).flatten().tolist()] == _classes(gt[i])
+
+
+def _adapter(name: str):
+    import importlib
+
+    return importlib.import_module(f"mars_plugin.adapters.wsss.{'dhr' if name in DHR_DATA else name}")
+
+
+def test_the_cams_are_the_codebase_files_read_by_its_load_cams(tree):
+    """One CAM file per image in the codebase's CAM folder and format: its ``load_cams`` reads it
+    (only with trust_pickle: each is a pickle), its keys are the image's tags (DHR's with
+    background 0), and every class map is high on that class's pseudo label and low elsewhere."""
+    name, out = tree
+    IDS = image_ids(name, 4)
+    adapter = _adapter(name)
+    folder = out / LAYOUTS[name]["cams"]
+    ext = CAM_EXTENSIONS["dhr" if name in DHR_DATA else name]
+    assert sorted(p.name for p in folder.iterdir()) == [f"{i}{ext}" for i in IDS]
+    world = make_world(4, size=48, seed=0, **WORLD_NOISE)
+    lut = class_ids(name)
+    for k, i in enumerate(IDS):
+        with pytest.raises(PermissionError, match="trust"):
+            adapter.load_cams(folder / f"{i}{ext}")
+        cams = adapter.load_cams(folder / f"{i}{ext}", trust_pickle=True)
+        tags = sorted(lut[c] for c in _classes(world.gt[k]))
+        keys = cams["keys"].tolist()
+        maps = torch.as_tensor(cams["high_res"] if name in ("irnet", "advcam") else cams["cam"]).float()
+        assert maps.shape == (len(keys), 48, 48)
+        if name in DHR_DATA:  # softmax maps of background and classes
+            assert keys == [0] + tags
+            torch.testing.assert_close(maps.sum(0), torch.ones(48, 48), rtol=0, atol=1e-2)
+            keys, maps = keys[1:], maps[1:]
+        else:
+            assert keys == tags and float(maps.min()) >= 0 and float(maps.max()) <= 1
+        if name in ("irnet", "advcam"):
+            assert tuple(cams["cam"].shape) == (len(keys), 12, 12)  # IRNet's stride-4 maps beside high_res
+        pseudo = torch.tensor(lut + (0,) * (256 - len(lut)))[world.pseudo[k]]
+        pseudo[world.pseudo[k] == 255] = 255
+        for c, m in zip(keys, maps):
+            inside = pseudo == c
+            assert inside.any() and float(m[inside].mean()) > float(m[~inside].mean()) + 0.3, (i, c)
+
+
+@pytest.mark.parametrize("name", ["irnet", "seam", "rsepm", "dhr"])
+def test_the_cam_keys_ascend_as_upstream_writes_them(name, tmp_path):
+    """An image of two classes (the 8-image world's 4th: train and dog, VOC 19 and 12): its keys
+    ascend as upstream's np.nonzero of the tag vector gives them, not in the world's order."""
+    paths = write_sample_tree(name, tmp_path / "t", num_images=8, size=32)
+    ext = CAM_EXTENSIONS[name]
+    keys = _adapter(name).load_cams(paths["cams"] / f"{image_ids(name, 8)[3]}{ext}", trust_pickle=True)["keys"]
+    assert [k for k in keys.tolist() if k] == [12, 19]
+
+
+def test_mars_crf_runs_on_every_tree(tree, capsys):
+    """The tree's `mars crf` line (its CAMs, its codebase's rule and CRF) writes one label PNG per
+    image of the image's size, with the tree's class ids (IRNet/AdvCAM: 255 between their
+    confident foreground and background), closer to the ground truth than the CAMs' own labels
+    without the CRF; the `mars evaluate` line after it scores them."""
+    from PIL import Image
+
+    name, out = tree
+    commands = sample_commands(name, out)
+    at = [k for k, c in enumerate(commands) if c.startswith("mars crf ")]
+    assert len(at) == 1
+    crf, evaluate = shlex.split(commands[at[0]]), shlex.split(commands[at[0] + 1])
+    folder = Path(crf[crf.index("--out") + 1])
+    assert evaluate[:4] == ["mars", "evaluate", "--pred", str(folder)]
+    assert not folder.exists()
+    capsys.readouterr()
+    for argv in (crf, evaluate):
+        code = cli.main(argv[1:] + ["--no-progress", "--threads", "1"])
+        printed, err = capsys.readouterr()
+        assert code == 0, (argv, err)
+    assert "mIoU" in printed
+    IDS = image_ids(name, 4)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [f"{i}.png" for i in IDS]
+    lay = {k: out / v for k, v in LAYOUTS[name].items()}
+    adapter, ext = _adapter(name), CAM_EXTENSIONS["dhr" if name in DHR_DATA else name]
+    allowed = set(class_ids(name)) | ({255} if name in ("irnet", "advcam") else set())
+    hits = {"crf": 0, "cams": 0}
+    for i in IDS:
+        png = Image.open(folder / f"{i}.png")
+        label = np.asarray(png)
+        assert png.size == (48, 48) and png.mode == "P" and set(np.unique(label).tolist()) <= allowed
+        gt = read_label(lay["gt"] / f"{i}.png", biased_value=None).numpy()
+        plain = adapter.cams_to_label(adapter.load_cams(lay["cams"] / f"{i}{ext}", trust_pickle=True)).numpy()
+        hits["crf"] += int(((label == gt) & (gt != 255)).sum())
+        hits["cams"] += int(((plain == gt) & (gt != 255)).sum())
+    assert hits["crf"] > hits["cams"], hits  # the CRF had work to do, and did it
 
 
 def test_the_weights_load_weights_only(tree):

@@ -111,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "layout of DHR (its --root: VOC2012/train_aug/{image,mask,xml}, WSS/...; dhr-coco: "
                                     "its COCO2014/train tree, COCO ids, for reproduce --data COCO2014), IRNet, "
                                     "AdvCAM, SEAM or RS+EPM, with random-weight model files in weights/ (a tiny STEGO "
-                                    "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads), and "
-                                    "print the commands to try on it (features, centroids, debias, evaluate, report, "
-                                    "reproduce). A few seconds, a few MB.")
+                                    "as DHR's two files and as a .ckpt, a tiny DINOv2 with DHR's CAUSE heads) and CAMs in "
+                                    "the codebase's own files, and print the commands to try on it (features, "
+                                    "centroids, debias, evaluate, report, crf, reproduce). A few seconds, a few MB.")
     from mars_plugin.commands.sample_trees import TREES
 
     sm.add_argument("--tree", choices=TREES, required=True, help="whose layout")

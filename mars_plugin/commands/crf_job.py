@@ -114,7 +114,11 @@ def _finish(job: Tuple[str, Dict[str, Any], Optional[List[np.ndarray]], str, Dic
     if cfg["write"] == "labels":
         write_label(path, torch.from_numpy(out), mode="P")
     else:
-        atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), out, allow_pickle=False))
+        def save(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # closed (and its error raised) before atomic_write renames it
+                np.save(f, out, allow_pickle=False)
+
+        atomic_write(path, save)
     return stem, array_digest(out)
 
 

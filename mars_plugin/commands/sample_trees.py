@@ -6,7 +6,9 @@ its six classes written as their PASCAL VOC ids (boat 4, train 19, dog 12, car 7
 bird 3: the trees are VOC-shaped, ``--num-classes 20``), or, in ``dhr-coco`` (DHR's COCO 2014
 tree, what ``mars reproduce --data COCO2014`` reads), as their COCO ids (boat 9, train 7, dog
 17, car 3, person 1, bird 15; ``--num-classes 80``, domain ``train``). The labels and tag
-files are written by the adapters' own writers in the codebase's layout (:data:`LAYOUTS`). ``weights/`` holds
+files are written by the adapters' own writers in the codebase's layout (:data:`LAYOUTS`), and
+the CAMs in each codebase's own CAM files and folder (smooth maps of the pseudo labels' regions:
+``mars crf`` refines them on the images). ``weights/`` holds
 random-weight models in the files ``mars features`` reads: a tiny STEGO (DINO ViT-Ti/8 +
 heads) as DHR's two files and as a Lightning-like ``.ckpt`` that loads with
 ``weights_only=True``, and a tiny DINOv2 (ViT-Ti/14) with DHR's CAUSE heads. Random weights:
@@ -32,22 +34,29 @@ __all__ = ["TREES", "LAYOUTS", "VOC_IDS", "COCO_IDS", "DHR_DATA", "class_ids", "
 
 TREES = ("dhr", "dhr-coco", "irnet", "advcam", "seam", "rsepm")
 #: Where each tree keeps what (relative to ``--out``): images, ground truth, pseudo labels,
-#: image-level tags (a file or an xml folder) and the synthetic world's features.
+#: image-level tags (a file or an xml folder), the synthetic world's features and the CAMs in
+#: the folder where the codebase writes them (IRNet step/make_cam.py ``result/cam``, AdvCAM
+#: obtain_CAM_masking.py ``result/cam_adv_mask``, SEAM infer_SEAM.py ``--out_cam``, RS+EPM
+#: infer_rsepm.py ``experiments/predictions/<tag>/<domain>``, DHR produce_wss_masks.py
+#: ``experiments/results/<data>/<tag>@<checkpoint>/<domain>`` with its default tag).
 LAYOUTS: Dict[str, Dict[str, str]] = {
     "dhr": dict(images="VOC2012/train_aug/image", gt="VOC2012/train_aug/mask", pseudo="WSS/VOC2012/RSEPM/train_aug",
-                tags="VOC2012/train_aug/xml", features="VOC2012/train_aug/SYNTHETIC"),
+                tags="VOC2012/train_aug/xml", features="VOC2012/train_aug/SYNTHETIC",
+                cams="experiments/results/VOC2012/ResNet-101@VOC2012@DeepLabv3+@DHR@last/train_aug"),
     # DHR's COCO 2014 tree: the same layout under COCO2014/, domain train (DHR's README,
     # "Preparing datasets"; mars_plugin.commands.reproduce.default_domain)
     "dhr-coco": dict(images="COCO2014/train/image", gt="COCO2014/train/mask", pseudo="WSS/COCO2014/RSEPM/train",
-                     tags="COCO2014/train/xml", features="COCO2014/train/SYNTHETIC"),
+                     tags="COCO2014/train/xml", features="COCO2014/train/SYNTHETIC",
+                     cams="experiments/results/COCO2014/ResNet-101@COCO2014@DeepLabv3+@DHR@last/train"),
     "irnet": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="result/sem_seg",
-                  tags="voc12/cls_labels.npy", features="features"),
+                  tags="voc12/cls_labels.npy", features="features", cams="result/cam"),
     "advcam": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="result/sem_seg",
-                   tags="voc12/cls_labels.npy", features="features"),
+                   tags="voc12/cls_labels.npy", features="features", cams="result/cam_adv_mask"),
     "seam": dict(images="JPEGImages", gt="SegmentationClassAug", pseudo="out_rw", tags="voc12/cls_labels.npy",
-                 features="features"),
+                 features="features", cams="out_cam"),
     "rsepm": dict(images="VOC2012/train_aug/image", gt="VOC2012/train_aug/mask",
-                  pseudo="experiments/pseudo-labels/sample/train", tags="VOC2012/train_aug/xml", features="features"),
+                  pseudo="experiments/pseudo-labels/sample/train", tags="VOC2012/train_aug/xml", features="features",
+                  cams="experiments/predictions/sample/train"),
 }
 #: The synthetic world's class ids (boat, train, dog, car, person, bird) as VOC's.
 VOC_IDS = (0, 4, 19, 12, 7, 15, 3)
@@ -142,6 +151,53 @@ def _xml(path: Path, gt: torch.Tensor, names) -> None:
     atomic_write(path, lambda tmp: ET.ElementTree(root).write(tmp))
 
 
+def _class_maps(pseudo: torch.Tensor, classes: List[int], size: int) -> np.ndarray:
+    """(K, H, W) float32 CAM-like maps in [0, 1], one per class of ``classes`` (the image's
+    tags): its pseudo-label region blurred (sigma size/16) and divided by its maximum + 1e-5, as
+    IRNet normalises its CAMs. They keep the pseudo labels' leaks (boat into sea, train into
+    rail) and have no edges, which the dense CRF finds in the image."""
+    from scipy.ndimage import gaussian_filter
+
+    maps = [gaussian_filter((pseudo == c).numpy().astype(np.float32), size / 16, mode="nearest") for c in classes]
+    maps = np.stack(maps) if maps else np.zeros((0,) + tuple(pseudo.shape), np.float32)
+    return (maps / (maps.max(axis=(1, 2), keepdims=True) + 1e-5)).astype(np.float32)
+
+
+def _write_cams(tree: str, path: Path, ids: List[int], maps: np.ndarray) -> None:
+    """One image's CAM file at ``path`` in ``tree``'s own format (what its adapter's
+    ``load_cams`` reads): ``maps`` (K, H, W) in [0, 1] of the class ids ``ids`` (VOC's 1..20 or
+    COCO's 1..80, without background). The pickled formats are written as the codebases write
+    them; reading them back needs ``--trust-pickle``."""
+    import pickle
+
+    keys0 = np.asarray(ids, dtype=np.int64) - 1  # the codebases' 0-based class indices
+    if tree in ("irnet", "advcam"):  # step/make_cam.py:44-56: torch keys and stride-4 cam, numpy high_res
+        H, W = maps.shape[1:]
+        strided = torch.nn.functional.interpolate(torch.from_numpy(maps)[None], ((H - 1) // 4 + 1, (W - 1) // 4 + 1),
+                                                  mode="bilinear", align_corners=False)[0]
+        strided /= strided.amax(dim=(1, 2), keepdim=True) + 1e-5
+        obj = {"keys": torch.from_numpy(keys0), "cam": strided, "high_res": maps}
+        atomic_write(path, lambda tmp: np.save(tmp, obj, allow_pickle=True))
+    elif tree == "seam":  # infer_SEAM.py:80-85: {0-based class index: (H, W) map}
+        obj = {int(k): m for k, m in zip(keys0, maps)}
+        atomic_write(path, lambda tmp: np.save(tmp, obj, allow_pickle=True))
+    elif tree == "rsepm":  # infer_rsepm.py:122-134: keys [0, class + 1, ...], seeds without background
+        obj = {"keys": np.pad(keys0 + 1, (1, 0), mode="constant"), "seed": maps}
+
+        def dump(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                pickle.dump(obj, f)
+
+        atomic_write(path, dump)
+    else:  # DHR produce_wss_masks.py:39-48: the softmax of background and classes (> 0.05), numpy
+        scores = np.concatenate([1 - maps.max(0, initial=0)[None], maps])
+        probs = np.exp(8 * scores)
+        probs /= probs.sum(0, keepdims=True)
+        keep = probs.reshape(len(probs), -1).max(1) > 0.05
+        obj = {"keys": np.concatenate([[0], ids]).astype(np.int64)[keep], "masks": probs[keep].astype(np.float16)}
+        _save(obj, path)
+
+
 def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: int = 8, size: int = 64,
                       seed: int = 0) -> Dict[str, Path]:
     """Write the sample tree ``tree`` (one of :data:`TREES`) into ``out``, a new or empty folder.
@@ -188,8 +244,16 @@ def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None
     gt = [_relabel(y, lut) for y in world.gt]
     pseudo = [(i, _relabel(y, lut)) for i, y in zip(ids, world.pseudo)]
     paths = {k: root / v for k, v in LAYOUTS[tree].items()}
+    from mars_plugin.commands.crf_job import CAM_EXTENSIONS
+
+    cam_ext = CAM_EXTENSIONS["dhr" if tree in DHR_DATA else tree]
     for i, stem in enumerate(ids):
         write_image(paths["images"] / f"{stem}.jpg", world.images[i])
+        # the image's tags as the world's class indices, in the order of the codebase's ids
+        # (upstream's keys are np.nonzero of the tag vector: ascending)
+        tags = sorted((c for c in world.gt[i].unique().tolist() if 0 < c < 255), key=lambda c: lut[c])
+        _write_cams(tree, paths["cams"] / f"{stem}{cam_ext}", [lut[c] for c in tags],
+                    _class_maps(world.pseudo[i], tags, size))
         write_label(paths["gt"] / f"{stem}.png", gt[i])
         if tree in DHR_DATA:  # DHR's own dataset stores its features as fp16 .pt tensors
             _save(world.features[i].half().clone(), paths["features"] / f"{stem}.pt")
@@ -255,6 +319,16 @@ def sample_commands(tree: str, out: Union[str, os.PathLike]) -> List[str]:
         f"mars report --labels {q(p['pseudo'])} --debiased {q(str(debiased))} --images {q(p['images'])} "
         f"--out {q(str(r / 'report'))}{names}",
     ]
+    # `mars crf` on the tree's CAMs (its codebase's rule and CRF), into the folder where the
+    # codebase puts what its CRF step makes (IRNet/AdvCAM result/ir_label, DHR's WSS masks)
+    crf_out = {"dhr": r / "WSS/VOC2012/DHR/train_aug", "dhr-coco": r / "WSS/COCO2014/DHR/train",
+               "irnet": r / "result/ir_label", "advcam": r / "result/ir_label", "seam": r / "out_cam_crf",
+               "rsepm": r / "experiments/pseudo-labels/sample@CRF/train"}[tree]
+    cmds += [  # --trust-pickle: every codebase's CAM file is a pickle (DHR's .pt holds numpy arrays)
+        f"mars crf --cams {q(p['cams'])} --wsss {'dhr' if dhr else tree} --trust-pickle --images {q(p['images'])} "
+        f"--out {q(str(crf_out))}",
+        f"mars evaluate --pred {q(str(crf_out))} --gt {q(p['gt'])} --num-classes {num_classes}{names}",
+    ]
     if dhr:
         base = f"mars reproduce --root {q(str(r))}" + (f" --data {data}" if data != "VOC2012" else "") + \
             f" --pseudo {q(p['pseudo'])}"
@@ -278,6 +352,8 @@ def describe(tree: str, out: Union[str, os.PathLike]) -> Tuple[str, ...]:
     lines += [f"  {k:<9}{r / v}" for k, v in lay.items()]
     lines.append(f"  {'weights':<9}{r / 'weights'} (random weights: tiny STEGO as DHR's two files and as a "
                  "weights-only .ckpt, tiny DINOv2 + DHR's CAUSE heads)")
+    lines.append("  (the cams are smooth maps of the pseudo labels' regions, in the codebase's own CAM files: "
+                 "`mars crf` below refines them)")
     lines.append("try next:")
     lines += [f"  {c}" for c in sample_commands(tree, out)]
     return tuple(lines)
