@@ -201,6 +201,18 @@ def checked_labels(
         yield str(stem), t
 
 
+def argmax_label(prepared: Any, marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
+    """(H, W) long label of the argmax rule SEAM, RS+EPM and DHR apply after their CRF: the
+    argmax over the channels (ties to the first, as ``np.argmax`` upstream) of the CRF's (L, H, W)
+    marginals (None: the adapter's ``crf_input`` scores as they are), mapped through the channel
+    ids; all background when ``crf_input`` had nothing to refine (no map)."""
+    if not prepared["maps"]:
+        return torch.zeros(tuple(prepared["size"]), dtype=torch.long)
+    scores = prepared["maps"][0] if marginals is None else marginals[0]
+    scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
+    return torch.from_numpy(np.asarray(prepared["ids"])[np.argmax(scores, axis=0)].astype(np.int64))
+
+
 def read_image_list(path: PathLike) -> List[str]:
     """Image ids of a list file: the first whitespace-separated field of each non-empty line,
     without folder or image extension, so plain lists (``2007_000032``) and deeplab/SEAM lines

@@ -63,6 +63,7 @@ from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.formats.files import BIASED_VALUE, check_stem, list_stems, stem_path
 
 from mars_plugin.adapters.wsss._common import (
+    argmax_label,
     check_biased_value,
     check_map_size,
     checked_labels,
@@ -418,10 +419,6 @@ def crf_input(cams: Mapping[str, Any], *, image_size: Optional[Tuple[int, int]] 
     return {"kind": "probs", "maps": [cam], "ids": keys.numpy(), "size": tuple(cam.shape[1:])}
 
 
-def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
-    """(H, W) long mask from :func:`crf_input`'s dict and the CRF's (L, H, W) marginals of its
-    ``maps`` (None: the probabilities as they are): argmax (ties to the first) through the keys
-    (``produce_wss_masks.py:70-71``)."""
-    probs = prepared["maps"][0] if marginals is None else marginals[0]
-    probs = probs.detach().cpu().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
-    return torch.from_numpy(np.asarray(prepared["ids"]))[torch.from_numpy(np.argmax(probs, axis=0))]
+#: The mask after the CRF, the argmax through the keys (``produce_wss_masks.py:70-71``):
+#: :func:`mars_plugin.adapters.wsss._common.argmax_label`.
+crf_label = argmax_label

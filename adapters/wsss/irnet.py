@@ -224,7 +224,8 @@ def _label_unary(labels: np.ndarray, n_labels: int, gt_prob: float) -> torch.Ten
 
 
 def crf_input(cams: Mapping[str, Any], *, conf_fg: float = CONF_FG_THRES, conf_bg: float = CONF_BG_THRES,
-              gt_prob: float = CRF_PARAMS["gt_prob"], num_classes: int = NUM_CLASSES) -> Dict[str, Any]:
+              gt_prob: float = CRF_PARAMS["gt_prob"], num_classes: int = NUM_CLASSES,
+              unaries: bool = True) -> Dict[str, Any]:
     """The CRF's input by cam_to_ir_label.py's rule (shared by IRNet and AdvCAM), before the CRF:
     the two thresholded argmax maps (``conf_fg``, ``conf_bg``, cam_to_ir_label.py:27-35) and
     their label unaries (``crf_inference_label``, misc/imutils.py:156-170, ``gt_prob``).
@@ -233,7 +234,8 @@ def crf_input(cams: Mapping[str, Any], *, conf_fg: float = CONF_FG_THRES, conf_b
     side] (empty when L < 2: no CRF, nothing but background), "idx": the two (H, W) argmax
     maps, "ids": (L,) label id of each channel (0 first), "size": (H, W)}``; give it with the
     CRF's marginals of ``maps`` (or None: no CRF) to :func:`crf_label`. :func:`cams_to_label`
-    is the two with the CRF of :data:`CRF_PARAMS` per image; ``mars crf`` batches the CRF."""
+    is the two with the CRF of :data:`CRF_PARAMS` per image; ``mars crf`` batches the CRF.
+    ``unaries=False``: ``maps`` stays empty (for the rule without a CRF, which needs none)."""
     conf_fg, conf_bg = _check_thresholds(conf_fg, conf_bg)
     if not isinstance(cams, Mapping) or "keys" not in cams or cams.get("high_res") is None:
         raise ValueError("cams must be the dict of load_cams(...) with 'keys' and a 'high_res' array")
@@ -253,7 +255,7 @@ def crf_input(cams: Mapping[str, Any], *, conf_fg: float = CONF_FG_THRES, conf_b
     idx = [np.argmax(np.pad(hr, ((1, 0), (0, 0), (0, 0)), mode="constant", constant_values=t), axis=0)
            for t in (conf_fg, conf_bg)]
     # n_labels < 2: nothing but background, and unary_from_labels would divide by zero
-    maps = [_label_unary(i, n_labels, gt_prob) for i in idx] if n_labels >= 2 else []
+    maps = [_label_unary(i, n_labels, gt_prob) for i in idx] if n_labels >= 2 and unaries else []
     return {"kind": "unary", "maps": maps, "idx": idx, "ids": keys, "size": tuple(hr.shape[1:])}
 
 
@@ -296,7 +298,8 @@ def confident_label(
             if k not in params:
                 raise ValueError(f"crf_params has the unknown key {k!r}; expected some of {sorted(params)}")
             params[k] = v
-    prepared = crf_input(cams, conf_fg=conf_fg, conf_bg=conf_bg, gt_prob=params["gt_prob"], num_classes=num_classes)
+    prepared = crf_input(cams, conf_fg=conf_fg, conf_bg=conf_bg, gt_prob=params["gt_prob"], num_classes=num_classes,
+                         unaries=crf)
     if not crf:
         return crf_label(prepared)
     from mars_plugin.engines.crf import dense_crf_from_unary, image_to_hwc_uint8

@@ -85,6 +85,7 @@ from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.formats.files import BIASED_VALUE, list_stems, stem_path
 
 from mars_plugin.adapters.wsss._common import (
+    argmax_label,
     COCO_CLASSES,
     VOC_CLASSES,
     check_biased_value,
@@ -324,15 +325,8 @@ def crf_input(cams: Mapping[str, Any], *, bg_gamma: Optional[float] = BG_GAMMA,
             "size": tuple(cam.shape[1:])}
 
 
-def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
-    """(H, W) long mask from :func:`crf_input`'s dict and the CRF's (L, H, W) marginals of its
-    ``maps`` (None: the scores as they are): argmax (ties to the first) through the ids
-    (``:130-131``); all background where there was nothing to refine."""
-    if not prepared["maps"]:
-        return torch.zeros(tuple(prepared["size"]), dtype=torch.long)
-    scores = prepared["maps"][0] if marginals is None else marginals[0]
-    scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
-    return torch.from_numpy(np.asarray(prepared["ids"])[np.argmax(scores, axis=0)].astype(np.int64))
+#: The label after the CRF (the argmax through the ids): :func:`mars_plugin.adapters.wsss._common.argmax_label`.
+crf_label = argmax_label
 
 
 # --------------------------------------------------------------------------- image tags, lists

@@ -83,6 +83,7 @@ from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.formats.files import BIASED_VALUE, list_stems, stem_path
 
 from mars_plugin.adapters.wsss._common import (
+    argmax_label,
     VOC_CLASSES,
     read_image_list,
     check_biased_value,
@@ -322,15 +323,8 @@ def crf_input(cams: Mapping[str, Any], *, bg_threshold: float = BG_THRESHOLD, bg
             "size": tuple(cam.shape[1:])}
 
 
-def crf_label(prepared: Mapping[str, Any], marginals: Optional[Sequence[Any]] = None) -> torch.Tensor:
-    """(H, W) long label from :func:`crf_input`'s dict and the CRF's (L, H, W) marginals of its
-    ``maps`` (None: the scores as they are): the argmax (ties to the first channel, as
-    ``np.argmax`` upstream) mapped through the ids."""
-    if not prepared["maps"]:
-        return torch.zeros(tuple(prepared["size"]), dtype=torch.long)
-    scores = prepared["maps"][0] if marginals is None else marginals[0]
-    scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
-    return torch.from_numpy(np.asarray(prepared["ids"])[np.argmax(scores, axis=0)].astype(np.int64))
+#: The label after the CRF (the argmax through the ids): :func:`mars_plugin.adapters.wsss._common.argmax_label`.
+crf_label = argmax_label
 
 
 # --------------------------------------------------------------------------- image labels, lists
