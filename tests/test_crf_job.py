@@ -308,6 +308,19 @@ def test_half_maps_give_the_float32_maps_labels(tmp_path):
         np.testing.assert_array_equal(np.load(tmp_path / "o_p16" / p.name), np.load(p))
 
 
+def test_probs_with_more_channels_than_png_ids_refused_for_labels(tmp_path):
+    """A --probs map of 255 channels cannot become a label PNG (ids 254 and 255 mean biased and
+    ignore, 256 would wrap): the file fails by name, and --write probs still takes it."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "probs").mkdir()
+    Image.fromarray(np.zeros((6, 7, 3), np.uint8)).save(tmp_path / "images" / "a.png")
+    np.save(tmp_path / "probs" / "a.npy", np.full((255, 6, 7), 1 / 255, np.float32))
+    with pytest.raises(JobError, match="a: the probability map has 255 channels"):
+        crf_job(tmp_path / "images", tmp_path / "lab", probs_dir=tmp_path / "probs", progress=False)
+    assert crf_job(tmp_path / "images", tmp_path / "pr", probs_dir=tmp_path / "probs", write="probs",
+                   crf_params={"iterations": 1}, progress=False).done == 1
+
+
 def test_bad_settings_name_the_flag():
     with pytest.raises(ValueError, match="crf must be one of"):
         CrfSettings(crf="nope")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
-from mars_plugin.formats.files import FEATURE_EXTENSIONS, atomic_write, list_stems, read_image, write_label
+from mars_plugin.formats.files import BIASED_VALUE, FEATURE_EXTENSIONS, atomic_write, list_stems, read_image, write_label
 from mars_plugin.commands.crf_settings import CrfSettings
 from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
 from mars_plugin.commands.errors import JobError, JobSummary, one_line
@@ -61,6 +61,10 @@ def _prepare(job: Tuple[str, str, str, Dict[str, Any]]) -> Tuple[str, Optional[D
         rgb = read_image(image_path)
         if cfg["wsss"] is None:
             item = _read_probs(Path(src))
+            if cfg["write"] == "labels" and len(item["ids"]) > BIASED_VALUE:
+                # a class id written into a uint8 PNG must stay below 254 (biased) and 255 (ignore)
+                raise ValueError(f"the probability map has {len(item['ids'])} channels; label PNGs hold class ids "
+                                 f"0..{BIASED_VALUE - 1} (254 is biased, 255 ignore): use --write probs")
         else:
             adapter = _adapter(cfg["wsss"])
             cams = adapter.load_cams(src, trust_pickle=cfg["trust_pickle"])
