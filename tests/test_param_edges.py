@@ -78,6 +78,9 @@ BAD_FLAGS = [
     ("reproduce", "--iterations", "0"), ("reproduce", "--train-batch-size", "0"), ("reproduce", "--crop", "4"),
     ("reproduce", "--min-size", "0"), ("reproduce", "--max-size", "99999"), ("reproduce", "--lr", "-1"),
     ("reproduce", "--loader-workers", "-1"),
+    ("crf", "--batch-size", "0"), ("crf", "--batch-size", "4097"), ("crf", "--workers", "-1"),
+    ("crf", "--workers", "257"), ("crf", "--max-memory", "0"), ("crf", "--max-memory", "nan"),
+    ("crf", "--threads", "0"),
 ]
 
 
@@ -100,6 +103,7 @@ def _argv(cmd, tmp):
                       "--out", f"{t}/out"],
         "predict": ["predict", "--model", f"{t}/m.pt", "--images", f"{t}/i", "--out", f"{t}/out"],
         "train": ["train", "--images", f"{t}/i", "--labels", f"{t}/l", "--out", f"{t}/out"],
+        "crf": ["crf", "--probs", f"{t}/p", "--images", f"{t}/i", "--out", f"{t}/out"],
     }[cmd]
 
 
