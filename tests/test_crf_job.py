@@ -243,6 +243,7 @@ def test_out_inside_an_input_refused(rsepm, capsys):
     assert not (images / "crf").exists()
 
 
+@pytest.mark.slow
 def test_workers_write_the_same_files(rsepm, tmp_path):
     """--workers 2 (decoding and encoding in spawned processes) writes what --workers 0 writes."""
     cams, images = rsepm

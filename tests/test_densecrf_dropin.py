@@ -149,6 +149,7 @@ def test_custom_features(path, ref, D):
     _compare(ref, build, 5, lambda m: m.DenseCRF(N, L))
 
 
+@pytest.mark.slow
 def test_too_many_dimensions_for_the_compiled_lattice(path):
     from mars_plugin.engines.crf_terms import COMPILED_MAX_DIM
     feats = np.zeros((COMPILED_MAX_DIM + 1, 4), np.float32)

@@ -255,7 +255,7 @@ def assert_same(got: List[np.ndarray], want: List[np.ndarray]) -> None:
     assert same >= MIN_AGREEMENT * total, f"argmax agrees on {same}/{total} pixels"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "500x375" in n else n for n in CASES])
 def test_each_helper_call_gives_pydensecrfs_answer(name):
     ours = _modules(OURS)
     ref = _modules(REFERENCE)
@@ -381,7 +381,8 @@ def assert_same_runs(codebase: str, want: List[Tuple[str, np.ndarray]], got: Lis
     assert_same([g for (kind, _), g in zip(want, got) if kind == "Q"], [w for kind, w in want if kind == "Q"])
 
 
-@pytest.mark.parametrize("codebase", list(UPSTREAM))
+@pytest.mark.parametrize("codebase", [pytest.param(c, marks=pytest.mark.slow) if c == "deeplab-pytorch" else c
+                                      for c in UPSTREAM])
 def test_the_upstream_file_with_our_import_gives_pydensecrfs_answer(codebase):
     theirs, ours = _upstream_pair(codebase)
     want = [(kind, run()) for kind, run in _upstream_runs(codebase, theirs)]
