@@ -66,6 +66,7 @@ from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE
 
 from mars_plugin._checks import check_num_classes
 
+from mars_plugin.engines.crf_params import CRF_PRESETS
 from mars_plugin.adapters.wsss._common import (
     VOC_CLASSES,
     read_image_list,
@@ -111,16 +112,9 @@ CONF_BG_THRES = 0.05
 #: ``--sem_seg_bg_thres`` (run_sample.py:52), used by the random walk only (not reproduced).
 SEM_SEG_BG_THRES = 0.25
 #: ``crf_inference_label`` (misc/imutils.py:156-170): unary_from_labels(gt_prob=0.7,
-#: zero_unsure=False), Gaussian sxy 3 compat 3, bilateral sxy 50 srgb 5 compat 10, 10 iterations.
-CRF_PARAMS: Dict[str, float] = {
-    "iterations": 10,
-    "gt_prob": 0.7,
-    "gaussian_sxy": 3,
-    "gaussian_compat": 3,
-    "bilateral_sxy": 50,
-    "bilateral_srgb": 5,
-    "bilateral_compat": 10,
-}
+#: zero_unsure=False) and the CRF preset ``irnet`` (Gaussian sxy 3 compat 3, bilateral sxy 50
+#: srgb 5 compat 10, 10 iterations), one table for this adapter and ``mars crf --crf irnet``.
+CRF_PARAMS: Dict[str, float] = {"gt_prob": 0.7, **CRF_PRESETS["irnet"]}
 
 PathLike = Union[str, os.PathLike]
 
