@@ -92,6 +92,7 @@ def teacher_labels(
     image: Any = None,
     crf_params: Union[None, str, Mapping[str, Any]] = None,
     crf_backend: str = "torch",
+    needed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Teacher label Y^te: argmax of (B, C+1, H, W) probabilities over the ``allowed`` (B, C+1)
     channels (background + the image's classes), after the dense CRF of
@@ -103,6 +104,12 @@ def teacher_labels(
     The CRF sees only the allowed channels, renormalised to sum to 1, as the WSSS repositories
     do with image-level labels: each image's allowed channels are gathered to the front, so a
     batch of VOC images (a few classes each) is refined over a few labels, not 21.
+
+    ``needed`` ((B,) bool, optional): the images whose labels the caller will use. The
+    refinement runs on those alone; the others get the plain argmax (their refined labels would
+    be thrown away). Each image's CRF is independent of the others in its batch, so the labels
+    of the needed images are the same either way. An image with a single allowed channel is
+    never refined: the CRF over one label gives that label everywhere, as the argmax does.
     """
     masked = teacher_probs.masked_fill(~allowed[:, :, None, None], float("-inf"))
     if refine is None:
@@ -118,6 +125,28 @@ def teacher_labels(
     B, _, H, W = teacher_probs.shape
     if imgs.ndim != 4 or imgs.shape[0] != B:
         raise ValueError(f"image must hold B={B} RGB images, got {describe(imgs)}")
+    n_allowed = allowed.sum(1)
+    # The CRF is most of a MARS step's teacher (GPU profile, docs/benchmarks.md): only the images
+    # whose refined labels are used, and that have two labels or more to choose from, run it.
+    run = n_allowed > 1
+    if needed is not None:
+        if needed.shape != (B,) or needed.dtype != torch.bool:
+            raise ValueError(f"needed must be a (B,) = ({B},) bool tensor, got {describe(needed)}")
+        run &= needed.to(run.device)
+    if not bool(run.all()):
+        out = masked.argmax(1)
+        keep = torch.nonzero(run).flatten()
+        if keep.numel():
+            out[keep] = _refined_labels(teacher_probs[keep], allowed[keep], imgs[keep.to(imgs.device)], refine,
+                                        params, crf_backend)
+        return out
+    return _refined_labels(teacher_probs, allowed, imgs, refine, params, crf_backend)
+
+
+def _refined_labels(teacher_probs: torch.Tensor, allowed: torch.Tensor, imgs: torch.Tensor, refine: str,
+                    params: Mapping[str, Any], crf_backend: str) -> torch.Tensor:
+    """:func:`teacher_labels`' refinement of a (B, C+1, H, W) batch over its allowed channels."""
+    B, _, H, W = teacher_probs.shape
     n_allowed = allowed.sum(1)
     order = torch.sort((~allowed).to(torch.int8), dim=1, stable=True).indices[:, : int(n_allowed.max())]
     ok = torch.arange(order.shape[1], device=allowed.device)[None, :] < n_allowed[:, None]
@@ -176,7 +205,9 @@ def complement_labels(
     y, p, cls, single = _prepare(debiased, teacher_probs, image_classes, ignore_index)
     allowed = torch.cat([torch.ones_like(cls[:, :1]), cls], 1)
     biased = y == BIASED
-    y_te = teacher_labels(p, allowed, refine=refine, image=image, crf_params=crf_params, crf_backend=crf_backend)
+    # the teacher's labels are used at biased pixels only: images without one skip the CRF
+    y_te = teacher_labels(p, allowed, refine=refine, image=image, crf_params=crf_params, crf_backend=crf_backend,
+                          needed=biased.flatten(1).any(1))
     complemented = torch.where(biased, y_te, y)
     fg = p[:, 1:].masked_fill(~cls[:, :, None, None], float("-inf")).max(1).values
     fg = fg.nan_to_num(neginf=0.0).clamp_min(0.0)
