@@ -8,7 +8,7 @@ Each section prints a markdown table and its wall time; a failing section prints
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,crf_job,debias,train,features,predict] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,crf_job,debias,train,profile,features,predict] [--smoke]
 """
 import argparse
 import os
@@ -101,6 +101,15 @@ def section_train(dev, smoke):
         _script(["bench_train.py", "--device", dev, "--steps", "10", "--warmup", "4"])
 
 
+def section_profile(dev, smoke):
+    """Where one MARS step's time goes (student, teacher, complement, the CRF's lattice builds and
+    one filter, torch.profiler's top kernels): the profile behind the train section's ratio."""
+    if smoke:
+        _script(["profile_mars_step.py", "--batch", "2", "--size", "64", "--backbone", "resnet18", "--device", dev])
+    else:
+        _script(["profile_mars_step.py", "--device", dev])
+
+
 def section_features(dev, smoke):
     """`mars features` (DHR's multi-scale inference, STEGO ViT-B/8) fp32 and fp16."""
     if smoke:
@@ -163,7 +172,7 @@ def section_gather(dev, smoke):
 
 
 SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "crf_job": section_crf_job,
-            "debias": section_debias, "train": section_train, "features": section_features,
+            "debias": section_debias, "train": section_train, "profile": section_profile, "features": section_features,
             "predict": section_predict}
 
 

@@ -3,7 +3,7 @@
 # batch 1/16/64 (500x375, 2 and 21 labels, both presets), the pydensecrf drop-in on CUDA (21 and 81
 # labels, deeplab-pytorch's and IRNet's settings), the blur's gather forms, `mars crf` (21 and 81
 # labels, COCO val extrapolated), `mars debias --device cuda`, the
-# training step CE vs MARS with the CRF teacher (batch 16 x 512 x 512), `mars features`
+# training step CE vs MARS with the CRF teacher (batch 16 x 512 x 512) and its profile, `mars features`
 # fp32/fp16 and `mars predict`. On a machine without a GPU it says so and exits 0.
 # Usage: bash benchmarks/gpu.sh [OUT_FILE]   (the rows also go to OUT_FILE, default $OUT/gpu_rows.md
 # when $OUT is set); record them in docs/benchmarks.md with the card's name.

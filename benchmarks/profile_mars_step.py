@@ -88,6 +88,26 @@ def main():
     rows.append(("dense_crf alone, float32 input", timed(lambda: dense_crf(pf, rgb, CRF_PRESETS["mars"]), dev)[0]))
     rows.append(("dense_crf, 5 iterations", timed(lambda: dense_crf(pf, rgb, dict(CRF_PRESETS["mars"], iterations=5)),
                                                    dev)[0]))
+    # The CRF's two parts: building the two lattices (the position lattice is kept between calls
+    # when small; cleared here, as a training batch of 16 x 512 x 512 is past the kept size) and
+    # the mean field's iterations (the total minus the builds).
+    from mars_plugin.engines.crf_lattices import (_features, _gaussian_lattice, _lattice, _segments,
+                                                  clear_lattice_cache)
+
+    prm = CRF_PRESETS["mars"]
+    shapes = tuple((S, S) for _ in range(B))
+    seg = _segments([S * S] * B, torch.device(dev))
+    rgbs = list(rgb)
+
+    def builds():
+        clear_lattice_cache()
+        _gaussian_lattice(shapes, prm["gaussian_sxy"], torch.device(dev))
+        return _lattice(_features(shapes, prm["bilateral_sxy"], rgbs, prm["bilateral_srgb"], torch.device(dev)), seg)
+
+    t_build, bil = timed(builds, dev)
+    rows.append((f"  the two torch lattice builds ({bil.num_lattice_points:,} bilateral points)", t_build))
+    rows.append(("  one bilateral filter at L = %d" % L,
+                 timed(lambda: bil.filter(torch.rand(B * S * S, L, device=dev)), dev)[0]))
     half = torch.nn.functional.interpolate(pf, scale_factor=0.5, mode="bilinear", align_corners=False)
     rgb_half = torch.nn.functional.interpolate(rgb.permute(0, 3, 1, 2).float(), scale_factor=0.5, mode="bilinear",
                                                align_corners=False).round().clamp(0, 255).byte().permute(0, 2, 3, 1)
