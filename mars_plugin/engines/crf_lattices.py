@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mars_plugin.engines import crf_compiled
+from mars_plugin.engines.lattice_concat import concatenate_lattices
 from mars_plugin.engines.permutohedral import MAX_COORDINATE, PermutohedralLattice, max_lifted_coordinate
 
 __all__ = ["GAUSSIAN_CACHE_ENTRIES", "GAUSSIAN_CACHE_PIXELS", "clear_lattice_cache"]
@@ -82,10 +83,14 @@ _GAUSSIAN_CACHE_LOCK = threading.Lock()
 
 
 def _gaussian_lattice(shapes: Tuple[Tuple[int, int], ...], sxy: float, device: torch.device) -> PermutohedralLattice:
-    """The position-only kernel's (normalised) lattice depends on the image sizes alone: the
-    last few (VOC's handful of sizes, a training loop's fixed crop) are kept, when small."""
-    return _kept((shapes, float(np.float32(sxy)), str(device)), lambda: _lattice(
-        _features(shapes, sxy, None, 1.0, device), _segments([H * W for H, W in shapes], device)))
+    """The position-only kernel's (normalised) lattice depends on the image sizes alone: each
+    size's (VOC's handful, a training loop's fixed crop) is kept, when small, and a batch's is
+    the kept ones joined (:func:`~mars_plugin.engines.lattice_concat.concatenate_lattices`, equal
+    to building it: a teacher's batch that changes from step to step builds nothing)."""
+    if len(shapes) > 1:
+        return concatenate_lattices([_gaussian_lattice((shape,), sxy, device) for shape in shapes])
+    return _kept((shapes, float(np.float32(sxy)), str(device)),
+                 lambda: _lattice(_features(shapes, sxy, None, 1.0, device), None))
 
 
 def _kept(key: Any, build: Callable[[], Any]) -> Any:

@@ -418,6 +418,7 @@ class PermutohedralLattice:
         if max_points is not None and M > max_points:
             raise LatticeTooLarge(M, max_points, N)
         self.num_lattice_points = M
+        self.class_starts = offsets  # the first point of each vertex class r, and M
         if P:
             splat_col.masked_fill_(splat_col >= N, 0)
         crow = torch.cat(starts + [torch.full((2,), nnz, dtype=itype, device=dev)])
