@@ -106,3 +106,50 @@ def test_mars_features_dhr_files_equal_at_batch_1_and_4(tmp_path):
         assert a.shape == c.shape
         step = 2.0 ** (np.floor(np.log2(float(a.abs().max()))) - 10)  # one float16 ulp at the largest value
         torch.testing.assert_close(c, a, rtol=0, atol=step)
+
+
+def test_attention_goes_to_sdpa_without_a_mask_and_with_contiguous_heads(monkeypatch):
+    """What keeps torch's fused kernels (flash, memory-efficient) eligible on a GPU: no explicit
+    mask, no dropout, the head dimension contiguous (stride 1), q/k/v in the autocast dtype."""
+    import mars_plugin.adapters.uss.vit as vit_module
+
+    seen = []
+    real = vit_module.F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((args, kwargs, [t.stride(-1) for t in (q, k, v)], {t.dtype for t in (q, k, v)}))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(vit_module.F, "scaled_dot_product_attention", spy)
+    vit = tiny_vit(8, depth=2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        multiscale_batch(vit.patch_tokens, torch.stack([random_image(24, 32), random_image(24, 32, seed=1)]),
+                         (1.0, 0.5), True, 8)
+    assert len(seen) == 2 * 2  # 2 blocks x 2 scales: one call per block per scale for the whole batch
+    for args, kwargs, strides, dtypes in seen:
+        assert args == () and kwargs == {} and strides == [1, 1, 1] and dtypes == {torch.bfloat16}
+
+
+def test_vit_flops_count_equals_torch_flop_counter(monkeypatch):
+    """benchmarks/bench_multiscale.vit_flops (the docs' FLOPs per image) against torch's own count
+    of the same forward, attention written out as matrix products so the counter sees them."""
+    import os
+    import sys
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import mars_plugin.adapters.uss.vit as vit_module
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_multiscale import vit_flops
+
+    def math_attention(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1) @ v
+
+    monkeypatch.setattr(vit_module.F, "scaled_dot_product_attention", math_attention)
+    vit = tiny_vit(8, width=64, depth=2)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        multiscale_batch(vit.patch_tokens, torch.randn(1, 3, 45, 61), DHR_SCALES, True, 8)
+    total, rows = vit_flops(45, 61, 64, 2, 8)
+    assert counter.get_total_flops() == total
+    assert [n for _, _, n, _, _ in rows] == [12 * 16 + 1, 6 * 8 + 1, 9 * 12 + 1, 3 * 4 + 1]
