@@ -125,7 +125,8 @@ def section_reproduce(dev, smoke):
 
 
 def section_predict(dev, smoke):
-    """`mars predict` images/s with multi-scale + flip + CRF."""
+    """`mars predict` images/s with multi-scale + flip + CRF (fp32, bf16, bf16 with NHWC), the
+    network's TFLOP/s beside."""
     if not os.path.isfile(os.path.join(HERE, "bench_predict.py")):
         print("bench_predict.py is not there: no predict row")
         return
@@ -134,6 +135,8 @@ def section_predict(dev, smoke):
     else:
         _script(["bench_predict.py", "--device", dev, "--size", "375x500"])
         _script(["bench_predict.py", "--device", dev, "--size", "375x500", "--fp16"])
+        # the same with the network in NHWC (cuDNN's tensor-core layout): whether predict should switch
+        _script(["bench_predict.py", "--device", dev, "--size", "375x500", "--fp16", "--channels-last"])
 
 
 def section_crf_job(dev, smoke):
