@@ -23,8 +23,9 @@ features it trains with through ``inference`` (``core/uss/__init__.py:10-74``, t
 :func:`multiscale` does exactly this, in the same order, for any ``fn`` that maps a normalised
 (B, 3, H, W) batch to (B, D, H/patch, W/patch); :func:`multiscale_batch` does it for a batch of
 same-size images with one ``fn`` call per scale (the images and their mirrors together), which
-the extractors (STEGO, Leopart, DINOv2, CAUSE, ModelExtractor) call when given ``scales``. DHR's saved features are not L2-normalised
-(``produce_uss_features.py:33-34`` saves ``inference``'s output as is).
+the extractors (STEGO, Leopart, DINOv2, CAUSE, ModelExtractor) call when given ``scales``.
+DHR's saved features are not L2-normalised (``produce_uss_features.py:33-34`` saves
+``inference``'s output as is).
 """
 from __future__ import annotations
 
