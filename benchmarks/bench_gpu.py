@@ -2,13 +2,15 @@
 1/16/64, the pydensecrf drop-in on CUDA at 21 and 81 labels, the blur's gather forms at 2-81 labels,
 `mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda`, the training
 step (CE vs MARS with the CRF teacher), and the
-CUDA rows of the benchmarks that already have them (features fp32/fp16, `mars predict`).
+CUDA rows of the benchmarks that already have them (features fp32/fp16, batched fp16, `mars predict`),
+and the whole pipeline (`reproduce`: `mars reproduce --train` of 32 synthetic images, s per image
+per stage).
 
 Each section prints a markdown table and its wall time; a failing section prints its error and
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,crf_job,debias,train,profile,features,predict] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,crf_job,debias,train,profile,features,predict,reproduce] [--smoke]
 """
 import argparse
 import os
@@ -111,16 +113,29 @@ def section_profile(dev, smoke):
 
 
 def section_features(dev, smoke):
-    """`mars features` (DHR's multi-scale inference, STEGO ViT-B/8) fp32 and fp16."""
+    """`mars features` (DHR's multi-scale inference, STEGO ViT-B/8) fp32 and fp16, one image; fp16
+    also batched (1 and 8 images of 500x375 in one call per scale), with the TFLOP/s reached."""
     if smoke:
-        _script(["bench_multiscale.py", "--device", dev, "--arch", "s8", "--repeats", "1", "--size", "64x48"])
+        _script(["bench_multiscale.py", "--device", dev, "--arch", "s8", "--repeats", "1", "--size", "64x48",
+                 "--batches", "1,2"])
         return
     _script(["bench_multiscale.py", "--device", dev])
-    _script(["bench_multiscale.py", "--device", dev, "--fp16"])
+    _script(["bench_multiscale.py", "--device", dev, "--fp16", "--batches", "1,8"])
+
+
+def section_reproduce(dev, smoke):
+    """The whole pipeline: `mars reproduce --train` of 32 synthetic 500x375 images end to end
+    (features fp16, centroids, debias, evaluate, report, 20 training steps, predict, masks), the
+    seconds per image of each stage (bench_pipeline.py)."""
+    if smoke:
+        _script(["bench_pipeline.py", "--smoke"])
+    else:
+        _script(["bench_pipeline.py", "--device", dev, "--images", "32", "--steps", "20", "--fp16"])
 
 
 def section_predict(dev, smoke):
-    """`mars predict` images/s with multi-scale + flip + CRF."""
+    """`mars predict` images/s with multi-scale + flip + CRF (fp32, bf16, bf16 with NHWC), the
+    network's TFLOP/s beside."""
     if not os.path.isfile(os.path.join(HERE, "bench_predict.py")):
         print("bench_predict.py is not there: no predict row")
         return
@@ -129,6 +144,8 @@ def section_predict(dev, smoke):
     else:
         _script(["bench_predict.py", "--device", dev, "--size", "375x500"])
         _script(["bench_predict.py", "--device", dev, "--size", "375x500", "--fp16"])
+        # the same with the network in NHWC (cuDNN's tensor-core layout): whether predict should switch
+        _script(["bench_predict.py", "--device", dev, "--size", "375x500", "--fp16", "--channels-last"])
 
 
 def section_crf_job(dev, smoke):
@@ -173,7 +190,7 @@ def section_gather(dev, smoke):
 
 SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "crf_job": section_crf_job,
             "debias": section_debias, "train": section_train, "profile": section_profile, "features": section_features,
-            "predict": section_predict}
+            "predict": section_predict, "reproduce": section_reproduce}
 
 
 def main():

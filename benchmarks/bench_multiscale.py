@@ -10,6 +10,14 @@ ViT-S/8 (``--arch s8``, width 384, 6 heads, for a quick CPU run). The image is o
   flip) through the model, the flip back and the average;
 * DHR's whole inference: ``multiscale(code, image, DHR_SCALES)``, scales 2.0, 1.0, 1.5, 0.5.
 
+With ``--batches 1,8``, a second table: DHR's whole inference on B same-size images at once
+(:func:`multiscale_batch`, what ``mars features --dhr --batch-size B`` runs on a batch: one network
+call per scale for the B images and their mirrors), images/s and the TFLOP/s it reaches by
+:func:`vit_flops` (the count per image: every matrix product of the 12 blocks, attention's
+N^2 terms included, times 2 for the flip). On CUDA the script first runs one block's attention
+restricted to the fused kernels (flash for fp16, memory-efficient for fp32) and says whether
+they took it: a layout or mask that forced the math kernel would fail there.
+
 Time: median [min-max] of ``--repeats`` runs after a warm-up (CUDA: one run of the same row,
 synchronised; CPU: one 224x224 batch of 2, enough to start torch's thread pool without doubling
 the minutes a CPU run takes). Memory: CUDA ``torch.cuda.max_memory_allocated`` during the row
@@ -20,7 +28,7 @@ inference row then shows the largest peak so far, not its own: its peak is that 
 plus the small sums).
 
     python benchmarks/bench_multiscale.py [--model stego|dinov2|cause] [--device cpu|cuda] [--arch b8|s8|s14|b14|l14|g14] [--repeats 3]
-                                          [--size 500x375] [--fp16]
+                                          [--size 500x375] [--fp16] [--batches 1,8]
 """
 import argparse
 import os
@@ -35,7 +43,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_line  # noqa: E402
 
-from mars_plugin.adapters.uss.multiscale import DHR_SCALES, multiscale, scaled_size  # noqa: E402
+from mars_plugin.adapters.uss.multiscale import DHR_SCALES, multiscale, multiscale_batch, scaled_size  # noqa: E402
 from mars_plugin.adapters.uss.stego import STEGOExtractor  # noqa: E402
 from mars_plugin.adapters.uss.preprocess import normalize_imagenet  # noqa: E402
 from mars_plugin.adapters.uss.vit import DinoViT  # noqa: E402
@@ -82,6 +90,49 @@ def build(model: str, arch: str, device: torch.device) -> nn.Module:
 
     seg = _random_(CAUSESegment(width))
     return CAUSEExtractor(vit, seg, torch.randn(CODEBOOK, width)).to(device).eval()
+
+
+def vit_flops(height: int, width: int, width_d: int, depth: int, patch: int, scales=DHR_SCALES, flip: bool = True,
+              mlp_ratio: int = 4):
+    """Floating-point operations (2 per multiply-add) of a ViT's forward over DHR's inference of one
+    ``height`` x ``width`` image: per scale, N = tokens + [CLS]; per block 2N(3D^2 + D^2 + 2 r D^2)
+    for qkv, proj and the MLP, plus 4 N^2 D for q k^T and the weighted sum of v; plus the patch
+    embedding; times 2 with the flip. The heads, softmax, norms and resizes are left out (under 1%).
+    Returns (total, [(scale, (h, w), N, linear, attention)])."""
+    total, rows = 0, []
+    for s in scales:
+        sh, sw = scaled_size(height, width, s, patch)
+        n = (sh // patch) * (sw // patch) + 1
+        lin = depth * 2 * n * (4 + 2 * mlp_ratio) * width_d ** 2
+        att = depth * 4 * n * n * width_d
+        emb = 2 * (n - 1) * 3 * patch * patch * width_d
+        k = 2 if flip else 1
+        rows.append((s, (sh, sw), n, k * lin, k * att))
+        total += k * (lin + att + emb)
+    return total, rows
+
+
+def _vit_of(model: nn.Module) -> DinoViT:
+    """The extractor's ViT (STEGO's ``model``, CAUSE's ``backbone``, ...)."""
+    return next(m for m in model.modules() if isinstance(m, DinoViT))
+
+
+def check_fused_attention(model: nn.Module, device: torch.device, fp16: bool) -> str:
+    """One attention call of the first block restricted to the fused kernel (flash for fp16,
+    memory-efficient for fp32): the kernel's name if it ran, else why not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if fp16 else SDPBackend.EFFICIENT_ATTENTION
+    vit = _vit_of(model)
+    blocks = vit.blocks
+    x = torch.randn(2, 1 + 47 * 63, vit.embed_dim, device=device)
+    try:
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.float16, enabled=fp16), \
+                sdpa_kernel([backend]):
+            blocks[0].attn(x)
+        return f"{backend.name} took the attention"
+    except RuntimeError as e:
+        return f"{backend.name} refused it: {str(e).splitlines()[0]}"
 
 
 def peak_rss_mb() -> float:
@@ -133,6 +184,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="500x375", help="image W x H")
     ap.add_argument("--fp16", action="store_true", help="float16 autocast (CUDA)")
+    ap.add_argument("--batches", default="", help="comma-separated batch sizes for the batched table, e.g. 1,8")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -140,6 +192,12 @@ def main() -> None:
         W, H = (int(v) for v in args.size.lower().split("x"))
     except ValueError:
         ap.error(f"--size must be WxH, got {args.size!r}")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers such as 1,8, got {args.batches!r}")
+    if any(b < 1 for b in batches):
+        ap.error(f"--batches must be integers >= 1, got {args.batches!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA GPU")
@@ -189,6 +247,34 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, size, batch, tokens, med, lo, hi, mem in rows:
         print(f"| {name} | {size} | {batch} | {tokens} | {med:.3g} [{lo:.3g}-{hi:.3g}] | {mem:,.0f} |")
+    if batches:
+        batched_table(model, device, batches, H, W, args, ctx, PATCH, rss0)
+
+
+def batched_table(model, device, batches, H, W, args, ctx, patch, rss0) -> None:
+    """DHR's whole inference on B same-size images in one multiscale_batch call: images/s, TFLOP/s."""
+    vit = _vit_of(model)
+    flops, per_scale = vit_flops(H, W, vit.embed_dim, vit.depth, patch)
+    print()
+    print(f"ViT forward FLOPs per image (DHR scales + flip, {W}x{H}): {flops / 1e12:.3g} TFLOP ("
+          + "; ".join(f"scale {s:g}: {n:,} tokens, linear {lin / 1e12:.3g} + attention {att / 1e12:.3g}"
+                      for s, _, n, lin, att in per_scale) + ")")
+    if device.type == "cuda":
+        print(f"fused attention check: {check_fused_attention(model, device, args.fp16)}")
+    print()
+    print("| batch | s per batch, median [min-max] | images/s | TFLOP/s | peak MB |")
+    print("| --- | --- | --- | --- | --- |")
+    g = torch.Generator().manual_seed(1)
+    for b in batches:
+        images = normalize_imagenet(torch.rand(b, 3, H, W, generator=g)).to(device)
+
+        def run():
+            with torch.inference_mode(), ctx:
+                return multiscale_batch(model.code, images, DHR_SCALES, flip=True, patch=patch)
+
+        med, lo, hi, mem = measure(run, device, args.repeats, True, rss0)
+        print(f"| {b} | {med:.3g} [{lo:.3g}-{hi:.3g}] | {b / med:.1f} | {b * flops / med / 1e12:.3g} | {mem:,.0f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

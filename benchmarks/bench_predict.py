@@ -15,6 +15,12 @@ CRF's cost grows with the classes it runs over (printed).
     python benchmarks/bench_predict.py --device cuda --arch deeplabv3+ --backbone resnet101 --size 512 \\
         --batch 8 --images 32 [--fp16]
     python benchmarks/bench_predict.py --smoke                                               # seconds, CPU
+
+The network's FLOPs per image over the scales and flips are counted once by torch's
+``FlopCounterMode`` on the meta device (no compute) and printed with the TFLOP/s the timed runs
+reach. ``--channels-last`` puts the network's weights and inputs in NHWC (cuDNN's fast layout for
+half-precision convolutions on tensor cores; the same numbers to rounding): compare with and
+without it on a GPU.
 """
 import argparse
 import os
@@ -46,6 +52,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def network_flops(arch, backbone, num_classes, output_stride, H, W, scales, flip) -> int:
+    """FLOPs (2 per multiply-add, torch's FlopCounterMode) of the network over one H x W image's
+    scales (``int(side * s)``, as multiscale_probs) and flips, counted on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        net = build_model(arch, backbone, num_classes, output_stride).eval()
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            for s in scales:
+                net(torch.empty(2 if flip else 1, 3, int(H * s), int(W * s)))
+    return counter.get_total_flops()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="deeplabv3+", choices=("deeplabv3+", "deeplabv2"))
@@ -68,6 +87,7 @@ def main(argv=None) -> None:
     ap.add_argument("--classes-per-image", type=int, default=3,
                     help="classes of each image's CRF (background + random others; 0: the network's own)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--channels-last", action="store_true", help="the network's weights and inputs in NHWC")
     ap.add_argument("--smoke", action="store_true",
                     help="seconds: ResNet-18, 64x64, 2 images, one repeat (checks that it runs)")
     args = ap.parse_args(argv)
@@ -102,7 +122,12 @@ def main(argv=None) -> None:
         with torch.no_grad():
             scale = args.logit_std / float(model(prep(batches[0][:1])).float().std())
 
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+
     def net(x):
+        if args.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return model(x) * scale
 
     def run():
@@ -145,6 +170,10 @@ def main(argv=None) -> None:
     for name, t in (("network (multi-scale + flip)", t_net), (f"CRF ({args.crf})", t_crf),
                     ("total", t_net + t_crf)):
         print(f"| {name} | {t / n:.4f} | {n / t:.2f} |" if t > 0 else f"| {name} | 0 | - |")
+    flops = network_flops(args.arch, args.backbone, args.num_classes, args.output_stride, H, W, scales, flip)
+    print(f"network FLOPs per image over the scales and flips: {flops / 1e12:.3g} TFLOP; reached "
+          f"{flops * n / t_net / 1e12:.3g} TFLOP/s{' (NHWC)' if args.channels_last else ''}; 100 images/s would "
+          f"need {100 * flops / 1e12:.3g} TFLOP/s for the network alone")
     if args.crf != "none":
         print(f"classes per image's CRF (reaching {CLASS_THRESHOLD}): {min(kept)}..{max(kept)} of "
               f"{args.num_classes + 1}")

@@ -4,7 +4,10 @@
 # labels, deeplab-pytorch's and IRNet's settings), the blur's gather forms, `mars crf` (21 and 81
 # labels, COCO val extrapolated), `mars debias --device cuda`, the
 # training step CE vs MARS with the CRF teacher (batch 16 x 512 x 512) and its profile, `mars features`
-# fp32/fp16 and `mars predict`. On a machine without a GPU it says so and exits 0.
+# fp32/fp16 (one image; fp16 also 1 vs 8 images per call, with TFLOP/s), `mars predict`, and the
+# whole pipeline (section `reproduce`, benchmarks/bench_pipeline.py: `mars reproduce --train` of 32
+# synthetic 500x375 images end to end, seconds per image of each stage). On a machine without a
+# GPU it says so and exits 0.
 # Usage: bash benchmarks/gpu.sh [OUT_FILE]   (the rows also go to OUT_FILE, default $OUT/gpu_rows.md
 # when $OUT is set); record them in docs/benchmarks.md with the card's name.
 set -uo pipefail

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mars_plugin._checks import MAX_RES, check_scales
 
-from mars_plugin.adapters.uss.multiscale import check_scaled_tokens, multiscale, nearest_patch_size, scaled_size
+from mars_plugin.adapters.uss.multiscale import check_scaled_tokens, multiscale_batch, nearest_patch_size, scaled_size
 from mars_plugin.adapters.uss.preprocess import (
     INTERPOLATIONS,
     as_float_images,
@@ -179,8 +179,9 @@ class CodeExtractor(nn.Module):
         ImageNet-normalised;
         then one scale (with ``flip_average``, the mean of the code of the image and of its
         flip, flipped back: STEGO's evaluation, ``src/eval_segmentation.py:124-128``) or, with
-        ``scales``, :func:`~mars_plugin.adapters.uss.multiscale.multiscale` of :meth:`code` per
-        image (DHR's ``inference``, ``core/uss/__init__.py:54-74``). (h, w) is
+        ``scales``, :func:`~mars_plugin.adapters.uss.multiscale.multiscale_batch` of :meth:`code`
+        (DHR's ``inference``, ``core/uss/__init__.py:54-74``, per image; one :meth:`code` call per
+        scale for the whole batch and its mirrors). (h, w) is
         :meth:`grid_size`, or ``output_size`` (bilinear, align_corners=False); ``normalize``
         L2-normalises each pixel's vector after that resize.
         """
@@ -189,8 +190,8 @@ class CodeExtractor(nn.Module):
         self.check_input_size(*x.shape[-2:])
         x = normalize_imagenet(resize_images(x, self.input_size(*x.shape[-2:]), self.interpolation))
         if self.scales is not None:
-            f = torch.stack([multiscale(self.code, xi, self.scales, self.flip_average, self.patch_size, self.max_tokens)
-                             for xi in x])
+            # one call of the network per scale for the whole batch (images and mirrors together)
+            f = multiscale_batch(self.code, x, self.scales, self.flip_average, self.patch_size, self.max_tokens)
         elif self.flip_average:
             c, c_flip = self.code(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
             f = (c + c_flip.flip(3)) / 2

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_scales
-from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale
+from mars_plugin.adapters.uss.multiscale import DHR_SCALES, DHR_SETTINGS, multiscale, multiscale_batch
 from mars_plugin.adapters.uss.preprocess import (
     as_float_images,
     check_output_size,
@@ -101,7 +101,8 @@ class ModelExtractor(nn.Module):
 
     ``flip_average=True`` averages with the map of the horizontally flipped batch, flipped back.
     ``scales`` (with ``patch_size``, the model's patch: its output grid must be the input's
-    sides / patch) runs :func:`multiscale` per image on ``preprocess(x)``, which must then
+    sides / patch) runs :func:`multiscale_batch` (:func:`multiscale` of each image, one model call
+    per scale for the batch) on ``preprocess(x)``, which must then
     normalise the image (``imagenet_preprocess``), as DHR's inference expects.
     """
 
@@ -155,7 +156,7 @@ class ModelExtractor(nn.Module):
         if self.preprocess is not None:
             x = self.preprocess(x)
         if self.scales is not None:
-            f = torch.stack([multiscale(self._map, xi, self.scales, self.flip_average, self.patch_size) for xi in x])
+            f = multiscale_batch(self._map, x, self.scales, self.flip_average, self.patch_size)
         elif self.flip_average:
             c, c_flip = self._map(torch.cat([x, x.flip(3)], dim=0)).float().chunk(2, dim=0)
             f = (c + c_flip.flip(3)) / 2

@@ -21,9 +21,11 @@ features it trains with through ``inference`` (``core/uss/__init__.py:10-74``, t
 * the sum is divided by the number of scales (l. 74).
 
 :func:`multiscale` does exactly this, in the same order, for any ``fn`` that maps a normalised
-(B, 3, H, W) batch to (B, D, H/patch, W/patch); the extractors (STEGO, Leopart, ModelExtractor)
-call it per image when given ``scales``. DHR's saved features are not L2-normalised
-(``produce_uss_features.py:33-34`` saves ``inference``'s output as is).
+(B, 3, H, W) batch to (B, D, H/patch, W/patch); :func:`multiscale_batch` does it for a batch of
+same-size images with one ``fn`` call per scale (the images and their mirrors together), which
+the extractors (STEGO, Leopart, DINOv2, CAUSE, ModelExtractor) call when given ``scales``.
+DHR's saved features are not L2-normalised (``produce_uss_features.py:33-34`` saves
+``inference``'s output as is).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from mars_plugin._checks import check_int_param, check_scales, describe
 
 from mars_plugin.adapters.uss.vit import MAX_TOKENS
 
-__all__ = ["DHR_SCALES", "DHR_SETTINGS", "multiscale", "scaled_size", "nearest_patch_size",
+__all__ = ["DHR_SCALES", "DHR_SETTINGS", "multiscale", "multiscale_batch", "scaled_size", "nearest_patch_size",
            "check_scaled_tokens"]
 
 #: DHR's scales, in DHR's order (``core/uss/__init__.py:11``): the first, 2.0, sets the output grid.
@@ -127,35 +129,63 @@ def multiscale(
     :data:`~mars_plugin.adapters.uss.vit.MAX_TOKENS`) is a ValueError naming the sizes, before any
     work.
     ``fn``'s output is cast to float32 before it is averaged and summed (a no-op in float32; under
-    float16 autocast it keeps the sum in float32).
+    float16 autocast it keeps the sum in float32). :func:`multiscale_batch` is the same for a
+    batch of same-size images, one ``fn`` call per scale for all of them.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable (a batch of images -> (B, D, h, w)), got {describe(fn)}")
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"image must be a (3, H, W) float tensor, got {describe(image)}")
     if image.ndim != 3 or image.shape[0] != 3 or image.shape[1] < 1 or image.shape[2] < 1:
         raise ValueError(f"image must be one normalised (3, H, W) RGB image, got shape {tuple(image.shape)}")
-    if not image.is_floating_point():
-        raise TypeError(f"image must be a floating tensor (normalised RGB), got dtype {image.dtype}")
+    return multiscale_batch(fn, image[None], scales, flip, patch, max_tokens)[0]
+
+
+@torch.no_grad()
+def multiscale_batch(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    images: torch.Tensor,
+    scales: Sequence[float] = DHR_SCALES,
+    flip: bool = True,
+    patch: int = 8,
+    max_tokens: Optional[int] = None,
+) -> torch.Tensor:
+    """:func:`multiscale` of every image of a batch of same-size images, one ``fn`` call per scale.
+
+    Shapes: ``images`` (B, 3, H, W) normalised; returns (B, D, h, w) float32, image ``i``'s map
+    equal to ``multiscale(fn, images[i], ...)`` up to the rounding of ``fn`` on a larger batch
+    (a ViT's matrix products tile differently; 1e-6 in float32 on a CPU).
+
+    Why batched: ``mars features`` groups same-size images (most of VOC is 500x375), and a GPU
+    runs one ViT forward of 2B images far faster than B forwards of 2. Per scale the B resized
+    images and, with ``flip``, their B mirrors go through ``fn`` as one batch of 2B (images
+    first, mirrors after: with B = 1 exactly DHR's batch of 2); everything after ``fn`` (flip
+    back, average, resize to the first grid, sum) is elementwise per image, in DHR's order.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a batch of images -> (B, D, h, w)), got {describe(fn)}")
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a (B, 3, H, W) float tensor, got {describe(images)}")
+    if images.ndim != 4 or images.shape[0] < 1 or images.shape[1] != 3 or images.shape[2] < 1 or images.shape[3] < 1:
+        raise ValueError(f"images must be a normalised (B, 3, H, W) RGB batch, got shape {tuple(images.shape)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be a floating tensor (normalised RGB), got dtype {images.dtype}")
     scales = check_scales(scales)
     if not isinstance(flip, bool):
         raise TypeError(f"flip must be True or False, got {describe(flip)}")
     patch = check_int_param(patch, "patch", 1)
 
-    ih, iw = int(image.shape[1]), int(image.shape[2])
+    B, ih, iw = int(images.shape[0]), int(images.shape[2]), int(images.shape[3])
     sizes = check_scaled_tokens(ih, iw, scales, patch, max_tokens)
     total = None
     for scale, (sh, sw) in zip(scales, sizes):
-        x = _resize(image[None], (sh, sw))
+        x = _resize(images, (sh, sw))
         if flip:
             x = torch.cat([x, x.flip(-1)], dim=0)
         feat = fn(x)
-        _check_output(feat, x, patch, scale, None if total is None else int(total.shape[0]))
+        _check_output(feat, x, patch, scale, None if total is None else int(total.shape[1]))
         feat = feat.float()
-        if flip:
-            feat = torch.stack([feat[0], feat[1].flip(-1)])  # DHR l. 65-66, without writing into fn's output
-        feat = feat.mean(dim=0)
-        total = feat if total is None else total + _resize(feat[None], tuple(total.shape[1:]))[0]
+        if flip:  # DHR l. 65-68: stack(map, flipped-back mirror).mean(0), without writing into fn's output
+            feat = torch.stack([feat[:B], feat[B:].flip(-1)]).mean(dim=0)
+        total = feat if total is None else total + _resize(feat, tuple(total.shape[2:]))
     return total / len(scales)
 
 
