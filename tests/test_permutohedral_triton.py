@@ -135,7 +135,7 @@ def test_slice_writes_into_a_strided_add_to(pt):
 
 
 # ------------------------------------------------------------------ the whole filter
-@pytest.mark.parametrize("d,N", [(1, 301), (2, 257), (5, 90)])
+@pytest.mark.parametrize("d,N", [(1, 301), (2, 151), (5, 61)])
 @pytest.mark.parametrize("L", [1, 2, 4, 21])
 def test_filter_equals_the_torch_filter(pt, forced, d, N, L):
     """filter(v), filter(v, add_to, scale) through USE_TRITON = True equal the torch path's bits,
@@ -155,7 +155,7 @@ def test_filter_equals_the_torch_filter(pt, forced, d, N, L):
 def test_filter_on_a_dense_crf_lattice(pt, forced):
     """The dense CRF's own normalised lattices (position d=2, bilateral d=5) of three images of
     different sizes, 4 labels: the Triton filter equals the torch filter bit for bit."""
-    shapes = ((12, 16), (9, 14), (7, 11))
+    shapes = ((9, 12), (7, 10), (5, 9))
     rgbs = [torch.from_numpy(make_image("edges", H, W, i)) for i, (H, W) in enumerate(shapes)]
     sizes = [H * W for H, W in shapes]
     N = sum(sizes)
