@@ -74,8 +74,8 @@ def main(argv=None):
     kernels = [("position (d=2)", p["gaussian_compat"],
                 crf_lattices._lattice(crf_lattices._features(shapes, p["gaussian_sxy"], None, 1.0, dev), segments)),
                ("bilateral (d=5)", p["bilateral_compat"],
-                crf_lattices._lattice(crf_lattices._features(shapes, p["bilateral_sxy"], rgbs, p["bilateral_srgb"], dev),
-                                      segments))]
+                crf_lattices._lattice(crf_lattices._features(shapes, p["bilateral_sxy"], rgbs, p["bilateral_srgb"],
+                                                             dev), segments))]
     timing = not args.smoke
     print(f"lattice filter on {dev}, {B} images {W}x{H} (N = {N:,}), filter(q, add_to, scale) as the mean field "
           f"calls it; {'median of %d calls' % args.repeats if timing else 'smoke: equality only, no times'}")

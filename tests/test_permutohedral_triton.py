@@ -11,7 +11,9 @@ kernels do the torch CPU path's multiplications and additions in its order.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -227,6 +229,12 @@ def test_the_default_switch_takes_triton_on_cuda_only_and_obeys_mars_no_triton(p
         assert isinstance(lat.filter(v.as_subclass(_LooksCuda)), torch.Tensor)
     monkeypatch.setenv("MARS_NO_TRITON", "0")
     assert lat.filter(v.as_subclass(_LooksCuda)) == "triton"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert isinstance(lat.filter(v.as_subclass(_LooksCuda)), torch.Tensor)  # triton not installed: torch
+    monkeypatch.undo()
+    monkeypatch.setattr(pt, "triton_filter", record)
     monkeypatch.setattr(perm, "USE_TRITON", False)
     assert isinstance(lat.filter(v.as_subclass(_LooksCuda)), torch.Tensor)
     monkeypatch.setattr(perm, "USE_TRITON", True)
@@ -240,6 +248,33 @@ def test_compiled_kernels_refuse_cpu_tensors_by_name(pt, monkeypatch):
     lat = PermutohedralLattice(_features(20, 2, 0))
     with pytest.raises(ValueError, match="USE_TRITON = False"):
         pt.triton_filter(lat, _values(20, 2, 0))
+
+
+def test_a_kernel_that_fails_names_the_way_back_to_torch(pt, monkeypatch):
+    """A compile or launch failure (no C compiler for Triton's launcher, an old GPU) says how to
+    turn the kernels off instead of surfacing alone; add_to is left as it was."""
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OSError("cc not found")
+            return launch
+
+    monkeypatch.setattr(pt, "_blur_kernel", Broken())
+    lat = PermutohedralLattice(_features(20, 2, 0))
+    base = _values(20, 2, 1)
+    add_to = base.clone()
+    with pytest.raises(RuntimeError, match="failed on cpu .OSError: cc not found.; set MARS_NO_TRITON=1"):
+        pt.triton_filter(lat, _values(20, 2, 0), add_to=add_to)
+    assert torch.equal(add_to, base)
+
+
+def test_without_triton_the_kernel_module_says_which_extra(monkeypatch):
+    """USE_TRITON = True without triton installed: an ImportError naming the 'gpu' extra."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # what an absent package looks like to import
+    path = os.path.join(os.path.dirname(perm.__file__), "permutohedral_triton.py")
+    spec = importlib.util.spec_from_file_location("_permutohedral_triton_without_triton", path)
+    with pytest.raises(ImportError, match=r"needs triton: pip install 'mars-plugin\[gpu\]'"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def test_add_to_of_another_shape_is_refused(pt):

@@ -45,11 +45,17 @@ kernel, i.e. at this module's import) and while they run.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # only reached with USE_TRITON = True: the default asks find_spec first
+    raise ImportError("the Triton lattice filter needs triton: pip install 'mars-plugin[gpu]' (the 'gpu' extra), "
+                      "or leave mars_plugin.engines.permutohedral.USE_TRITON at None / False") from e
 
 if TYPE_CHECKING:  # pragma: no cover
     from mars_plugin.engines.permutohedral import PermutohedralLattice
@@ -208,6 +214,22 @@ def triton_filter(lattice: "PermutohedralLattice", values: torch.Tensor, *, add_
                          "(or set mars_plugin.engines.permutohedral.USE_TRITON = False)")
     x = values.to(torch.float32).contiguous()
     N, L = x.shape
+    if add_to is not None and (add_to.shape != (N, L) or add_to.dtype != torch.float32):
+        raise ValueError(f"add_to must be ({N}, {L}) float32 like the values, got {tuple(add_to.shape)} {add_to.dtype}")
+    out = torch.empty(N, L, dtype=torch.float32, device=dev) if add_to is None else add_to
+    try:
+        # Triton launches on the current CUDA device: make it the values' one.
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return _filter(lattice, x, out, accumulate=add_to is not None, scale=scale)
+    except Exception as e:  # compiling or launching (no C compiler for Triton's launcher, an old GPU, ...)
+        raise RuntimeError(f"the Triton lattice filter failed on {dev} ({type(e).__name__}: {e}); set "
+                           "MARS_NO_TRITON=1 (or mars_plugin.engines.permutohedral.USE_TRITON = False) to use the "
+                           "torch filter, or uninstall the 'gpu' extra") from e
+
+
+def _filter(lattice: "PermutohedralLattice", x: torch.Tensor, out: torch.Tensor, *, accumulate: bool,
+            scale: float) -> torch.Tensor:
+    N = x.shape[0]
     sp, sl = lattice._splat, lattice._slice
     v = splat(sp.crow_indices(), sp.col_indices(), sp.values(), x)
     w = torch.empty_like(v)
@@ -217,9 +239,4 @@ def triton_filter(lattice: "PermutohedralLattice", values: torch.Tensor, *, add_
     del w
     d1 = lattice.dim + 1
     vertex, weights = sl.col_indices().view(N, d1), sl.values().view(N, d1)
-    if add_to is None:
-        out = torch.empty(N, L, dtype=torch.float32, device=dev)
-        return slice_into(vertex, weights, v, out, accumulate=False, scale=scale)
-    if add_to.shape != (N, L) or add_to.dtype != torch.float32:
-        raise ValueError(f"add_to must be ({N}, {L}) float32 like the values, got {tuple(add_to.shape)} {add_to.dtype}")
-    return slice_into(vertex, weights, v, add_to, accumulate=True, scale=scale)
+    return slice_into(vertex, weights, v, out, accumulate=accumulate, scale=scale)
