@@ -2,7 +2,8 @@
 (mars_plugin/engines/permutohedral_triton.py), on the dense CRF's own lattices of a batch of
 natural images (position d=2 and bilateral d=5, preset mars, normalised as the CRF uses them),
 ``filter(q, add_to=energy, scale=compat)`` as the mean field calls it; and the dense CRF of the
-whole batch both ways (10 iterations).
+whole batch both ways (10 iterations). On CUDA it also checks that the compiled kernels give the
+torch CPU filter's bits on small lattices (as the tests check it under the interpreter).
 
     python benchmarks/bench_triton.py [--device cuda] [--batch 16] [--size 512x512] [--repeats 10]
     python benchmarks/bench_triton.py --smoke   # CPU, Triton's interpreter, tiny sizes: equality only
@@ -36,6 +37,43 @@ def _timed(fn, dev, repeats):
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _cpu_bits(make_image_fn, device, shapes=((48, 64), (40, 56))):
+    """The Triton kernels on ``device`` (on a GPU: compiled) against the torch CPU filter on the
+    same lattices (the dense CRF's of two images, built on the CPU and moved): the bit-equality
+    the CPU tests check under Triton's interpreter, here with the compiled kernels."""
+    import copy
+
+    import torch
+
+    import mars_plugin.engines.permutohedral as perm
+    from mars_plugin.engines import crf_lattices
+
+    cpu = torch.device("cpu")
+    sizes = [H * W for H, W in shapes]
+    rgbs = [torch.from_numpy(make_image_fn(H, W, s)) for s, (H, W) in enumerate(shapes)]
+    seg = crf_lattices._segments(sizes, cpu)
+    print(f"\nTriton on {device} vs torch on the CPU, the same lattices (2 images {shapes[0][1]}x{shapes[0][0]} and "
+          f"{shapes[1][1]}x{shapes[1][0]} built on the CPU), filter(q, add_to, scale=10)")
+    print("| kernel | labels | same bits | max abs diff |")
+    print("| --- | --- | --- | --- |")
+    for name, feats in (("position", crf_lattices._features(shapes, 3.0, None, 1.0, cpu)),
+                        ("bilateral", crf_lattices._features(shapes, 80.0, rgbs, 13.0, cpu))):
+        lat = crf_lattices._lattice(feats, seg)
+        gpu = copy.copy(lat)
+        gpu._splat, gpu._slice = lat._splat.to(device), lat._slice.to(device)
+        gpu._blur = [(a.to(device), b.to(device)) for a, b in lat._blur]
+        for L in (1, 4, 21, 81):
+            g = torch.Generator().manual_seed(L)
+            q, base = torch.softmax(torch.randn(sum(sizes), L, generator=g), 1), torch.randn(sum(sizes), L, generator=g)
+            perm.USE_TRITON = False
+            want = lat.filter(q, add_to=base.clone(), scale=10.0)
+            perm.USE_TRITON = True
+            got = gpu.filter(q.to(device), add_to=base.to(device), scale=10.0).cpu()
+            perm.USE_TRITON = None
+            same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+            print(f"| {name} | {L} | {'yes' if same else 'no'} | {float((got - want).abs().max()):.2g} |", flush=True)
 
 
 def main(argv=None):
@@ -102,6 +140,10 @@ def main(argv=None):
             if args.smoke and not same:
                 raise SystemExit("the Triton filter differs from the torch CPU filter: they must give the same bits")
     del kernels
+    if timing:
+        _cpu_bits(natural_image, dev)
+    else:
+        _cpu_bits(natural_image, dev, ((9, 12), (7, 10)))
 
     L = 4
     params = p if timing else dict(p, iterations=2)

@@ -1,21 +1,24 @@
 """The Triton kernels of the lattice filter (mars_plugin/engines/permutohedral_triton.py) against
 the torch filter, bit for bit, on the CPU through Triton's interpreter (no GPU needed).
 
-Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a kernel (triton 3.x:
-``knobs.runtime.interpret`` in ``triton.jit``), i.e. when the kernel module is imported, not when
-triton itself is: so the fixture below sets it and (re)loads the kernel module, which works
-wherever this file runs in the suite, whoever imported triton first. Every comparison is of the
-float32 bit patterns (``view(torch.int32)``: -0.0 and 0.0 differ, NaNs compare), since the
-kernels do the torch CPU path's multiplications and additions in its order.
+Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function (triton 3.x:
+``knobs.runtime.interpret`` in ``triton.jit``) and while an interpreted kernel runs. Triton's own
+jit'd helpers (``tl.zeros``, ``tl.max``, ...) are decorated when triton is imported, so they are
+interpreted only if the variable was set before that; the kernels call none of them (``tl.full``,
+``tl.reduce`` with their own combine function). So the fixture below sets the variable and
+reloads the kernel module, which works wherever this file runs in the suite, whoever imported
+triton first (``pytest.importorskip`` below does, without the variable), and no subprocess is
+needed. Every comparison is of the float32 bit patterns (``view(torch.int32)``: -0.0 and 0.0
+differ), since the kernels do the torch CPU path's multiplications and additions in its order.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -303,3 +306,39 @@ def test_every_launch_keeps_multiplications_and_additions_apart(pt, monkeypatch)
     lat = PermutohedralLattice(_features(30, 2, 0))
     pt.triton_filter(lat, _values(30, 2, 0), add_to=_values(30, 2, 1), scale=2.0)
     assert seen == [False] * (1 + 3 + 1)
+
+
+def _moved_to_cuda(lat: PermutohedralLattice) -> PermutohedralLattice:
+    """The same lattice (indices, weights) on the GPU: the kernels compared, not two builds."""
+    out = copy.copy(lat)
+    out._splat, out._slice = lat._splat.to("cuda"), lat._slice.to("cuda")
+    out._blur = [(a.cuda(), b.cuda()) for a, b in lat._blur]
+    out.device = torch.device("cuda")
+    return out
+
+
+# Last in the file: it reloads the kernel module compiled (the interpreted tests above are done).
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_compiled_on_cuda_gives_the_torch_cpu_filters_bits(monkeypatch):
+    """On a GPU the compiled kernels (FMA contraction off) give the torch CPU filter's bits, on
+    the dense CRF's normalised lattices of two images, 1 to 81 labels, with add_to and scale."""
+    import mars_plugin.engines.permutohedral_triton as mod
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    mod = importlib.reload(mod)
+    assert not mod.interpreted()
+    monkeypatch.setattr(perm, "USE_TRITON", None)  # the default: torch on the CPU, Triton on CUDA
+    shapes = ((48, 64), (40, 56))
+    rgbs = [torch.from_numpy(make_image("edges", H, W, i)) for i, (H, W) in enumerate(shapes)]
+    sizes = [H * W for H, W in shapes]
+    cpu = torch.device("cpu")
+    seg = crf_lattices._segments(sizes, cpu)
+    for feats in (crf_lattices._features(shapes, 3.0, None, 1.0, cpu),
+                  crf_lattices._features(shapes, 80.0, rgbs, 13.0, cpu)):
+        lat = crf_lattices._lattice(feats, seg)
+        on_gpu = _moved_to_cuda(lat)
+        for L in (1, 4, 21, 81):
+            q, base = torch.softmax(_values(sum(sizes), L, L), 1), _values(sum(sizes), L, L + 1)
+            want = lat.filter(q, add_to=base.clone(), scale=10.0)
+            got = on_gpu.filter(q.cuda(), add_to=base.cuda(), scale=10.0)
+            assert_same_bits(got.cpu(), want)
+            assert_same_bits(on_gpu.filter(q.cuda()).cpu(), lat.filter(q))
