@@ -5,7 +5,7 @@ The torch path runs the filter as a CSR product, then per blur axis two ``index_
 add, a multiplication and an add (five kernels and five passes over the (M+1, L) values), then a
 second CSR product and its addition; on a GPU the dense CRF's mean field is made of these. Here
 each step is one kernel that reads its inputs once and writes its output once: the whole filter
-is d+3 launches and two (M+1, L) buffers, nothing else allocated.
+is d+3 launches and two (M+1, L) buffers (and the (N, L) output where there is no ``add_to``).
 
 The same float operations in the same order as the torch path on the CPU, so the results are the
 same bits (``tests/test_permutohedral_triton.py`` checks it under ``TRITON_INTERPRET=1``):
@@ -18,8 +18,8 @@ same bits (``tests/test_permutohedral_triton.py`` checks it under ``TRITON_INTER
 
 The kernels are compiled with ``enable_fp_fusion=False`` so that the compiler keeps every
 multiplication and addition apart (an FMA rounds once where torch rounds twice; the blur's
-multiplication by 0.5 is exact, so there it would not matter). The filter is memory-bound: an
-FMA would save nothing measurable. torch's CUDA CSR products (cuSPARSE) may sum in another
+multiplication by 0.5 is exact, so there it would not matter). The filter is bound by memory
+traffic, where an FMA saves little. torch's CUDA CSR products (cuSPARSE) may sum in another
 order, so on a GPU the Triton filter equals the torch CPU filter's bits rather than the torch
 CUDA one's (within float32 rounding of it).
 
