@@ -253,22 +253,40 @@ def test_compiled_kernels_refuse_cpu_tensors_by_name(pt, monkeypatch):
         pt.triton_filter(lat, _values(20, 2, 0))
 
 
-def test_a_kernel_that_fails_names_the_way_back_to_torch(pt, monkeypatch):
-    """A compile or launch failure (no C compiler for Triton's launcher, an old GPU) says how to
-    turn the kernels off instead of surfacing alone; add_to is left as it was."""
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise OSError("cc not found")
-            return launch
+class _Broken:
+    """A kernel whose compile or launch fails (no C compiler for Triton's launcher, an old GPU)."""
 
-    monkeypatch.setattr(pt, "_blur_kernel", Broken())
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise OSError("cc not found")
+        return launch
+
+
+def test_a_forced_kernel_that_fails_names_the_way_back_to_torch(pt, forced, monkeypatch):
+    """USE_TRITON = True: the failure is an error that says how to turn the kernels off; add_to
+    is left as it was."""
+    monkeypatch.setattr(pt, "_blur_kernel", _Broken())
+    forced(True)
     lat = PermutohedralLattice(_features(20, 2, 0))
     base = _values(20, 2, 1)
     add_to = base.clone()
     with pytest.raises(RuntimeError, match="failed on cpu .OSError: cc not found.; set MARS_NO_TRITON=1"):
-        pt.triton_filter(lat, _values(20, 2, 0), add_to=add_to)
+        lat.filter(_values(20, 2, 0), add_to=add_to)
     assert torch.equal(add_to, base)
+
+
+def test_the_default_choice_falls_back_to_torch_once_with_a_warning(pt, forced, monkeypatch):
+    """USE_TRITON = None (Triton chosen because it is installed, e.g. by torch's CUDA wheel): a
+    failing kernel warns once, and this call and the later ones run the torch filter."""
+    monkeypatch.setattr(pt, "_blur_kernel", _Broken())
+    forced(None)
+    lat = PermutohedralLattice(_features(20, 2, 0))
+    v, base = _values(20, 2, 0), _values(20, 2, 1)
+    with pytest.warns(UserWarning, match="cc not found.; the torch filter runs instead in this process"):
+        got = pt.triton_filter(lat, v, add_to=base.clone(), scale=2.0)
+    assert perm.USE_TRITON is False
+    forced(False)
+    assert_same_bits(got, lat.filter(v, add_to=base.clone(), scale=2.0))
 
 
 def test_without_triton_the_kernel_module_says_which_extra(monkeypatch):

@@ -46,6 +46,7 @@ kernel, i.e. at this module's import) and while they run.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -221,10 +222,21 @@ def triton_filter(lattice: "PermutohedralLattice", values: torch.Tensor, *, add_
         # Triton launches on the current CUDA device: make it the values' one.
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             return _filter(lattice, x, out, accumulate=add_to is not None, scale=scale)
+    except torch.cuda.OutOfMemoryError:
+        raise  # the torch filter needs as much
     except Exception as e:  # compiling or launching (no C compiler for Triton's launcher, an old GPU, ...)
-        raise RuntimeError(f"the Triton lattice filter failed on {dev} ({type(e).__name__}: {e}); set "
-                           "MARS_NO_TRITON=1 (or mars_plugin.engines.permutohedral.USE_TRITON = False) to use the "
-                           "torch filter, or uninstall the 'gpu' extra") from e
+        from mars_plugin.engines import permutohedral
+
+        why = f"the Triton lattice filter failed on {dev} ({type(e).__name__}: {e})"
+        if permutohedral.USE_TRITON is None:
+            # The default's choice (torch's CUDA wheels bring triton along, a C compiler may be
+            # missing): the torch filter, which nothing has written to add_to before, from now on.
+            warnings.warn(f"{why}; the torch filter runs instead in this process "
+                          "(mars_plugin.engines.permutohedral.USE_TRITON = False; MARS_NO_TRITON=1 skips the try)")
+            permutohedral.USE_TRITON = False
+            return lattice.filter(values, add_to=add_to, scale=scale)
+        raise RuntimeError(f"{why}; set MARS_NO_TRITON=1 (or mars_plugin.engines.permutohedral.USE_TRITON = False) "
+                           "to use the torch filter") from e
 
 
 def _filter(lattice: "PermutohedralLattice", x: torch.Tensor, out: torch.Tensor, *, accumulate: bool,
