@@ -48,6 +48,8 @@ def pt():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
+        # Decorated again as the environment says, so that later tests on a GPU get compiled kernels.
+        importlib.reload(mod)
 
 
 @pytest.fixture
