@@ -1,5 +1,6 @@
 """Every GPU row of the project in one process (run by benchmarks/gpu.sh): the dense CRF at batch
 1/16/64, the pydensecrf drop-in on CUDA at 21 and 81 labels, the blur's gather forms at 2-81 labels,
+the lattice filter torch vs the Triton kernels (and the dense CRF both ways),
 `mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda`, the training
 step (CE vs MARS with the CRF teacher), and the
 CUDA rows of the benchmarks that already have them (features fp32/fp16, batched fp16, `mars predict`),
@@ -10,7 +11,7 @@ Each section prints a markdown table and its wall time; a failing section prints
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,crf_job,debias,train,profile,features,predict,reproduce] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,triton,crf_job,debias,train,profile,features,predict,reproduce] [--smoke]
 """
 import argparse
 import os
@@ -188,9 +189,17 @@ def section_gather(dev, smoke):
         _script(["bench_gather.py", "--device", dev, "--repeats", "15"])
 
 
-SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "crf_job": section_crf_job,
-            "debias": section_debias, "train": section_train, "profile": section_profile, "features": section_features,
-            "predict": section_predict, "reproduce": section_reproduce}
+def section_triton(dev, smoke):
+    """The lattice filter torch vs Triton (16 x 512x512, 4 and 21 labels) and the dense CRF both ways."""
+    if smoke:  # the CPU under Triton's interpreter: equality only (bench_triton.py sets it up)
+        _script(["bench_triton.py", "--smoke"])
+    else:
+        _script(["bench_triton.py", "--device", dev])
+
+
+SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "triton": section_triton,
+            "crf_job": section_crf_job, "debias": section_debias, "train": section_train, "profile": section_profile,
+            "features": section_features, "predict": section_predict, "reproduce": section_reproduce}
 
 
 def main():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU row of the project in one short call (under 8 minutes on one GPU): the dense CRF at
 # batch 1/16/64 (500x375, 2 and 21 labels, both presets), the pydensecrf drop-in on CUDA (21 and 81
-# labels, deeplab-pytorch's and IRNet's settings), the blur's gather forms, `mars crf` (21 and 81
+# labels, deeplab-pytorch's and IRNet's settings), the blur's gather forms, the lattice filter
+# torch vs Triton (16 x 512x512, 4 and 21 labels; the dense CRF both ways), `mars crf` (21 and 81
 # labels, COCO val extrapolated), `mars debias --device cuda`, the
 # training step CE vs MARS with the CRF teacher (batch 16 x 512 x 512) and its profile, `mars features`
 # fp32/fp16 (one image; fp16 also 1 vs 8 images per call, with TFLOP/s), `mars predict`, and the

@@ -31,7 +31,9 @@ refuses a lattice before its blur tables exist (the dense CRF's budget, :mod:`ma
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
+import os
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -68,6 +70,9 @@ MAX_COORDINATE = float(2 ** 22)
 #: The blur's layout: None (default) gathers along dim 1 of the transposed values on CUDA and
 #: along rows on the CPU (where rows are as fast); True/False force one (tests compare both).
 TRANSPOSED_BLUR: Optional[bool] = None
+#: The filter's kernels: None (default) runs the fused Triton kernels (permutohedral_triton.py, the same bits as
+#: this module on the CPU) on CUDA where triton is installed, unless MARS_NO_TRITON=1; True/False force them or not.
+USE_TRITON: Optional[bool] = None
 
 
 def _f32(x: float) -> float:
@@ -485,6 +490,10 @@ class PermutohedralLattice:
         """
         if values.ndim != 2 or values.shape[0] != self.num_points:
             raise ValueError(f"values must be (N, L) with N = {self.num_points}, got {tuple(values.shape)}")
+        if USE_TRITON or (USE_TRITON is None and values.is_cuda and os.environ.get("MARS_NO_TRITON", "0") in ("", "0")
+                          and importlib.util.find_spec("triton") is not None):
+            from mars_plugin.engines.permutohedral_triton import triton_filter
+            return triton_filter(self, values, add_to=add_to, scale=scale)
         v = self._splat @ values.to(torch.float32).contiguous()
         # On CUDA the blur gathers along the columns of the transposed (L, M+1) values: gathering
         # (M+1, L) rows of a few floats runs a kernel 30x slower than the same gather along dim 1
