@@ -71,7 +71,8 @@ MAX_COORDINATE = float(2 ** 22)
 #: along rows on the CPU (where rows are as fast); True/False force one (tests compare both).
 TRANSPOSED_BLUR: Optional[bool] = None
 #: The filter's kernels: None (default) runs the fused Triton kernels (permutohedral_triton.py, the same bits as
-#: this module on the CPU) on CUDA where triton is installed, unless MARS_NO_TRITON=1; True/False force them or not.
+#: this module on the CPU) on CUDA when MARS_TRITON=1 and triton is installed; True/False force them or not.
+#: Opt-in until a GPU has run gpu.sh's 'triton' section: compiled, they are untested for bits and speed.
 USE_TRITON: Optional[bool] = None
 
 
@@ -490,7 +491,7 @@ class PermutohedralLattice:
         """
         if values.ndim != 2 or values.shape[0] != self.num_points:
             raise ValueError(f"values must be (N, L) with N = {self.num_points}, got {tuple(values.shape)}")
-        if USE_TRITON or (USE_TRITON is None and values.is_cuda and os.environ.get("MARS_NO_TRITON", "0") in ("", "0")
+        if USE_TRITON or (USE_TRITON is None and values.is_cuda and os.environ.get("MARS_TRITON", "0") not in ("", "0")
                           and importlib.util.find_spec("triton") is not None):
             from mars_plugin.engines.permutohedral_triton import triton_filter
             return triton_filter(self, values, add_to=add_to, scale=scale)

@@ -229,13 +229,13 @@ def triton_filter(lattice: "PermutohedralLattice", values: torch.Tensor, *, add_
 
         why = f"the Triton lattice filter failed on {dev} ({type(e).__name__}: {e})"
         if permutohedral.USE_TRITON is None:
-            # The default's choice (torch's CUDA wheels bring triton along, a C compiler may be
-            # missing): the torch filter, which nothing has written to add_to before, from now on.
+            # Asked for by MARS_TRITON=1 (a C compiler for Triton's launcher may be missing): the
+            # torch filter, which nothing has written to add_to before, from now on.
             warnings.warn(f"{why}; the torch filter runs instead in this process "
-                          "(mars_plugin.engines.permutohedral.USE_TRITON = False; MARS_NO_TRITON=1 skips the try)")
+                          "(mars_plugin.engines.permutohedral.USE_TRITON = False; unset MARS_TRITON to skip the try)")
             permutohedral.USE_TRITON = False
             return lattice.filter(values, add_to=add_to, scale=scale)
-        raise RuntimeError(f"{why}; set MARS_NO_TRITON=1 (or mars_plugin.engines.permutohedral.USE_TRITON = False) "
+        raise RuntimeError(f"{why}; set mars_plugin.engines.permutohedral.USE_TRITON = False (or None, and unset MARS_TRITON) "
                            "to use the torch filter") from e
 
 
