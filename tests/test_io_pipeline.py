@@ -301,3 +301,16 @@ def test_io_workers_with_worker_processes_refused_by_name(world, probs, tmp_path
                     str(tmp_path / "c"), "--workers", "1", "--io-workers", "1"], capsys)
     assert rc == 2 and "not both" in err
     assert not (tmp_path / "d").exists() and not (tmp_path / "c").exists()
+
+
+def test_io_workers_is_documented_the_same_way_by_each_command():
+    from mars_plugin.commands.cli_parser import build_parser
+    from mars_plugin.commands.io_pipeline import IO_WORKERS_HELP
+
+    sub = next(a for a in build_parser()._actions if a.choices and "debias" in a.choices)
+    helps = {cmd: [a.help for a in sub.choices[cmd]._actions if "--io-workers" in a.option_strings]
+             for cmd in ("debias", "crf", "predict")}
+    assert all(h == [IO_WORKERS_HELP + "%(default).0s"] for h in helps.values()), helps
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith(("| `mars debias", "| `mars crf", "| `mars predict"))]
+    assert len(rows) == 3 and all("[--io-workers N]" in r for r in rows)
