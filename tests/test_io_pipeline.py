@@ -312,5 +312,6 @@ def test_io_workers_is_documented_the_same_way_by_each_command():
              for cmd in ("debias", "crf", "predict")}
     assert all(h == [IO_WORKERS_HELP + "%(default).0s"] for h in helps.values()), helps
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith(("| `mars debias", "| `mars crf", "| `mars predict"))]
+    rows = [line for line in readme.splitlines()
+            if line.startswith(("| `mars debias", "| `mars crf", "| `mars predict"))]
     assert len(rows) == 3 and all("[--io-workers N]" in r for r in rows)

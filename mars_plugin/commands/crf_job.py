@@ -2,12 +2,12 @@
 their images, in batches on the device; label PNGs or probabilities out. Resumable, sharded
 under torchrun, ``--on-error skip``.
 
-Per file, in ``--workers`` processes (or this one): the CAMs are read by the codebase's adapter
-(``load_cams``) and turned into the CRF's input by its own rule (``crf_input``: IRNet/AdvCAM's
-confident labels' unary, SEAM's and RS+EPM's background from the CAMs, DHR's probabilities
-resized to the image); in this process, the CRF of a batch (:func:`mars_plugin.engines.crf.dense_crf`
-or :func:`~mars_plugin.engines.crf.dense_crf_from_unary`, images of any sizes with one number of
-labels); then, in the workers again, the codebase's rule after the CRF (``crf_label``) and the
+Per file, in ``--io-workers`` threads or ``--workers`` processes (or this one): the CAMs are
+read by the codebase's adapter (``load_cams``) and turned into the CRF's input by its own rule
+(``crf_input``: IRNet/AdvCAM's confident labels' unary, SEAM's and RS+EPM's background from the
+CAMs, DHR's probabilities resized to the image); in this process, the CRF of a batch
+(:func:`mars_plugin.engines.crf.dense_crf` or :func:`~mars_plugin.engines.crf.dense_crf_from_unary`,
+images of any sizes with one number of labels); then, in the workers again, the codebase's rule after the CRF (``crf_label``) and the
 file's encoding. A batched run equals the adapter's per-image ``cams_to_label``.
 """
 from __future__ import annotations
@@ -347,7 +347,8 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
     with IOPipeline(io_workers, ahead=window, behind=2 * s.batch_size, executor=_pool(s.workers)) as io:
         def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
             for (stem, item), q in zip(batch, marginals):
-                if q:  # the inputs are spent: only their count goes on (not 2 x L x H x W floats through a pipe)
+                if q:  # the inputs are spent: only their count goes on (not held while
+                    # the write waits, nor 2 x L x H x W floats through a --workers pipe)
                     item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
                 io.write(stem, _finish, (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg))
             collect(io)

@@ -1,5 +1,6 @@
 """``mars debias``: one debiased label PNG per pseudo label (Eq. 4-5, the dense CRF), in
-batches, in ``--workers`` processes, resumable.
+batches, the files read and written in ``--io-workers`` threads beside the device
+(:func:`_debias_stream`) or whole batches in ``--workers`` processes, resumable.
 
 The worker functions (``_debias_init``, ``_debias_batch``) are module-level: the worker
 processes (spawn) import them by their qualified name. The equations are in
