@@ -154,6 +154,24 @@ def test_an_error_in_the_compute_stops_the_reads_and_writes(tmp_path, error):
     assert all(p.read_text() == "x" * 1000 for p in tmp_path.iterdir())  # whole files only, no temp file
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_after_an_error_the_finished_writes_are_handed_over(workers):
+    """``settled()``: the writes queued before an error that finished (their files whole) come
+    back in order for the record; a failed one is left out."""
+    def write(i):
+        if i == 2:
+            raise OSError("disk full")
+        return i * 10
+
+    with IOPipeline(workers, ahead=2, behind=10) as io:
+        for i in range(5):
+            io.write(i, write, i)
+        while not all(f.done() for _, f in io.pending):  # all run (those not begun would be cancelled)
+            time.sleep(0.001)
+        got = list(io.settled())
+    assert got == [(0, 0), (1, 10), (3, 30), (4, 40)] and not _io_threads()
+
+
 def test_io_workers_values_are_checked_by_name():
     assert check_io_workers(None, "cpu") == 0 and check_io_workers(3, "cpu") == 3
     assert check_io_workers(None, torch.device("cuda", 1)) == default_io_workers("cuda") >= 1
@@ -220,6 +238,50 @@ def test_debias_writes_the_same_bytes_with_io_workers(world, tmp_path, capsys):
         errs.append(err)
     assert errs[0] == errs[1] and _files(tmp_path / "skip0") == _files(tmp_path / "skip2")
     assert len(_files(tmp_path / "skip2")) == 8
+
+
+@pytest.mark.parametrize("where", ["compute", "record"])
+def test_debias_interrupted_with_io_workers_leaves_whole_files_and_resumes(world, tmp_path, monkeypatch, where):
+    """Ctrl-C during the second batch's compute, or while the results are recorded, with 2
+    threads reading ahead and writing behind: the job stops (no thread left running), every file
+    there is whole (no temp file), and the next run writes the rest, the folder then equal to
+    one uninterrupted run."""
+    import mars_plugin.commands.debias as job
+    from mars_plugin.commands.debias import debias_job
+
+    real_masks, real_progress, calls = job._debias_masks, job._progress, []
+
+    def masks(items):
+        calls.append(len(items))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_masks(items)
+
+    def progress(results, *a):
+        for i, r in enumerate(results):
+            if i == 4:
+                raise KeyboardInterrupt
+            yield r
+
+    def run(out):
+        return debias_job(world / "features", world / "labels", world / "V.pt", out, images_dir=world / "images",
+                          batch_size=3, io_workers=2, progress=False)
+
+    if where == "compute":
+        monkeypatch.setattr(job, "_debias_masks", masks)
+    else:
+        monkeypatch.setattr(job, "_progress", progress)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "out")
+    assert not _io_threads()
+    left = _files(tmp_path / "out")
+    assert len(left) >= 3 and not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".tmp")]
+    monkeypatch.setattr(job, "_debias_masks", real_masks)
+    monkeypatch.setattr(job, "_progress", real_progress)
+    s = run(tmp_path / "out")
+    assert s.existing + s.done == 9 and s.existing >= 3
+    run(tmp_path / "once")
+    assert _files(tmp_path / "out") == _files(tmp_path / "once")
 
 
 @pytest.fixture(scope="module")

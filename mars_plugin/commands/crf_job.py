@@ -13,6 +13,7 @@ file's encoding. A batched run equals the adapter's per-image ``cams_to_label``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -337,7 +338,10 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
         # every write already done is recorded at once (an interrupted run keeps it), and the
         # oldest are waited for beyond the limit in flight; a failed write (disk full) is not
         # the file's fault: it stops
-        for stem, (_, digest) in io.written(limit):
+        keep(io.written(limit))
+
+    def keep(written: Any) -> None:
+        for stem, (_, digest) in written:
             record.add(stem, out_dir / f"{stem}{ext}", inputs[stem], digest)
             summary.done += 1
             summary.redone += stem in again
@@ -345,26 +349,31 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
                 bar.update(1)
 
     with IOPipeline(io_workers, ahead=window, behind=2 * s.batch_size, executor=_pool(s.workers)) as io:
-        def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
-            for (stem, item), q in zip(batch, marginals):
-                if q:  # the inputs are spent: only their count goes on (not held while
-                    # the write waits, nor 2 x L x H x W floats through a --workers pipe)
-                    item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
-                io.write(stem, _finish, (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg))
-            collect(io)
+        try:
+            def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
+                for (stem, item), q in zip(batch, marginals):
+                    if q:  # the inputs are spent: only their count goes on (not held while
+                        # the write waits, nor 2 x L x H x W floats through a --workers pipe)
+                        item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
+                    io.write(stem, _finish, (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg))
+                collect(io)
 
-        argmax = s.write == "labels" and s.wsss is None
-        batches = SizeBatches(s.batch_size,
-                              lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes, argmax),
-                              write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
-        for _, fut in io.reads(_prepare, todo):
-            stem, item, err = fut.result()  # _prepare returns a file's failure, never raises it
-            if item is None:
-                _fail(s, summary, stem, err or "", bar)
-                continue
-            batches.add(_batch_key(item), (stem, item))
-        batches.flush()
-        collect(io, 0)
+            argmax = s.write == "labels" and s.wsss is None
+            batches = SizeBatches(s.batch_size,
+                                  lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes, argmax),
+                                  write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
+            for _, fut in io.reads(_prepare, todo):
+                stem, item, err = fut.result()  # _prepare returns a file's failure, never raises it
+                if item is None:
+                    _fail(s, summary, stem, err or "", bar)
+                    continue
+                batches.add(_batch_key(item), (stem, item))
+            batches.flush()
+            collect(io, 0)
+        except BaseException:  # the CRF failed or Ctrl-C: the files already whole are recorded first
+            with contextlib.suppress(Exception):  # (a failure to record them must not hide the error)
+                keep(io.settled())
+            raise
 
 
 def _pool(workers: int) -> Any:

@@ -193,24 +193,32 @@ def _debias_stream(batches: Sequence[Sequence[str]], io_workers: int) -> Iterato
     _debias_check_init()
     size = max((len(b) for b in batches), default=1)
     with IOPipeline(io_workers, ahead=2 * size, behind=2 * size) as io:
-        reads = io.reads(_debias_load, (stem for b in batches for stem in b))
-        for stems in batches:
-            got: List[Tuple[str, Any]] = []  # (stem, prepared item or the error's message), in order
-            for _ in stems:
-                stem, fut = next(reads)
-                try:
-                    got.append((stem, _debias_prepare(fut.result())))
-                except FILE_ERRORS as e:
-                    got.append((stem, one_line(e)))
-            items = [it for _, it in got if isinstance(it, dict)]
-            masks = iter(_debias_masks(items) if items else [])
-            for stem, it in got:
-                if isinstance(it, dict):
-                    io.write(stem, _debias_write, stem, it["label"], next(masks))
-                else:
-                    io.write(stem, _failed, stem, it)
-            yield from (r for _, r in io.written())
-        yield from (r for _, r in io.written(0))
+        try:
+            reads = io.reads(_debias_load, (stem for b in batches for stem in b))
+            for stems in batches:
+                got: List[Tuple[str, Any]] = []  # (stem, prepared item or the error's message), in order
+                for _ in stems:
+                    stem, fut = next(reads)
+                    try:
+                        got.append((stem, _debias_prepare(fut.result())))
+                    except FILE_ERRORS as e:
+                        got.append((stem, one_line(e)))
+                items = [it for _, it in got if isinstance(it, dict)]
+                masks = iter(_debias_masks(items) if items else [])
+                for stem, it in got:
+                    if isinstance(it, dict):
+                        io.write(stem, _debias_write, stem, it["label"], next(masks))
+                    else:
+                        io.write(stem, _failed, stem, it)
+                yield from (r for _, r in io.written())
+            yield from (r for _, r in io.written(0))
+        except GeneratorExit:  # the caller stopped reading (its own error): nothing more to hand out
+            raise
+        except BaseException:
+            # the compute failed or Ctrl-C: the labels already whole on disk go to the caller
+            # (recorded: a new run keeps them), then the error
+            yield from (r for _, r in io.settled())
+            raise
 
 
 def _failed(stem: str, why: str) -> _Result:

@@ -17,7 +17,9 @@ The contract the jobs rely on:
 - a write that raises stops the job (it is not the file's fault: a full disk), naming the cause;
 - at most ``ahead`` reads and ``behind`` writes are in flight, so memory stays bounded;
 - on any exception here (a failed write, the compute, Ctrl-C), the reads and writes not begun
-  are cancelled and those running are waited for (each a whole atomic write: no half file).
+  are cancelled and those running are waited for (each a whole atomic write: no half file);
+  :meth:`IOPipeline.settled` then hands over the writes that finished, for the job to record
+  before the error goes on (a resumed run keeps them).
 
 ``workers=0`` runs everything in this thread, in the same order: the serial path, the same
 functions, so the outputs do not depend on the worker count.
@@ -81,6 +83,12 @@ class Done:
 
     def done(self) -> bool:
         return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> Optional[BaseException]:
+        return self.error
 
 
 class IOPipeline:
@@ -160,6 +168,17 @@ class IOPipeline:
             value = fut.result()  # raises a failed write: the job stops
             self.pending.popleft()
             yield key, value
+
+    def settled(self) -> Iterator[Tuple[Any, Any]]:
+        """After an error (the compute's, Ctrl-C): :meth:`close`, then ``(key, value)`` of each
+        queued write that finished, in order, so that the job records the outputs already
+        whole on disk (a resumed run keeps them) before the error goes on; the others are
+        left out (cancelled, or failed: their file is the one there before)."""
+        self.close()
+        while self.pending:
+            key, fut = self.pending.popleft()
+            if not fut.cancelled() and fut.done() and fut.exception() is None:
+                yield key, fut.result()
 
 
 def add_io_workers_argument(p: Any) -> None:

@@ -13,6 +13,7 @@ what both write: ``convert_seed_to_pseudo_masks.py:135-137``, ``produce_wss_mask
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -270,10 +271,10 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
         stem, _, img = item
         fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
 
-    def collect(io: IOPipeline, limit: Optional[int] = None) -> None:
+    def keep(written: Any) -> None:
         # the labels written, recorded in the order they were queued (a failed write, a full
         # disk, is not the image's fault: it stops)
-        for (stem, inputs), digest in io.written(limit):
+        for (stem, inputs), digest in written:
             record.add(stem, out_dir / f"{stem}.png", inputs, digest)
             summary.done += 1
             summary.redone += stem in again
@@ -317,19 +318,24 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
             def write(batch: Batch, labels: torch.Tensor) -> None:
                 for (stem, inputs, _), y in zip(batch, labels):
                     io.write((stem, inputs), _write_labels, out_dir / f"{stem}.png", y)
-                collect(io)
+                keep(io.written())
 
             batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
-            for (stem, _, inputs), fut in io.reads(load, todo):
-                try:
-                    img = fut.result()
-                except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
-                    fail(stem, one_line(e))
-                    continue
-                key = tuple(img.shape[:2])
-                batches.add(key, (stem, inputs, img), limits.get(key))
-            batches.flush()
-            collect(io, 0)
+            try:
+                for (stem, _, inputs), fut in io.reads(load, todo):
+                    try:
+                        img = fut.result()
+                    except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+                        fail(stem, one_line(e))
+                        continue
+                    key = tuple(img.shape[:2])
+                    batches.add(key, (stem, inputs, img), limits.get(key))
+                batches.flush()
+                keep(io.written(0))
+            except BaseException:  # the network failed or Ctrl-C: the labels already whole are recorded first
+                with contextlib.suppress(Exception):  # (a failure to record them must not hide the error)
+                    keep(io.settled())
+                raise
     finally:
         if bar is not None:
             bar.close()
