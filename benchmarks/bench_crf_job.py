@@ -44,7 +44,7 @@ def _identity(maps, rgbs, params, max_bytes=None):
 
 
 def time_job(root: str, out: str, *, device: str = "cpu", batch_size: int = 4, workers: int = 0,
-             identity: bool = False) -> float:
+             identity: bool = False, io_workers: int = 0) -> float:
     """Seconds of one `mars crf --probs` run into a new ``out`` (its own process state: the CRF
     stub only where asked: the CRF runs in this process, the --workers read and write)."""
     import mars_plugin.engines.crf as crf
@@ -55,7 +55,8 @@ def time_job(root: str, out: str, *, device: str = "cpu", batch_size: int = 4, w
     try:
         t0 = time.perf_counter()
         s = job.crf_job(os.path.join(root, "images"), out, probs_dir=os.path.join(root, "probs"), device=device,
-                        batch_size=batch_size, workers=workers, progress=False)
+                        batch_size=batch_size, workers=workers, io_workers=None if workers else io_workers,
+                        progress=False)
         dt = time.perf_counter() - t0
     finally:
         crf.dense_crf = real

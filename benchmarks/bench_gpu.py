@@ -1,7 +1,8 @@
 """Every GPU row of the project in one process (run by benchmarks/gpu.sh): the dense CRF at batch
 1/16/64, the pydensecrf drop-in on CUDA at 21 and 81 labels, the blur's gather forms at 2-81 labels,
 the lattice filter torch vs the Triton kernels (and the dense CRF both ways),
-`mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda`, the training
+`mars crf` at 21 and 81 labels (and COCO val extrapolated), `mars debias --device cuda` (both at
+--io-workers 0 and 4), the folder jobs' I/O side alone (`bench_io.py`), the training
 step (CE vs MARS with the CRF teacher), and the
 CUDA rows of the benchmarks that already have them (features fp32/fp16, batched fp16, `mars predict`),
 and the whole pipeline (`reproduce`: `mars reproduce --train` of 32 synthetic images, s per image
@@ -11,7 +12,7 @@ Each section prints a markdown table and its wall time; a failing section prints
 the others still run. ``--smoke`` runs every section at toy sizes on the CPU (a check that the
 script works, numbers meaningless), which the test suite does not do: it is for developers.
 
-    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,triton,crf_job,debias,train,profile,features,predict,reproduce] [--smoke]
+    python benchmarks/bench_gpu.py [--sections crf,densecrf,gather,triton,crf_job,debias,io,train,profile,features,predict,reproduce] [--smoke]
 """
 import argparse
 import os
@@ -73,18 +74,19 @@ def section_debias(dev, smoke):
                                read_label(os.path.join(root, "labels", s + ".png"))) for s in stems), 4)
         V.save(os.path.join(root, "V.pt"))
         print(f"mars debias --device {dev} on {n} images 500x375 (features D=70 at stride 8, CRF preset mars)")
-        print("| batch | s | images/s | VOC train_aug (10,582) |")
-        print("| --- | --- | --- | --- |")
+        print("| batch | --io-workers | s | images/s | VOC train_aug (10,582) |")
+        print("| --- | --- | --- | --- | --- |")
         for b in ((16, 64) if not smoke else (4,)):
-            for rep in range(2):  # the first pass warms up the CUDA kernels
-                out = os.path.join(root, f"out_{b}_{rep}")
-                t0 = time.perf_counter()
-                s = debias_job(os.path.join(root, "features"), os.path.join(root, "labels"),
-                               os.path.join(root, "V.pt"), out, images_dir=os.path.join(root, "images"),
-                               refine="crf", batch_size=b, device=dev, progress=False)
-                dt = time.perf_counter() - t0
-            assert s.done == n, s.line()
-            print(f"| {b} | {dt:.2f} | {n / dt:.1f} | {10582 * dt / n / 60:.1f} min |", flush=True)
+            for io in (0, 4):  # the files read and written in this thread, or in 4 beside the GPU
+                for rep in range(2):  # the first pass warms up the CUDA kernels
+                    out = os.path.join(root, f"out_{b}_{io}_{rep}")
+                    t0 = time.perf_counter()
+                    s = debias_job(os.path.join(root, "features"), os.path.join(root, "labels"),
+                                   os.path.join(root, "V.pt"), out, images_dir=os.path.join(root, "images"),
+                                   refine="crf", batch_size=b, device=dev, io_workers=io, progress=False)
+                    dt = time.perf_counter() - t0
+                assert s.done == n, s.line()
+                print(f"| {b} | {io} | {dt:.2f} | {n / dt:.1f} | {10582 * dt / n / 60:.1f} min |", flush=True)
 
 
 def _script(args):
@@ -157,18 +159,29 @@ def section_crf_job(dev, smoke):
     H, W = (375, 500) if not smoke else (60, 80)
     print(f"mars crf --probs --device {dev}, {W}x{H}, preset mars (10 iterations); every image holds all L labels "
           "(a codebase's CAMs hold a few classes each: faster)")
-    print("| labels | images | batch | s | images/s | COCO val (40,137) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| labels | images | batch | --io-workers | s | images/s | COCO val (40,137) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     lines = []
     for L, n, b in ((21, 64, 32), (81, 32, 16)) if not smoke else ((21, 4, 2), (81, 2, 2)):
         with tempfile.TemporaryDirectory() as root:
             make_folder(root, n, L, H, W)
             time_job(root, os.path.join(root, "warm"), device=dev, batch_size=b)  # CUDA kernels, allocator
-            dt = time_job(root, os.path.join(root, "out"), device=dev, batch_size=b)
-        print(f"| {L} | {n} | {b} | {dt:.1f} | {n / dt:.1f} | {40137 * dt / n / 3600:.2f} h |", flush=True)
-        lines.append(f"{L} labels: " + coco_line(n / dt))
+            for io in (0, 4):  # the files read and written in this thread, or in 4 beside the GPU
+                dt = time_job(root, os.path.join(root, f"out{io}"), device=dev, batch_size=b, io_workers=io)
+                print(f"| {L} | {n} | {b} | {io} | {dt:.1f} | {n / dt:.1f} | {40137 * dt / n / 3600:.2f} h |",
+                      flush=True)
+                lines.append(f"{L} labels, --io-workers {io}: " + coco_line(n / dt))
     print("\n".join(lines))
 
+
+
+def section_io(dev, smoke):
+    """The folder jobs' I/O side (debias, crf, predict with the device compute stubbed) at
+    --io-workers 0, 2, 4 on this machine's CPU cores (benchmarks/bench_io.py)."""
+    if smoke:
+        _script(["bench_io.py", "--smoke"])
+    else:
+        _script(["bench_io.py", "--images", "64", "--rounds", "3", "--io-workers", "0,2,4"])
 
 
 def section_densecrf(dev, smoke):
@@ -198,8 +211,9 @@ def section_triton(dev, smoke):
 
 
 SECTIONS = {"crf": section_crf, "densecrf": section_densecrf, "gather": section_gather, "triton": section_triton,
-            "crf_job": section_crf_job, "debias": section_debias, "train": section_train, "profile": section_profile,
-            "features": section_features, "predict": section_predict, "reproduce": section_reproduce}
+            "crf_job": section_crf_job, "debias": section_debias, "io": section_io, "train": section_train,
+            "profile": section_profile, "features": section_features, "predict": section_predict,
+            "reproduce": section_reproduce}
 
 
 def main():

@@ -81,6 +81,8 @@ BAD_FLAGS = [
     ("crf", "--batch-size", "0"), ("crf", "--batch-size", "4097"), ("crf", "--workers", "-1"),
     ("crf", "--workers", "257"), ("crf", "--max-memory", "0"), ("crf", "--max-memory", "nan"),
     ("crf", "--threads", "0"),
+    ("debias", "--io-workers", "-1"), ("debias", "--io-workers", "257"), ("crf", "--io-workers", "-1"),
+    ("crf", "--io-workers", "1.5"), ("predict", "--io-workers", "-1"), ("predict", "--io-workers", "257"),
 ]
 
 

@@ -12,7 +12,8 @@ The commands:
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record;
   ``train_dhr.py``: the loss grid (the dhr recipe's, on DHR's stride-4 logits);
-  ``predict_recipe.py``: predict's settings from the checkpoint's recipe.
+  ``predict_recipe.py``: predict's settings from the checkpoint's recipe; ``predict_memory.py``:
+  each image against the memory budget, from its header, before any work.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_settings.py`` (its settings record,
   checked once), ``reproduce_state.py`` (its record),
   ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
@@ -31,7 +32,8 @@ What they share:
 * ``inputs.py`` (input checks), ``label_formats.py`` (WSSS label formats, image-level labels,
   class names), ``errors.py`` (``JobError``, ``JobSummary``, ``--on-error``), ``distributed.py``
   (torchrun: rank, device, the ranks' meeting points), ``size_batches.py`` (images of one size
-  in one forward pass).
+  in one forward pass), ``io_pipeline.py`` (``--io-workers``: the files read ahead and written
+  behind in threads while the device computes; ``mars debias``, ``crf``, ``predict``).
 * ``run_record.py`` -- resumable runs: what was made from what (``identities.py``: what identifies
   an input), and ``run_lock.py``, one run at a time.
 """

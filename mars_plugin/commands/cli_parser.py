@@ -10,6 +10,7 @@ import json
 
 from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.label_formats import WSSS_ADAPTERS
+from mars_plugin.commands.io_pipeline import add_io_workers_argument
 from mars_plugin.method.centroids import BACKENDS
 from mars_plugin.engines.crf_params import CRF_BACKENDS
 
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 6, the CRF's own)" + "%(default).0s")
     b.add_argument("--workers", type=T.workers, default=1,
                    help="processes, each with one thread (on a CPU with free cores: one per core)")
+    add_io_workers_argument(b)
     b.add_argument("--class-names", default=None,
                    help="JSON list of names (background first), classes.json or DHR's <data>.json, for the printed "
                         "per-class summary (default with --wsss: that codebase's class names)")

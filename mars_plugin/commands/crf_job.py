@@ -2,20 +2,20 @@
 their images, in batches on the device; label PNGs or probabilities out. Resumable, sharded
 under torchrun, ``--on-error skip``.
 
-Per file, in ``--workers`` processes (or this one): the CAMs are read by the codebase's adapter
-(``load_cams``) and turned into the CRF's input by its own rule (``crf_input``: IRNet/AdvCAM's
-confident labels' unary, SEAM's and RS+EPM's background from the CAMs, DHR's probabilities
-resized to the image); in this process, the CRF of a batch (:func:`mars_plugin.engines.crf.dense_crf`
-or :func:`~mars_plugin.engines.crf.dense_crf_from_unary`, images of any sizes with one number of
-labels); then, in the workers again, the codebase's rule after the CRF (``crf_label``) and the
+Per file, in ``--io-workers`` threads or ``--workers`` processes (or this one): the CAMs are
+read by the codebase's adapter (``load_cams``) and turned into the CRF's input by its own rule
+(``crf_input``: IRNet/AdvCAM's confident labels' unary, SEAM's and RS+EPM's background from the
+CAMs, DHR's probabilities resized to the image); in this process, the CRF of a batch
+(:func:`mars_plugin.engines.crf.dense_crf` or :func:`~mars_plugin.engines.crf.dense_crf_from_unary`,
+images of any sizes with one number of labels); then, in the workers again, the codebase's rule after the CRF (``crf_label``) and the
 file's encoding. A batched run equals the adapter's per-image ``cams_to_label``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
-from collections import deque
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -323,93 +323,57 @@ def _fail(s: CrfSettings, summary: JobSummary, stem: str, why: str, bar: Any) ->
 def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], cfg: Dict[str, Any], out_dir: Path,
               ext: str, device: torch.device, record: Any, inputs: Dict[str, Any], again: set, summary: JobSummary,
               bar: Any) -> None:
-    """Read and prepare (workers), the CRF by batches (here), label and write (workers), with
-    at most a few batches in flight, so memory stays bounded whatever the folder's size."""
+    """Read and prepare (``--io-workers`` threads or ``--workers`` processes), the CRF by
+    batches (here), label and write (the same workers), with at most a few batches in flight,
+    so memory stays bounded whatever the folder's size
+    (:class:`~mars_plugin.commands.io_pipeline.IOPipeline`)."""
+    from mars_plugin.commands.io_pipeline import IOPipeline, check_io_workers
     from mars_plugin.commands.size_batches import SizeBatches
 
-    pool = _pool(s.workers)
-    pending: deque = deque()  # the writes in flight, collected in order
     max_bytes = DEFAULT_MAX_BYTES if s.max_bytes is None else s.max_bytes
+    io_workers = check_io_workers(s.io_workers, device, s.workers)
+    window = 2 * s.batch_size + max(s.workers, io_workers)
 
-    def collect(limit: int) -> None:
+    def collect(io: IOPipeline, limit: Optional[int] = None) -> None:
         # every write already done is recorded at once (an interrupted run keeps it), and the
-        # oldest are waited for beyond ``limit`` in flight
-        while pending and (len(pending) > limit or pending[0][1].done()):
-            stem = pending[0][0]
-            pending.popleft()[1].result()  # a failed write (disk full) is not the file's fault: it stops
-            path = out_dir / f"{stem}{ext}"
-            record.add(stem, path, inputs[stem], digests.pop(stem, ""))
+        # oldest are waited for beyond the limit in flight; a failed write (disk full) is not
+        # the file's fault: it stops
+        keep(io.written(limit))
+
+    def keep(written: Any) -> None:
+        for stem, (_, digest) in written:
+            record.add(stem, out_dir / f"{stem}{ext}", inputs[stem], digest)
             summary.done += 1
             summary.redone += stem in again
             if bar is not None:
                 bar.update(1)
 
-    digests: Dict[str, str] = {}
+    with IOPipeline(io_workers, ahead=window, behind=2 * s.batch_size, executor=_pool(s.workers)) as io:
+        try:
+            def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
+                for (stem, item), q in zip(batch, marginals):
+                    if q:  # the inputs are spent: only their count goes on (not held while
+                        # the write waits, nor 2 x L x H x W floats through a --workers pipe)
+                        item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
+                    io.write(stem, _finish, (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg))
+                collect(io)
 
-    def write(batch: List[Tuple[str, Dict[str, Any]]], marginals: List[Any]) -> None:
-        for (stem, item), q in zip(batch, marginals):
-            if q:  # the inputs are spent: only their count goes on (not 2 x L x H x W floats through a pipe)
-                item = {**item, "maps": [None] * len(item["maps"]), "rgb": None}
-            job = (stem, item, q, os.fspath(out_dir / f"{stem}{ext}"), cfg)
-            fut = pool.submit(_finish, job) if pool is not None else _Done(_finish(job))
-            pending.append((stem, _Digest(fut, stem, digests)))
-        collect(2 * s.batch_size)
-
-    argmax = s.write == "labels" and s.wsss is None
-    batches = SizeBatches(s.batch_size, lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes, argmax),
-                          write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
-    try:
-        for stem, item, err in _reads(pool, todo, 2 * s.batch_size + s.workers):
-            if item is None:
-                _fail(s, summary, stem, err or "", bar)
-                continue
-            batches.add(_batch_key(item), (stem, item))
-        batches.flush()
-        collect(0)
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _reads(pool: Any, todo: List[Tuple[str, str, str, Dict[str, Any]]], window: int):
-    """:func:`_prepare` of each of ``todo`` in order, at most ``window`` ahead in the workers (a
-    pool's ``map`` would read the whole folder ahead of a slow device)."""
-    if pool is None:
-        yield from map(_prepare, todo)
-        return
-    ahead: deque = deque()
-    for job in todo:
-        ahead.append(pool.submit(_prepare, job))
-        if len(ahead) >= window:
-            yield ahead.popleft().result()
-    while ahead:
-        yield ahead.popleft().result()
-
-
-class _Done:
-    """A finished result in the shape of a future (``--workers 0``)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def result(self) -> Any:
-        return self.value
-
-    def done(self) -> bool:
-        return True
-
-
-class _Digest:
-    """A write's future whose result files the output's digest under its stem."""
-
-    def __init__(self, fut: Any, stem: str, digests: Dict[str, str]) -> None:
-        self.fut, self.stem, self.digests = fut, stem, digests
-
-    def result(self) -> None:
-        self.digests[self.stem] = self.fut.result()[1]
-
-    def done(self) -> bool:
-        return self.fut.done()
+            argmax = s.write == "labels" and s.wsss is None
+            batches = SizeBatches(s.batch_size,
+                                  lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes, argmax),
+                                  write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
+            for _, fut in io.reads(_prepare, todo):
+                stem, item, err = fut.result()  # _prepare returns a file's failure, never raises it
+                if item is None:
+                    _fail(s, summary, stem, err or "", bar)
+                    continue
+                batches.add(_batch_key(item), (stem, item))
+            batches.flush()
+            collect(io, 0)
+        except BaseException:  # the CRF failed or Ctrl-C: the files already whole are recorded first
+            with contextlib.suppress(Exception):  # (a failure to record them must not hide the error)
+                keep(io.settled())
+            raise
 
 
 def _pool(workers: int) -> Any:

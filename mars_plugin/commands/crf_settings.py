@@ -14,6 +14,7 @@ from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param
 from mars_plugin.commands.cli_types import MAX_WORKERS
 from mars_plugin.engines.crf_params import CRF_PRESET_NAMES, check_crf_params
 from mars_plugin.commands.errors import ON_ERROR
+from mars_plugin.commands.io_pipeline import add_io_workers_argument, check_io_workers
 from mars_plugin.commands.label_formats import WSSS_ADAPTERS
 
 __all__ = ["CrfSettings", "add_crf_arguments", "WRITE_CHOICES", "PROBS_DTYPES", "OWN_CRF"]
@@ -36,6 +37,8 @@ class CrfSettings:
     ``labels`` (PNG, VOC palette) or ``probs`` ((L, H, W) ``.npy`` of ``probs_dtype``, channel =
     class id: L = 21 for ``dataset="voc"``, 81 for ``"coco"`` with ``wsss``, the input's L for
     ``--probs``). ``workers``: processes decoding and encoding files (0: this one);
+    ``io_workers``: threads doing it instead, overlapped with the device
+    (:mod:`mars_plugin.commands.io_pipeline`; None: min(4, CPU cores) on cuda, else 0);
     ``batch_size``: images per CRF call on ``device``."""
 
     wsss: Optional[str] = None
@@ -48,6 +51,7 @@ class CrfSettings:
     device: str = field(default="cpu", metadata=_RUN)
     batch_size: int = field(default=8, metadata=_RUN)
     workers: int = field(default=0, metadata=_RUN)
+    io_workers: Optional[int] = field(default=None, metadata=_RUN)
     on_error: str = field(default="stop", metadata=_RUN)
     progress: bool = field(default=True, metadata=_RUN)
     restart: bool = field(default=False, metadata=_RUN)
@@ -79,6 +83,8 @@ class CrfSettings:
             raise ValueError(f"probs_dtype must be one of {PROBS_DTYPES}, got {self.probs_dtype!r}")
         put("batch_size", check_int_param(self.batch_size, "batch_size", 1, MAX_BATCH_SIZE))
         put("workers", check_int_param(self.workers, "workers", 0, MAX_WORKERS))
+        if self.io_workers is not None:  # None: resolved for the device when the job runs
+            put("io_workers", check_io_workers(self.io_workers, "cpu", self.workers))
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
 
@@ -102,7 +108,8 @@ class CrfSettings:
         """``mars crf``'s parsed flags -> the settings (checked)."""
         return cls(wsss=args.wsss, dataset=args.dataset, crf=args.crf, crf_params=args.crf_params,
                    write=args.write, probs_dtype=args.probs_dtype, trust_pickle=args.trust_pickle,
-                   device=args.device, batch_size=args.batch_size, workers=args.workers, on_error=args.on_error,
+                   device=args.device, batch_size=args.batch_size, workers=args.workers, io_workers=args.io_workers,
+                   on_error=args.on_error,
                    progress=not args.no_progress, restart=args.restart,
                    max_bytes=None if args.max_memory is None else int(args.max_memory * 2 ** 30))
 
@@ -158,6 +165,7 @@ def add_crf_arguments(p: argparse.ArgumentParser) -> None:
                    help="images per CRF call (any sizes; same number of labels); 32-64 suit a GPU")
     p.add_argument("--workers", type=T.loader_workers, default=0, metavar="N",
                    help="processes that read and decode the inputs and encode and write the outputs (0: this one)")
+    add_io_workers_argument(p)
     p.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
                    help="the CRF's memory budget per batch in GiB (default: the CRF's own, 6 GiB)" + own)
     p.add_argument("--restart", action="store_true",

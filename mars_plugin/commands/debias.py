@@ -1,5 +1,6 @@
 """``mars debias``: one debiased label PNG per pseudo label (Eq. 4-5, the dense CRF), in
-batches, in ``--workers`` processes, resumable.
+batches, the files read and written in ``--io-workers`` threads beside the device
+(:func:`_debias_stream`) or whole batches in ``--workers`` processes, resumable.
 
 The worker functions (``_debias_init``, ``_debias_batch``) are module-level: the worker
 processes (spawn) import them by their qualified name. The equations are in
@@ -11,7 +12,7 @@ import argparse
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -34,6 +35,7 @@ from mars_plugin.formats.files import (
     write_label,
 )
 from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.commands.io_pipeline import check_io_workers
 from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, one_line
 from mars_plugin.method.selection import DebiasedCentroids
 from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
@@ -107,14 +109,14 @@ def _debias_check_init() -> None:
         raise JobError(_WORKER["init_error"])
 
 
-def _debias_read(stem: str) -> Dict[str, Any]:
-    """One image's inputs, checked, and its soft mask M_hat (Eq. 4) on the job's device."""
+def _debias_load(stem: str) -> Dict[str, Any]:
+    """One image's inputs, read, decoded and checked on the CPU (in an ``--io-workers`` thread):
+    features, pseudo label, its classes, with the CRF the RGB image."""
     cfg = _WORKER
     V: DebiasedCentroids = cfg["centroids"]
     feat_path = find_features(cfg["features_dir"], stem)
     feats = read_features(feat_path)
     check_features(feats, feat_path, V.dim, f"as --centroids {cfg['centroids_path']}")
-    feats = feats.to(cfg["device"])
     label_path = Path(cfg["labels_dir"]) / f"{stem}.png"
     label = read_label(label_path, biased_value=None)
     check_label_values(label, label_path, V.num_classes, cfg["ignore_index"],
@@ -127,8 +129,7 @@ def _debias_read(stem: str) -> Dict[str, Any]:
         classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
     # Eq. 5's checks before the batch's CRF, so that a bad file fails alone.
     label = check_pseudo_label(label, V, ignore_index=cfg["ignore_index"])
-    item = {"stem": stem, "label": label,
-            "similarity": debiased_similarity(feats, V, classes, size=tuple(label.shape))}
+    item = {"stem": stem, "label": label, "features": feats, "classes": classes}
     if cfg["refine"] == "crf":
         image = read_image(find_image(cfg["images_dir"], stem))
         if image.shape[:2] != tuple(label.shape):
@@ -137,41 +138,98 @@ def _debias_read(stem: str) -> Dict[str, Any]:
         # this image's CRF edges (standard deviations for its size, its memory) fail it alone
         check_crf_image(cfg["crf_params"], *label.shape, 2, name="--crf-params", budget_name="--max-memory",
                         max_bytes=cfg["max_bytes"] if cfg["crf_backend"] == "torch" else None)
-        item["image"] = torch.from_numpy(image).to(cfg["device"])
+        item["image"] = torch.from_numpy(image)
     return item
 
 
-def _debias_batch(stems: Sequence[str]) -> List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]]:
-    """Debias a batch of images (one CRF call on the job's device), every one of ``stems``
-    (the caller left out those whose output is current); returns (stem, "done"|"failed", error
-    message, {class: (pixels, removed)}, digest of the label written) for each."""
-    from mars_plugin.commands.identities import array_digest
-
-    _debias_check_init()
+def _debias_prepare(item: Dict[str, Any]) -> Dict[str, Any]:
+    """A loaded image's soft mask M_hat (Eq. 4), on the job's device (in this thread)."""
     cfg = _WORKER
-    results: List[Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]] = []
-    items = []
-    for stem in stems:
-        try:
-            items.append(_debias_read(stem))
-        except FILE_ERRORS as e:
-            results.append((stem, "failed", one_line(e), {}, ""))
-    if not items:
-        return results
+    dev = cfg["device"]
+    item = dict(item)
+    feats = item.pop("features").to(dev)
+    item["similarity"] = debiased_similarity(feats, cfg["centroids"], item.pop("classes"),
+                                             size=tuple(item["label"].shape))
+    if "image" in item:
+        item["image"] = item["image"].to(dev)
+    return item
+
+
+def _debias_masks(items: List[Dict[str, Any]]) -> List[torch.Tensor]:
+    """The batch's masks M (Eq. 5: one CRF call on the job's device), on the CPU."""
+    cfg = _WORKER
     sims = [it["similarity"] for it in items]
     if cfg["refine"] == "crf":
         masks = refine_mask(sims, [it["image"] for it in items], cfg["crf_params"], cfg["crf_backend"],
                             max_bytes=cfg["max_bytes"])
     else:
         masks = [m > cfg["threshold"] for m in sims]
-    for it, mask in zip(items, masks):
-        y = mark_biased(it["label"], mask.cpu(), cfg["centroids"], ignore_index=cfg["ignore_index"])
-        write_label(stem_path(cfg["out_dir"], it["stem"], ".png"), y, mode=cfg["mode"])
-        # "done" with a message: written, with a warning (see no_valid_pixel)
-        empty = no_valid_pixel(it["label"], Path(cfg["labels_dir"]) / f"{it['stem']}.png", cfg["ignore_index"])
-        results.append((it["stem"], "done", empty, _removed_per_class(it["label"], y, cfg["ignore_index"]),
-                        array_digest(y)))
-    return results
+    return [m.cpu() for m in masks]
+
+
+_Result = Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]
+
+
+def _debias_write(stem: str, label: torch.Tensor, mask: torch.Tensor) -> _Result:
+    """Eq. 5's label written atomically (in an ``--io-workers`` thread): (stem, "done", warning
+    or None, {class: (pixels, removed)}, digest of the label written)."""
+    from mars_plugin.commands.identities import array_digest
+
+    cfg = _WORKER
+    y = mark_biased(label, mask, cfg["centroids"], ignore_index=cfg["ignore_index"])
+    write_label(stem_path(cfg["out_dir"], stem, ".png"), y, mode=cfg["mode"])
+    # "done" with a message: written, with a warning (see no_valid_pixel)
+    empty = no_valid_pixel(label, Path(cfg["labels_dir"]) / f"{stem}.png", cfg["ignore_index"])
+    return stem, "done", empty, _removed_per_class(label, y, cfg["ignore_index"]), array_digest(y)
+
+
+def _debias_stream(batches: Sequence[Sequence[str]], io_workers: int) -> Iterator[_Result]:
+    """Each of ``batches``' stems debiased, its result in input order: the files read
+    ``io_workers`` threads ahead, Eq. 4 and the batch's CRF here, the labels written behind
+    (:class:`~mars_plugin.commands.io_pipeline.IOPipeline`; 0: in turn, here). A file that
+    cannot be read or prepared fails alone ("failed" and its message)."""
+    from mars_plugin.commands.io_pipeline import IOPipeline
+
+    _debias_check_init()
+    size = max((len(b) for b in batches), default=1)
+    with IOPipeline(io_workers, ahead=2 * size, behind=2 * size) as io:
+        try:
+            reads = io.reads(_debias_load, (stem for b in batches for stem in b))
+            for stems in batches:
+                got: List[Tuple[str, Any]] = []  # (stem, prepared item or the error's message), in order
+                for _ in stems:
+                    stem, fut = next(reads)
+                    try:
+                        got.append((stem, _debias_prepare(fut.result())))
+                    except FILE_ERRORS as e:
+                        got.append((stem, one_line(e)))
+                items = [it for _, it in got if isinstance(it, dict)]
+                masks = iter(_debias_masks(items) if items else [])
+                for stem, it in got:
+                    if isinstance(it, dict):
+                        io.write(stem, _debias_write, stem, it["label"], next(masks))
+                    else:
+                        io.write(stem, _failed, stem, it)
+                yield from (r for _, r in io.written())
+            yield from (r for _, r in io.written(0))
+        except GeneratorExit:  # the caller stopped reading (its own error): nothing more to hand out
+            raise
+        except BaseException:
+            # the compute failed or Ctrl-C: the labels already whole on disk go to the caller
+            # (recorded: a new run keeps them), then the error
+            yield from (r for _, r in io.settled())
+            raise
+
+
+def _failed(stem: str, why: str) -> _Result:
+    return stem, "failed", why, {}, ""
+
+
+def _debias_batch(stems: Sequence[str]) -> List[_Result]:
+    """Debias a batch of images in a ``--workers`` process (one CRF call), every one of
+    ``stems`` (the caller left out those whose output is current); the results of
+    :func:`_debias_stream`."""
+    return list(_debias_stream([stems], 0))
 
 
 def _removed_per_class(label: torch.Tensor, debiased: torch.Tensor, ignore_index: int) -> Dict[int, Tuple[int, int]]:
@@ -199,6 +257,7 @@ def debias_job(
     threshold: float = 0.5,
     image_labels: Optional[os.PathLike] = None,
     workers: int = 1,
+    io_workers: Optional[int] = None,
     batch_size: int = 8,
     device: str = "cpu",
     ignore_index: int = IGNORE_VALUE,
@@ -228,7 +287,10 @@ def debias_job(
     debiases its strided shard. ``fmt`` writes in a WSSS repository's PNG mode (see
     :func:`label_format`). ``stems``: only these of the folder's labels. ``max_bytes``: the
     CRF's memory budget per batch (``--max-memory``; default 6 GiB, the CRF's own, since each of
-    ``workers`` takes it); an image whose CRF needs more fails alone, by name.
+    ``workers`` takes it); an image whose CRF needs more fails alone, by name. ``io_workers``
+    (with ``workers=1``): threads that read the next batches' files and write the labels while
+    the device computes (:mod:`mars_plugin.commands.io_pipeline`; 0: in turn; None: min(4, CPU
+    cores) on cuda, 0 on the CPU); the outputs do not depend on it.
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
@@ -245,6 +307,7 @@ def debias_job(
     params = check_crf_params(crf_params)
     check_crf_backend(crf_backend)
     dev = resolve_device(device)
+    io_workers = check_io_workers(io_workers, dev, workers if workers > 1 else 0)
     fmt = fmt or LabelFormat()
     stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
     check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
@@ -287,7 +350,8 @@ def debias_job(
     try:
         summary, error = None, None
         try:
-            summary = _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank)
+            summary = _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank,
+                                     io_workers)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         # Every rank meets again at the end, also one whose shard failed (a bad file, a dead
@@ -310,7 +374,7 @@ def _input_ids(labels_dir: os.PathLike, features_dir: os.PathLike, images_dir: O
 
 
 def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_size: int, workers: int,
-                   on_error: str, progress: bool, rank: int) -> JobSummary:
+                   on_error: str, progress: bool, rank: int, io_workers: int = 0) -> JobSummary:
     """:func:`debias_job` once the folder's record is open: which labels are current, then the
     others, each recorded as it is written."""
     from mars_plugin.commands.identities import centroids_digest, file_id
@@ -350,8 +414,7 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
 
     def consume(results) -> None:
-        for stem, status, err, counts, content in _progress((r for batch in results for r in batch), len(todo),
-                                                            "debias", progress):
+        for stem, status, err, counts, content in _progress(results, len(todo), "debias", progress):
             if status == "done":
                 record.add(stem, stem_path(out_dir, stem, ".png"), inputs[stem], content)
                 summary.done += 1
@@ -367,8 +430,11 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
                 summary.failed.append((stem, err or ""))
 
     if workers == 1:
+        from contextlib import closing
+
         _debias_init(config)
-        consume(map(_debias_batch, batches))
+        with closing(_debias_stream(batches, io_workers)) as results:  # closed (its threads stopped) on any error
+            consume(results)
         return summary
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
@@ -380,7 +446,7 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_debias_init,
                                initargs=(config,))
     try:
-        consume(_start_workers(lambda: pool.map(_debias_batch, batches)))
+        consume(r for batch in _start_workers(lambda: pool.map(_debias_batch, batches)) for r in batch)
     except BrokenProcessPool:
         raise JobError(f"a --workers process died (killed, out of memory, or crashed); "
                        f"{summary.done} images were written and a new run resumes after them") from None
@@ -398,7 +464,7 @@ def run_debias_command(args: argparse.Namespace) -> JobSummary:
     names = _class_names(args.class_names) or _wsss_class_names(args)
     s = debias_job(
         args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
-        threshold=args.threshold, image_labels=args.image_labels, workers=args.workers,
+        threshold=args.threshold, image_labels=args.image_labels, workers=args.workers, io_workers=args.io_workers,
         batch_size=args.batch_size, device=args.device, crf_params=args.crf_params,
         crf_backend=args.crf_backend, ignore_index=args.ignore_index, on_error=args.on_error,
         progress=progress, fmt=fmt,

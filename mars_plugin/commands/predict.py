@@ -13,8 +13,8 @@ what both write: ``convert_seed_to_pseudo_masks.py:135-137``, ``produce_wss_mask
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -27,10 +27,12 @@ from mars_plugin.formats.files import read_image, write_label
 from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IMAGES, DEFAULT_SCALES, _crf_params,
                                            _scaled_size, crf_rgb, labels_from_probs, multiscale_probs,
                                            multiscale_probs_dhr, multiscale_probs_max)
-from mars_plugin.networks.memory import MEMORY_FLAG, check_inference_memory, resolve_max_bytes
+from mars_plugin.networks.memory import MEMORY_FLAG, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
 from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
 from mars_plugin.commands.size_batches import SizeBatches
+from mars_plugin.commands.io_pipeline import IOPipeline, add_io_workers_argument, check_io_workers
+from mars_plugin.commands.predict_memory import memory_plan
 from mars_plugin.commands.distributed import _rank_world, resolve_device, share_error, sync_group
 
 __all__ = [
@@ -85,6 +87,7 @@ def predict_job(
     settings: Optional[Mapping[str, Any]] = None,
     images_flag: str = "--images",
     max_bytes: Union[None, str, int] = "auto",
+    io_workers: Optional[int] = None,
 ) -> JobSummary:
     """Write ``<out_dir>/<stem>.png``, the predicted labels of every image of ``images_dir``
     (:func:`~mars_plugin.networks.inference.predict_labels`), P mode with the VOC palette, atomically.
@@ -125,6 +128,9 @@ def predict_job(
             needs more is refused by name (skipped with ``on_error="skip"``), from its header
             alone; a batch holds only as many images of one size as fit; the CRF takes the same
             budget as its ``max_bytes``.
+        io_workers: threads that read and decode the next images and encode and write the labels
+            while ``device`` computes (:mod:`mars_plugin.commands.io_pipeline`; 0: in turn; None:
+            min(4, CPU cores) on cuda, 0 on the CPU); the outputs do not depend on it.
 
     Resume (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings
     (the model, scales, flip, CRF, class threshold, fp16; other settings are refused) and each
@@ -156,6 +162,7 @@ def predict_job(
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
     device = resolve_device(device) if isinstance(device, str) else device
     max_bytes = resolve_max_bytes(max_bytes, device)
+    io_workers = check_io_workers(io_workers, device)
     preprocess = preprocess or _preprocess_of(model)
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     rank, world = _rank_world()
@@ -199,7 +206,7 @@ def predict_job(
                            crf_image=crf_image, fuse_at=fuse_at, batch_size=batch_size, device=device, fp16=fp16,
                            preprocess=preprocess,
                            num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
-                           max_bytes=max_bytes,
+                           max_bytes=max_bytes, io_workers=io_workers,
                            desc="predict" if world == 1 else f"predict rank 0/{world}")
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
@@ -218,9 +225,9 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
                    fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
                    on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None,
-                   crf_image: str = "file", fuse_at: str = "input") -> None:
+                   crf_image: str = "file", fuse_at: str = "input", io_workers: int = 0) -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
-    from mars_plugin.commands.identities import array_digest, file_id
+    from mars_plugin.commands.identities import file_id
 
     out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(model, nn.Module):
@@ -264,12 +271,11 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
         stem, _, img = item
         fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
 
-    def write(batch: Batch, labels: torch.Tensor) -> None:
-        for (stem, inputs, _), y in zip(batch, labels):
-            path = out_dir / f"{stem}.png"
-            y8 = y.to(torch.uint8)
-            write_label(path, y8, mode="P")
-            record.add(stem, path, inputs, array_digest(y8))
+    def keep(written: Any) -> None:
+        # the labels written, recorded in the order they were queued (a failed write, a full
+        # disk, is not the image's fault: it stops)
+        for (stem, inputs), digest in written:
+            record.add(stem, out_dir / f"{stem}.png", inputs, digest)
             summary.done += 1
             summary.redone += stem in again
             tick()
@@ -278,11 +284,11 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
         for stem, names in sorted(clashes.items()):
             fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
         # Before any work: every image to predict against the memory budget, from its header.
-        refused, limits = _memory_plan(model, items, out_dir, record, max_bytes, scales=scales, flip=flip, fp16=fp16,
+        refused, limits = memory_plan(model, items, out_dir, record, max_bytes, scales=scales, flip=flip, fp16=fp16,
                                        params=params, num_classes=num_classes, device=device)
         if refused and on_error == "stop":
             fail(*next(iter(refused.items())))
-        batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
+        todo = []
         for stem, path in items:
             inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
             kept, exists = record.current(stem, out_dir / f"{stem}.png", inputs)
@@ -295,63 +301,53 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
             if stem in refused:
                 fail(stem, refused[stem])
                 continue
+            todo.append((stem, path, inputs))
+
+        def load(job: Tuple[str, Path, Dict[str, Any]]) -> torch.Tensor:
+            # one image read, decoded and checked (in an --io-workers thread)
+            rgb = read_image(job[1])
+            H, W = rgb.shape[:2]
+            for s in scales:
+                _scaled_size(H, W, s)
+            if params is not None and num_classes is not None:  # before any work: its CRF's memory
+                check_crf_image(params, H, W, num_classes + 1, max_bytes=max_bytes, name="--crf",
+                                budget_name=MEMORY_FLAG)
+            return torch.from_numpy(rgb)
+
+        with IOPipeline(io_workers, ahead=2 * batch_size, behind=2 * batch_size) as io:
+            def write(batch: Batch, labels: torch.Tensor) -> None:
+                for (stem, inputs, _), y in zip(batch, labels):
+                    io.write((stem, inputs), _write_labels, out_dir / f"{stem}.png", y)
+                keep(io.written())
+
+            batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
             try:
-                rgb = read_image(path)
-                H, W = rgb.shape[:2]
-                for s in scales:
-                    _scaled_size(H, W, s)
-                if params is not None and num_classes is not None:  # before any work: its CRF's memory
-                    check_crf_image(params, H, W, num_classes + 1, max_bytes=max_bytes, name="--crf",
-                                    budget_name=MEMORY_FLAG)
-            except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
-                fail(stem, one_line(e))
-                continue
-            img = torch.from_numpy(rgb)
-            key = (H, W)
-            batches.add(key, (stem, inputs, img), limits.get(key))
-        batches.flush()
+                for (stem, _, inputs), fut in io.reads(load, todo):
+                    try:
+                        img = fut.result()
+                    except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+                        fail(stem, one_line(e))
+                        continue
+                    key = tuple(img.shape[:2])
+                    batches.add(key, (stem, inputs, img), limits.get(key))
+                batches.flush()
+                keep(io.written(0))
+            except BaseException:  # the network failed or Ctrl-C: the labels already whole are recorded first
+                with contextlib.suppress(Exception):  # (a failure to record them must not hide the error)
+                    keep(io.settled())
+                raise
     finally:
         if bar is not None:
             bar.close()
 
 
-def _memory_plan(model: Any, items: List[Tuple[str, Path]], out_dir: Path, record: Any, max_bytes: Optional[int], *,
-                 scales: Tuple[float, ...], flip: bool, fp16: bool, params: Optional[Dict[str, float]],
-                 num_classes: Optional[int], device: torch.device
-                 ) -> Tuple[Dict[str, str], Dict[Tuple[int, int], int]]:
-    """Each image still to predict against ``max_bytes``, from its header (PIL reads the size
-    without decoding): ({stem: why} of those refused, {(H, W): the most images of that size a
-    batch holds}). Only a network that says what it is (``model.config``, the DeepLabs of
-    :func:`~mars_plugin.networks.deeplab.build_model`) is modelled; an unreadable file is left
-    to the reading, which names it."""
-    from PIL import Image
-    from mars_plugin.commands.identities import file_id
+def _write_labels(path: Path, labels: torch.Tensor) -> str:
+    """(H, W) labels written atomically as a P-mode PNG (in an ``--io-workers`` thread); their digest."""
+    from mars_plugin.commands.identities import array_digest
 
-    config = getattr(model, "config", None)
-    if max_bytes is None or not isinstance(config, dict) or "arch" not in config:
-        return {}, {}
-    refused: Dict[str, str] = {}
-    limits: Dict[Tuple[int, int], int] = {}
-    crf_labels = num_classes + 1 if params is not None and num_classes is not None else None
-    for stem, path in items:
-        if record.current(stem, out_dir / f"{stem}.png", {"image": file_id(path)})[0]:
-            continue
-        try:
-            with warnings.catch_warnings():  # a size PIL warns of is what this check is for
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(path) as im:
-                    W, H = im.size
-        except Exception:  # noqa: BLE001 -- read_image names an unreadable file with its reason
-            continue
-        if (H, W) in limits:
-            continue
-        try:
-            limits[(H, W)] = check_inference_memory(config, H, W, max_bytes, name=str(path), scales=scales, flip=flip,
-                                                    fp16=fp16, crf_labels=crf_labels, crf_params=params,
-                                                    device=device)
-        except ValueError as e:
-            refused[stem] = one_line(e)
-    return refused, limits
+    y8 = labels.to(torch.uint8)
+    write_label(path, y8, mode="P")
+    return array_digest(y8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,7 +429,8 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
     s = predict_job(model, images_dir, out, **inference, batch_size=args.batch_size, device=args.device,
                     fp16=args.fp16, num_classes=num_classes, on_error=args.on_error,
                     progress=not args.no_progress, settings=settings, images_flag=flag,
-                    max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30))
+                    max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30),
+                    io_workers=args.io_workers)
     return s, out
 
 
@@ -498,5 +495,6 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=ON_ERROR, default="stop",
                    help="an unreadable image: stop at the first with one line naming it (exit 2), or skip it, go "
                         "on, list every skipped file on stderr at the end and exit 1")
+    add_io_workers_argument(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
