@@ -10,19 +10,11 @@ from mars_plugin.adapters.uss.extractor import DHR_SCALES, DHR_SETTINGS, ModelEx
 from mars_plugin.adapters.uss.multiscale import multiscale, multiscale_batch
 from mars_plugin.adapters.uss.stego import STEGOExtractor
 from mars_plugin.formats.files import read_features, write_image
+from _spies import Spy
 
 ATOL = 1e-6  # float32 on the CPU: a larger batch only changes how the matrix products tile
 
 
-class Spy:
-    """``fn`` that records the batch size of every call."""
-
-    def __init__(self, fn):
-        self.fn, self.batches = fn, []
-
-    def __call__(self, x):
-        self.batches.append(int(x.shape[0]))
-        return self.fn(x)
 
 
 @torch.no_grad()

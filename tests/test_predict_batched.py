@@ -7,15 +7,7 @@ from test_predict import Net, _images, _normalize
 
 from mars_plugin.networks import inference
 from mars_plugin.networks.inference import DEFAULT_SCALES, multiscale_probs, multiscale_probs_dhr, predict_labels
-
-
-class Spy:
-    def __init__(self, fn):
-        self.fn, self.batches = fn, []
-
-    def __call__(self, x):
-        self.batches.append(int(x.shape[0]))
-        return self.fn(x)
+from _spies import Spy
 
 
 @pytest.fixture(autouse=True)
