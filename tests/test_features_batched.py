@@ -15,8 +15,6 @@ from _spies import Spy
 ATOL = 1e-6  # float32 on the CPU: a larger batch only changes how the matrix products tile
 
 
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("flip", [True, False])
 @pytest.mark.parametrize("size", [(37, 53), (40, 24)])
