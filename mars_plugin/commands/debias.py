@@ -19,7 +19,7 @@ import torch
 from mars_plugin._checks import check_ignore_byte
 from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_params
-from mars_plugin.method.debias import check_pseudo_label, debiased_similarity, mark_biased, refine_mask
+from mars_plugin.method.debias import _centroid_matrix, _mark, debiased_similarity, refine_mask
 from mars_plugin.formats.files import (
     FEATURE_EXTENSIONS,
     IGNORE_VALUE,
@@ -75,6 +75,7 @@ def _debias_init(config: Dict[str, Any]) -> None:
             torch.set_num_threads(1)
         _WORKER.update(config)
         _WORKER["centroids"] = config["centroids"].to(config["device"])
+        _WORKER["valid"] = _centroid_matrix(config["centroids"])[1]  # Eq. 5's classes with a centroid, on the CPU
     except Exception as e:  # noqa: BLE001 -- reported by _debias_batch, see above
         _WORKER["init_error"] = f"a --workers process failed to start: {one_line(e)}"
 
@@ -127,8 +128,8 @@ def _debias_load(stem: str) -> Dict[str, Any]:
         classes = cfg["image_labels"][stem]
     else:
         classes = [c for c in classes_in_label(label, cfg["ignore_index"]) if c <= V.num_classes]
-    # Eq. 5's checks before the batch's CRF, so that a bad file fails alone.
-    label = check_pseudo_label(label, V, ignore_index=cfg["ignore_index"])
+    # Eq. 5's checks on the label (check_pseudo_label's: ids 0..C and the ignore index) are
+    # check_label_values' above, before the batch's CRF, so that a bad file fails alone.
     item = {"stem": stem, "label": label, "features": feats, "classes": classes}
     if cfg["refine"] == "crf":
         image = read_image(find_image(cfg["images_dir"], stem))
@@ -176,7 +177,8 @@ def _debias_write(stem: str, label: torch.Tensor, mask: torch.Tensor) -> _Result
     from mars_plugin.commands.identities import array_digest
 
     cfg = _WORKER
-    y = mark_biased(label, mask, cfg["centroids"], ignore_index=cfg["ignore_index"])
+    # mark_biased without its checks: the label was checked when read, the mask is the CRF's own
+    y = _mark(label, mask, cfg["valid"], cfg["ignore_index"])
     write_label(stem_path(cfg["out_dir"], stem, ".png"), y, mode=cfg["mode"])
     # "done" with a message: written, with a warning (see no_valid_pixel)
     empty = no_valid_pixel(label, Path(cfg["labels_dir"]) / f"{stem}.png", cfg["ignore_index"])
@@ -235,15 +237,15 @@ def _debias_batch(stems: Sequence[str]) -> List[_Result]:
 def _removed_per_class(label: torch.Tensor, debiased: torch.Tensor, ignore_index: int) -> Dict[int, Tuple[int, int]]:
     """{class id: (pixels in the pseudo label, of them marked biased)} of one image, counted on
     the label just written (no re-read)."""
-    label, debiased = label.cpu(), debiased.cpu()
-    fg = (label > 0) & (label != ignore_index)
-    ids = label[fg]
-    if not ids.numel():
+    label, debiased = label.cpu().reshape(-1), debiased.cpu().reshape(-1)
+    if not label.numel():
         return {}
-    n = int(ids.max()) + 1
-    pixels = torch.bincount(ids, minlength=n)
-    removed = torch.bincount(label[fg & (debiased == -1)], minlength=n)
-    return {c: (int(pixels[c]), int(removed[c])) for c in range(1, n) if int(pixels[c])}
+    # Histograms of the whole label (ids are bytes, so no mask-select of every pixel first) and
+    # of its biased pixels; the background and the ignore index are left out after.
+    keep = label.masked_fill((label == ignore_index) | (label < 0), 0)
+    pixels = torch.bincount(keep)
+    removed = torch.bincount(keep[debiased == -1], minlength=pixels.numel())
+    return {c: (int(pixels[c]), int(removed[c])) for c in range(1, pixels.numel()) if int(pixels[c])}
 
 
 def debias_job(

@@ -76,12 +76,14 @@ def check_label_values(label: torch.Tensor, path: os.PathLike, num_classes: int,
                        flag: str = "--num-classes") -> None:
     """A pseudo label (read raw) holds only 0..C and ``ignore_index``; the error names the file,
     the flag that set C, and 254 when a debiased label was passed as a pseudo label."""
-    vals = label[label != ignore_index]
-    if not vals.numel():
+    if not label.numel():
         return
-    hi, lo = int(vals.max()), int(vals.min())
+    # The usual case in one pass: ignore pixels read as 0, which is a valid id either way.
+    lo, hi = (int(v) for v in torch.aminmax(label.masked_fill(label == ignore_index, 0)))
     if hi <= num_classes and lo >= 0:
         return
+    vals = label[label != ignore_index]
+    hi, lo = int(vals.max()), int(vals.min())
     if num_classes < BIASED_VALUE and bool((vals == BIASED_VALUE).any()):
         raise ValueError(f"{os.fspath(path)}: holds {BIASED_VALUE}, the biased-pixel byte of debiased labels, "
                          f"where a pseudo label of 0..{num_classes} (and --ignore-index {ignore_index}) was expected")
