@@ -86,8 +86,24 @@ def check_ndim(t: torch.Tensor, name: str, ndims: Iterable[int], layout: str) ->
         )
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (integer and bool tensors always are).
+
+    First the sum: NaN and +-Inf carry through a sum, so a finite sum means finite values, and
+    a sum is several times faster than ``isfinite`` on float16 CPU tensors (the features' dtype,
+    checked per file by the folder jobs). A sum that is not finite (a NaN, or finite values that
+    overflow it) is settled value by value.
+    """
+    if not t.is_floating_point() or not t.numel():
+        return True
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(t.sum(dtype=wide))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def check_finite(t: torch.Tensor, name: str) -> None:
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         bad = int((~torch.isfinite(t)).sum())
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s); expected finite values")
 

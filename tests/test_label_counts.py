@@ -77,3 +77,31 @@ def test_check_label_values(values, C, match):
         with pytest.raises(ValueError, match=match):
             check_label_values(label, "x.png", C, 255)
     check_label_values(label[:0], "x.png", C, 255)  # an empty map holds nothing wrong
+
+
+# --------------------------------------------------------------------------------------------
+# all_finite: the sum first, then value by value
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf"), "both infs"])
+def test_all_finite_equals_isfinite(dtype, bad):
+    from mars_plugin._checks import all_finite
+
+    f = torch.randn(7, 9, 11).to(dtype)
+    if bad == "both infs":
+        f[0, 0, 0], f[3, 4, 5] = float("inf"), float("-inf")
+    elif bad is not None:
+        f[2, 3, 4] = bad
+    assert all_finite(f) == bool(torch.isfinite(f).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_finite_when_the_sum_overflows(dtype):
+    """Finite values whose sum overflows are finite all the same (the value-by-value check)."""
+    from mars_plugin._checks import all_finite
+
+    f = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)
+    assert not bool(torch.isfinite(f.sum())) and all_finite(f) is True
+    f[10] = float("nan")
+    assert all_finite(f) is False
+    assert all_finite(torch.zeros(0)) is True and all_finite(torch.ones(3, dtype=torch.long)) is True

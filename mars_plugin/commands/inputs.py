@@ -25,6 +25,7 @@ from mars_plugin._checks import (
     MAX_K,
     MAX_PER_CLASS,
     MAX_WORKERS,
+    all_finite,
     check_fraction,
     check_int_param,
     check_num_classes,
@@ -96,7 +97,7 @@ def check_features(feats: torch.Tensor, path: os.PathLike, dim: Optional[int], d
     """Features are finite, not degenerate (all zero, or one vector at every pixel:
     :func:`~mars_plugin._checks.degenerate_features`) and of embedding size ``dim`` (None: any);
     the error names the file."""
-    if not bool(torch.isfinite(feats).all()):
+    if not all_finite(feats):
         raise ValueError(f"{os.fspath(path)}: features hold NaN or infinite values")
     check_varying_features(feats, os.fspath(path))
     if dim is not None and int(feats.shape[0]) != dim:
