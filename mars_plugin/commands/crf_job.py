@@ -7,8 +7,8 @@ read by the codebase's adapter (``load_cams``) and turned into the CRF's input b
 (``crf_input``: IRNet/AdvCAM's confident labels' unary, SEAM's and RS+EPM's background from the
 CAMs, DHR's probabilities resized to the image); in this process, the CRF of a batch
 (:func:`mars_plugin.engines.crf.dense_crf` or :func:`~mars_plugin.engines.crf.dense_crf_from_unary`,
-images of any sizes with one number of labels); then, in the workers again, the codebase's rule after the CRF (``crf_label``) and the
-file's encoding. A batched run equals the adapter's per-image ``cams_to_label``.
+images of any sizes with one number of labels); then, in the workers again, the codebase's rule
+after the CRF (``crf_label``) and the file's encoding. A batched run equals the adapter's per-image ``cams_to_label``.
 """
 from __future__ import annotations
 
