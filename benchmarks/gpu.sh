@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU row of the project in one short call (under 8 minutes on one GPU): the dense CRF at
-# batch 1/16/64 (500x375, 2 and 21 labels, both presets), the pydensecrf drop-in on CUDA (21 and 81
-# labels, deeplab-pytorch's and IRNet's settings), the blur's gather forms, the lattice filter
-# torch vs Triton (16 x 512x512, 4 and 21 labels; the dense CRF both ways), `mars crf` (21 and 81
-# labels, COCO val extrapolated), `mars debias --device cuda`, the
-# training step CE vs MARS with the CRF teacher (batch 16 x 512 x 512) and its profile, `mars features`
-# fp32/fp16 (one image; fp16 also 1 vs 8 images per call, with TFLOP/s), `mars predict`, and the
-# whole pipeline (section `reproduce`, benchmarks/bench_pipeline.py: `mars reproduce --train` of 32
-# synthetic 500x375 images end to end, seconds per image of each stage). On a machine without a
-# GPU it says so and exits 0.
+# The suite's CUDA tests and every GPU row of the project in one call (about 8-10 minutes on one
+# GPU, not yet timed whole), in this order: the CUDA tests; issue 32's rows, which no card has
+# measured yet (the Triton lattice filter against torch's, the training step CE vs MARS with the
+# CRF teacher and its profile, `mars debias` and `mars crf` at --io-workers 0 and 4, `mars predict`
+# fp32/bf16/NHWC, `mars features` 1 vs 8 images per call, the whole pipeline `mars reproduce
+# --train` of 32 synthetic 500x375 images with each stage's seconds per image, the I/O side on the
+# host's cores); then the rows measured on an H100 on 2026-11-27 (the dense CRF at batch 1/16/64,
+# the pydensecrf drop-in on CUDA, the blur's gather forms). The rows are written as they come, so
+# a call cut short by its time limit still returns the first sections; `--sections a,b` (after
+# OUT_FILE) runs some. On a machine without a GPU it says so and exits 0.
 # Usage: bash benchmarks/gpu.sh [OUT_FILE]   (the rows also go to OUT_FILE, default $OUT/gpu_rows.md
 # when $OUT is set); record them in docs/benchmarks.md with the card's name.
 set -uo pipefail
