@@ -1,6 +1,6 @@
 """The folder jobs' I/O side (issue 32): images/s of `mars debias`, `mars crf` and `mars predict`
 with their device compute replaced by stubs that return at once, at --io-workers 0, 1, 2 (the
-threads of :mod:`mars_plugin.commands.io_pipeline` reading ahead and writing behind), on
+threads of :mod:`mars_plugin.runs.io_pipeline` reading ahead and writing behind), on
 synthetic 500x375 folders; `mars crf --workers 2` (spawned processes, the arrays pickled through
 pipes) beside them.
 

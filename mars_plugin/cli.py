@@ -223,7 +223,8 @@ def _run_sharded_job(args: argparse.Namespace) -> Tuple[Any, str]:
 
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
-    from mars_plugin.commands import centroids, debias, distributed, errors, evaluate, report
+    from mars_plugin.commands import centroids, debias, evaluate, report
+    from mars_plugin.runs import distributed, errors
     apply_threads(args.threads)
 
     s = None  # the job summary; failures skipped with --on-error skip make the exit status 1

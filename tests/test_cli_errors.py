@@ -201,7 +201,7 @@ def test_every_skipped_file_is_listed(world, tmp_path, capsys):
 def test_report_failure_leaves_no_chart_without_report_json(world, tmp_path, capsys, monkeypatch):
     """Outputs are staged and renamed together, report.json last: a failure while writing the
     overlays leaves neither the chart nor report.json (nor temporary files)."""
-    from mars_plugin.commands import panel_grids
+    from mars_plugin.pictures import panel_grids
     root, _ = world
 
     def broken(*a, **k):

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 import mars_plugin
-from mars_plugin.commands import centroids, debias, errors, evaluate, report
+from mars_plugin.commands import centroids, debias, evaluate, report
+from mars_plugin.runs import errors
 from mars_plugin.cli import main
 from mars_plugin.commands.cli_parser import build_parser
 from mars_plugin.formats.files import check_stem, read_label, stem_path

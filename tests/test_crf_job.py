@@ -15,7 +15,7 @@ from PIL import Image
 from mars_plugin.cli import main
 from mars_plugin.commands.crf_job import crf_job
 from mars_plugin.commands.crf_settings import CrfSettings
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.commands.sample_trees import LAYOUTS, write_sample_tree
 from mars_plugin.engines.crf_params import check_crf_params
 from mars_plugin.formats.files import read_image

@@ -17,7 +17,7 @@ import torch.multiprocessing as tmp
 
 from mars_plugin import select_centroids
 from mars_plugin.commands.debias import debias_job
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.formats.files import write_features, write_label
 
 from test_distributed import _free_port

@@ -12,8 +12,8 @@ PIL_Image = pytest.importorskip("PIL.Image")
 from mars_plugin.commands import demo as demo_mod  # noqa: E402
 from mars_plugin.cli import main  # noqa: E402
 from mars_plugin.commands.demo import MANIFEST, DemoFolderError, run_demo  # noqa: E402
-from mars_plugin.commands.label_images import BIASED_COLOR  # noqa: E402
-from mars_plugin.commands.panel_grids import SWATCH  # noqa: E402
+from mars_plugin.pictures.label_images import BIASED_COLOR  # noqa: E402
+from mars_plugin.pictures.panel_grids import SWATCH  # noqa: E402
 
 TINY = dict(size=32, epochs=1, progress=False)
 

@@ -24,7 +24,7 @@ from mars_plugin.formats.files import (
     read_label,
     write_features,
 )
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.worlds.synthetic import write_world
 from mars_plugin.worlds.synthetic_scenes import make_world
 

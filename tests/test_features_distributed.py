@@ -1,6 +1,6 @@
 """`mars features` / features_job under torch.distributed: two gloo CPU ranks (torchrun, or spawned
 processes) write what one process writes, in .npy and .pt, resume per file, stop or skip per file on
-every rank; which stems each rank takes; the rank helpers of mars_plugin.commands.distributed."""
+every rank; which stems each rank takes; the rank helpers of mars_plugin.runs.distributed."""
 import contextlib
 import io
 import json
@@ -23,8 +23,8 @@ from PIL import Image
 import mars_plugin.commands.features as features_module
 from mars_plugin import cli
 from mars_plugin.commands.features import features_job
-from mars_plugin.commands.errors import JobError
-from mars_plugin.commands.distributed import all_ok, barrier, share_error, sync_group
+from mars_plugin.runs.errors import JobError
+from mars_plugin.runs.distributed import all_ok, barrier, share_error, sync_group
 
 from test_distributed import _free_port
 from test_reproduce import _tiny_stego_files
@@ -111,7 +111,7 @@ def _load(path: Path) -> torch.Tensor:
 
 
 def _outputs(folder: Path):
-    """The files of an output folder but its record (.mars-run.*, see mars_plugin.commands.run_record)."""
+    """The files of an output folder but its record (.mars-run.*, see mars_plugin.runs.run_record)."""
     return [p for p in folder.iterdir() if not p.name.startswith(".mars-run")]
 
 

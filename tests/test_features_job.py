@@ -15,7 +15,7 @@ from mars_plugin.adapters.uss.extractor import FeatureExtractor, ModelExtractor,
 from mars_plugin.commands.features import add_features_arguments, features_job, run_features
 from mars_plugin.adapters.uss.stego import STEGOExtractor
 from mars_plugin.formats.files import read_features
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 
 from test_leopart import leopart_net, prefixed
 from test_stego import FakeDictConfig, lightning_ckpt, stego_state_dict
@@ -320,7 +320,7 @@ def test_stems_limit_the_images_and_a_missing_one_is_named(tmp_path, images, ste
 
 def test_size_batches_compute_each_item_of_a_failing_batch_alone():
     # mars features and mars predict: one bad image fails alone, the rest of its batch is written.
-    from mars_plugin.commands.size_batches import SizeBatches
+    from mars_plugin.runs.size_batches import SizeBatches
 
     calls, written, failed = [], [], []
 
@@ -339,7 +339,7 @@ def test_size_batches_compute_each_item_of_a_failing_batch_alone():
 
 
 def test_size_batches_a_failing_write_is_not_retried_per_item():
-    from mars_plugin.commands.size_batches import SizeBatches
+    from mars_plugin.runs.size_batches import SizeBatches
 
     calls = []
 

@@ -96,7 +96,8 @@ def _python_parameters():
 
     from mars_plugin import select_centroids
 
-    from mars_plugin.commands import centroids, debias, demo, distributed, evaluate, report, reproduce
+    from mars_plugin.commands import centroids, debias, demo, evaluate, report, reproduce
+    from mars_plugin.runs import distributed
     from mars_plugin.adapters.uss import extractor
     from mars_plugin.commands import features
     from mars_plugin.engines.crf_params import check_crf_params

@@ -16,7 +16,7 @@ import torch.nn as nn
 from PIL import Image
 
 from mars_plugin.cli import main
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.commands.features import features_job
 from mars_plugin.commands.predict import predict_job
 from mars_plugin.formats.files import read_image, read_label, write_label

@@ -15,8 +15,8 @@ import torch.nn as nn
 from PIL import Image
 
 from mars_plugin.cli import main
-from mars_plugin.commands.errors import JobError
-from mars_plugin.commands.io_pipeline import IOPipeline, check_io_workers, default_io_workers
+from mars_plugin.runs.errors import JobError
+from mars_plugin.runs.io_pipeline import IOPipeline, check_io_workers, default_io_workers
 from mars_plugin.formats.files import atomic_write
 
 
@@ -367,7 +367,7 @@ def test_io_workers_with_worker_processes_refused_by_name(world, probs, tmp_path
 
 def test_io_workers_is_documented_the_same_way_by_each_command():
     from mars_plugin.commands.cli_parser import build_parser
-    from mars_plugin.commands.io_pipeline import IO_WORKERS_HELP
+    from mars_plugin.runs.io_pipeline import IO_WORKERS_HELP
 
     sub = next(a for a in build_parser()._actions if a.choices and "debias" in a.choices)
     helps = {cmd: [a.help for a in sub.choices[cmd]._actions if "--io-workers" in a.option_strings]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mars_plugin.commands import panel_grids
+from mars_plugin.pictures import panel_grids
 from mars_plugin.commands.demo import _overlay_rows
 from mars_plugin.commands.report import report_job
 from mars_plugin.formats.files import read_label, write_label

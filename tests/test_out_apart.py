@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from mars_plugin.cli import main
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 
 # ------------------------------------------------------------------------------------------
 # every command, its output flag and every file or folder it reads (by flag)

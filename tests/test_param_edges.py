@@ -317,7 +317,7 @@ def test_other_sizes_read_the_same_in_both_layouts():
 
 
 def test_plots_require_channels_last_and_say_so():
-    from mars_plugin.commands import label_images
+    from mars_plugin.pictures import label_images
     with pytest.raises(ValueError, match=r"channels first\?.*permute\(1, 2, 0\)"):
         label_images.blend(np.zeros((3, 8, 8), np.uint8), np.zeros((8, 8), np.int64))
     with pytest.raises(ValueError, match="at least one pixel"):

@@ -11,14 +11,14 @@ import torch
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from mars_plugin.formats.files import voc_palette  # noqa: E402
-from mars_plugin.commands.bar_charts import save_iou_bar_chart  # noqa: E402
-from mars_plugin.commands.label_images import (  # noqa: E402
+from mars_plugin.pictures.bar_charts import save_iou_bar_chart  # noqa: E402
+from mars_plugin.pictures.label_images import (  # noqa: E402
     BIASED_COLOR,
     blend,
     colorize_label,
     removed_mask_image,
 )
-from mars_plugin.commands.panel_grids import (  # noqa: E402
+from mars_plugin.pictures.panel_grids import (  # noqa: E402
     CAPTION_BAND,
     GRID_MARGIN,
     PANEL_GAP,

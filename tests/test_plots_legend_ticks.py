@@ -9,9 +9,9 @@ import pytest
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from mars_plugin.formats.files import voc_palette  # noqa: E402
-from mars_plugin.commands.bar_charts import bar_chart_figure, save_iou_bar_chart, tick_label_boxes  # noqa: E402
-from mars_plugin.commands.label_images import BIASED_COLOR  # noqa: E402
-from mars_plugin.commands.panel_grids import (  # noqa: E402
+from mars_plugin.pictures.bar_charts import bar_chart_figure, save_iou_bar_chart, tick_label_boxes  # noqa: E402
+from mars_plugin.pictures.label_images import BIASED_COLOR  # noqa: E402
+from mars_plugin.pictures.panel_grids import (  # noqa: E402
     GRID_MARGIN,
     ROW_GAP,
     SWATCH,

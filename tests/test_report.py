@@ -12,8 +12,8 @@ PIL_Image = pytest.importorskip("PIL.Image")
 from mars_plugin.cli import main  # noqa: E402
 from mars_plugin.commands.report import SHARE_DEFINITION, report_job  # noqa: E402
 from mars_plugin.formats.files import write_image, write_label  # noqa: E402
-from mars_plugin.commands.label_images import BIASED_COLOR  # noqa: E402
-from mars_plugin.commands.panel_grids import SWATCH  # noqa: E402
+from mars_plugin.pictures.label_images import BIASED_COLOR  # noqa: E402
+from mars_plugin.pictures.panel_grids import SWATCH  # noqa: E402
 
 NAMES = ["background", "boat", "a class with a rather long name", "bird"]
 
@@ -120,7 +120,7 @@ def test_photographs_make_grids_of_bounded_size_and_per_class_keeps_the_top_clas
     """Photo-sized images are shrunk to PANEL_SIDE (at 3x a 500 px photo, a VOC per-class grid
     passed PIL's decompression-bomb limit), small ones keep their 3x, and per_class.png shows the
     MAX_GRID_CLASSES classes with the largest share removed (report.json keeps them all)."""
-    import mars_plugin.commands.panel_grids as panel_grids
+    import mars_plugin.pictures.panel_grids as panel_grids
     from mars_plugin.commands.report import MAX_GRID_CLASSES
     C = MAX_GRID_CLASSES + 6
     root = tmp_path / "w"

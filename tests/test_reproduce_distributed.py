@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
 
 def _same_outputs(got: Path, want: Path) -> None:
     for sub, load in (("features", lambda p: torch.load(p, weights_only=True)), ("debiased", Path.read_bytes)):
-        # every file but the folder's record (.mars-run.*: per rank, see mars_plugin.commands.run_record)
+        # every file but the folder's record (.mars-run.*: per rank, see mars_plugin.runs.run_record)
         names = sorted(p.name for p in (want / sub).iterdir() if not p.name.startswith(".mars-run"))
         assert sorted(p.name for p in (got / sub).iterdir() if not p.name.startswith(".mars-run")) == names, sub
         for n in names:
@@ -89,7 +89,7 @@ def test_two_ranks_write_what_one_process_writes(setup, tmp_path):
     assert _shares(res.stdout, "features") == {0: (4, 0), 1: (3, 0)}, res.stdout
     assert _shares(res.stdout, "debias") == {0: (4, 0), 1: (3, 0)}, res.stdout
     assert res.stdout.count("mIoU of the labels") == 1  # rank 0 alone reports
-    for sub in ("features", "debiased"):  # each rank journals the files it wrote (mars_plugin.commands.run_record)
+    for sub in ("features", "debiased"):  # each rank journals the files it wrote (mars_plugin.runs.run_record)
         assert sorted(p.name for p in (out / sub).glob(".mars-run.files.*")) == [f".mars-run.files.{r}.jsonl"
                                                                                  for r in (0, 1)], sub
 
@@ -137,7 +137,7 @@ def test_a_failure_on_one_rank_stops_both(setup, tmp_path):
 
 
 #: A process holding mars's lock on argv[1] (as a run in progress would) until it is killed.
-HOLD = ("import sys, time\nfrom mars_plugin.commands.run_lock import RunLock\n"
+HOLD = ("import sys, time\nfrom mars_plugin.runs.run_lock import RunLock\n"
         "RunLock(sys.argv[1], 'a test', 'mars test-holder').acquire()\nprint('locked', flush=True)\ntime.sleep(300)")
 
 

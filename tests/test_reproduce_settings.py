@@ -16,7 +16,7 @@ from mars_plugin.commands import reproduce as reproduce_module
 from mars_plugin.commands.reproduce import reproduce
 from mars_plugin.commands.reproduce_settings import ReproduceSettings, prepare
 from mars_plugin.commands.reproduce_state import _State
-from mars_plugin.commands.run_record import settings_diff
+from mars_plugin.runs.run_record import settings_diff
 
 PATHS = ("R", "P", "O")
 
@@ -179,7 +179,7 @@ def test_the_identity_is_the_record_earlier_runs_wrote(tmp_path):
         "features": str(feats.resolve())}
     model = prepare(ReproduceSettings(root, pseudo, tmp_path / "o", backbone=b, heads=h, data=data, scales=[1, 2],
                                       refine="threshold", crf_params={"iterations": 2}))
-    from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.runs.identities import weight_file_id
 
     assert model.identity == {
         "root": str(root.resolve()), "data": data, "domain": "train_aug", "pseudo": str(pseudo.resolve()),

@@ -30,7 +30,7 @@ from mars_plugin.commands.features import features_job
 from mars_plugin.formats.files import read_image, read_label, write_image, write_label
 from mars_plugin.commands.centroids import centroids_job
 from mars_plugin.commands.debias import debias_job
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.commands.reproduce import reproduce
 from mars_plugin.method.selection import DebiasedCentroids
 from mars_plugin.worlds.synthetic import write_world
@@ -390,7 +390,7 @@ def test_centroids_refuse_other_settings_and_cli_says_kept(syn, tmp_path, capsys
 # that then sleeps (the child's pid comes back on stdout), as a run in progress would hold it.
 HOLDER = r"""
 import os, signal, sys, time
-from mars_plugin.commands.run_lock import RunLock
+from mars_plugin.runs.run_lock import RunLock
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children killed by the tests are reaped
 for line in sys.stdin:
     if os.fork() == 0:
@@ -494,7 +494,7 @@ def test_a_file_system_without_record_locks_runs_unlocked_with_one_warning(tmp_p
     import errno
     import fcntl
 
-    from mars_plugin.commands.run_lock import RunLock
+    from mars_plugin.runs.run_lock import RunLock
 
     def no_locks(fd, op, *args):
         raise OSError(errno.ENOLCK, "No locks available")

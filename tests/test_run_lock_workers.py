@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from mars_plugin import cli
-from mars_plugin.commands.errors import JobError
-from mars_plugin.commands.run_lock import LOCK_NAME, RunLock
+from mars_plugin.runs.errors import JobError
+from mars_plugin.runs.run_lock import LOCK_NAME, RunLock
 
 from test_train import _cli_args, _tree
 
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: (as forked data-loading workers do), prints the children's pids and sleeps until killed.
 HOLD_AND_FORK = r"""
 import os, sys, time
-from mars_plugin.commands.run_lock import RunLock
+from mars_plugin.runs.run_lock import RunLock
 lock = RunLock(sys.argv[1], "a test", "mars test-holder").acquire()
 kids = []
 for _ in range(int(sys.argv[2])):
@@ -48,7 +48,7 @@ def _env():
 
 def _refused_in_another_process(lock) -> None:
     """A fresh process trying ``lock`` is refused, naming this process as the holder."""
-    probe = subprocess.run([sys.executable, "-c", "import sys\nfrom mars_plugin.commands.run_lock import RunLock\n"
+    probe = subprocess.run([sys.executable, "-c", "import sys\nfrom mars_plugin.runs.run_lock import RunLock\n"
                             "RunLock(sys.argv[1], 'a test').acquire()", str(lock)],
                            capture_output=True, text=True, env=_env())
     assert probe.returncode != 0 and f"in use by another run (pid {os.getpid()} on host " in probe.stderr

@@ -28,7 +28,7 @@ from mars_plugin.commands.centroids import centroids_job
 from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.features import features_job
 from mars_plugin.commands.predict import predict_job
-from mars_plugin.commands.run_record import STALE_DIR
+from mars_plugin.runs.run_record import STALE_DIR
 from mars_plugin.worlds.synthetic import write_world
 from mars_plugin.worlds.synthetic_scenes import make_world
 

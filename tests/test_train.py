@@ -161,7 +161,7 @@ def test_interrupted_run_resumes_to_the_same_weights(tree, tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
     train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1))
-    from mars_plugin.commands.errors import JobError
+    from mars_plugin.runs.errors import JobError
 
     with pytest.raises(JobError, match=r"lr: 0\.001 -> 0\.01"):
         train(tree / "images", tree / "debiased", tmp_path / "o", C, **dict(TINY, iterations=1, lr=0.01))
@@ -169,7 +169,7 @@ def test_a_checkpoint_of_other_settings_is_refused(tree, tmp_path):
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tree, tmp_path, capsys):
-    from mars_plugin.commands.run_lock import LOCK_NAME, RunLock
+    from mars_plugin.runs.run_lock import LOCK_NAME, RunLock
 
     out = tmp_path / "o"
     out.mkdir()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mars_plugin import cli
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.commands.train import CHECKPOINT_NAME, LOG_NAME, train
 from mars_plugin.formats.files import write_image, write_label
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
@@ -187,7 +187,7 @@ def test_a_checkpoint_without_a_data_record_is_refused(tree, tmp_path):
 
 
 def test_the_checkpoint_and_train_json_record_the_same_data(tree, tmp_path):
-    from mars_plugin.commands.identities import roles_digest
+    from mars_plugin.runs.identities import roles_digest
 
     out = tmp_path / "run"
     train(tree / "images", tree / "pseudo", out, C, **dict(RUN, iterations=1))

@@ -11,7 +11,7 @@ import torch
 
 from mars_plugin import cli
 from mars_plugin.commands import train as train_module
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.commands.train import CHECKPOINT_NAME, train
 from mars_plugin.formats.files import write_image, write_label
 

@@ -117,7 +117,7 @@ def test_iter_size_accumulation_equals_one_big_batch():
 
 
 def test_a_resume_is_refused_when_the_recipe_changed(tmp_path):
-    from mars_plugin.commands.errors import JobError
+    from mars_plugin.runs.errors import JobError
     from mars_plugin.commands.train_data import CHECKPOINT_NAME, open_run
     from mars_plugin.networks.seg_checkpoint import save_checkpoint
 

@@ -19,21 +19,16 @@ The commands:
   ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
   ``reproduce_checks.py`` (its checks of every input), ``reproduce_report.py`` (``report.md``),
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).
-* ``demo.py`` -- ``mars demo``; its figures and the report's: ``label_images.py`` (labels in
-  colour, overlays), ``panel_grids.py`` (panel rows, grids, legends), ``bar_charts.py`` (IoU bars).
+* ``demo.py`` -- ``mars demo`` (its figures and the report's are in :mod:`mars_plugin.pictures`).
 * ``crf_job.py`` -- ``mars crf``: the dense CRF over a folder of a codebase's CAMs (its
   adapter's ``load_cams`` and ``crf_input``) or of probability maps, batched on the device;
   ``crf_settings.py``: its settings record and flags.
 * ``sample_trees.py`` -- ``mars sample``: small trees in each codebase's layout (random-weight
   model files), for trying every command without downloads.
 
-What they share:
-
-* ``inputs.py`` (input checks), ``label_formats.py`` (WSSS label formats, image-level labels,
-  class names), ``errors.py`` (``JobError``, ``JobSummary``, ``--on-error``), ``distributed.py``
-  (torchrun: rank, device, the ranks' meeting points), ``size_batches.py`` (images of one size
-  in one forward pass), ``io_pipeline.py`` (``--io-workers``: the files read ahead and written
-  behind in threads while the device computes; ``mars debias``, ``crf``, ``predict``).
-* ``run_record.py`` -- resumable runs: what was made from what (``identities.py``: what identifies
-  an input), and ``run_lock.py``, one run at a time.
+What they share here: ``cli_parser.py`` and ``cli_types.py`` (the flags), ``inputs.py`` (input
+checks), ``label_formats.py`` (WSSS label formats, image-level labels, class names),
+``metrics.py`` (mIoU). The run machinery every command uses (errors and ``--on-error``, the run
+record and its lock, input identities, torchrun, batches by size, ``--io-workers``) is
+:mod:`mars_plugin.runs`.
 """

@@ -2,8 +2,8 @@
 :func:`~mars_plugin.method.selection.select_centroids` (Eq. 1-3) and save the debiased centroids.
 
 Under torch.distributed (``torchrun``) each rank reads its strided shard of the images;
-:mod:`mars_plugin.commands.distributed` lets the ranks meet and learn that one of them failed
-(no-ops in one process). Errors and summaries: :mod:`mars_plugin.commands.errors`.
+:mod:`mars_plugin.runs.distributed` lets the ranks meet and learn that one of them failed
+(no-ops in one process). Errors and summaries: :mod:`mars_plugin.runs.errors`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 from mars_plugin._checks import check_ignore_byte, check_num_classes
 from mars_plugin.formats.files import FEATURE_EXTENSIONS, IGNORE_VALUE, find_features, read_features, read_label
-from mars_plugin.commands.distributed import _dist_ready, _free, _rank_world, resolve_device, share_error, sync_group
-from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
+from mars_plugin.runs.distributed import _dist_ready, _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
 from mars_plugin.method.selection import DebiasedCentroids, select_centroids
 from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
 from mars_plugin.commands.inputs import (
@@ -121,7 +121,7 @@ def centroids_job(
     images and rank 0 writes ``out``; every rank returns the same centroids. ``stems``: only
     these of the folder's labels (e.g. ``mars reproduce``'s ids whose tags could be read).
 
-    Resume (:mod:`mars_plugin.commands.run_record`): ``out`` holds the record of what made it (a
+    Resume (:mod:`mars_plugin.runs.run_record`): ``out`` holds the record of what made it (a
     ``"run"`` entry: the settings, and a digest of the ids, of every feature file and pseudo
     label (name, size, mtime) and of the tags). When ``out`` exists, was made with the same
     settings from the same inputs, it is kept (``existing`` in the summary: its image count); a
@@ -144,7 +144,7 @@ def centroids_job(
     check_any_valid(labels_dir, stems, "--labels", ignore_index)
     labels = fmt.image_labels(image_labels, num_classes)
     rank, world = _rank_world()
-    from mars_plugin.commands.run_record import CentroidsRecord, broadcast_object
+    from mars_plugin.runs.run_record import CentroidsRecord, broadcast_object
 
     # The settings that shape the result; the folders are not among them: each file read is
     # recorded by its identity (a moved or copied tree is the same run).

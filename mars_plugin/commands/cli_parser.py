@@ -10,7 +10,7 @@ import json
 
 from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.label_formats import WSSS_ADAPTERS
-from mars_plugin.commands.io_pipeline import add_io_workers_argument
+from mars_plugin.commands.cli_types import add_io_workers_argument
 from mars_plugin.method.centroids import BACKENDS
 from mars_plugin.engines.crf_params import CRF_BACKENDS
 

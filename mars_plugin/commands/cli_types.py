@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Tuple, Union
+from typing import Any, Callable, Tuple, Union
 
 from mars_plugin._checks import (
     BIASED_PNG_VALUE,
@@ -58,6 +58,7 @@ __all__ = [
     "ema",
     "every",
     "loader_workers",
+    "add_io_workers_argument",
     "demo_images",
     "demo_size",
     "demo_epochs",
@@ -206,3 +207,11 @@ def demo_epochs(text: str) -> int:
     """--epochs of ``mars demo``."""
     return int_in(1, _demo_limits()[3])(text)
 
+
+def add_io_workers_argument(p: Any) -> None:
+    """``--io-workers N`` of an argparse parser (one flag, one wording for every command that
+    has it: :mod:`mars_plugin.runs.io_pipeline`)."""
+    from mars_plugin.runs.io_pipeline import IO_WORKERS_HELP
+
+    p.add_argument("--io-workers", type=loader_workers, default=None, metavar="N",
+                   help=IO_WORKERS_HELP + "%(default).0s")

@@ -25,8 +25,8 @@ import torch
 from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES
 from mars_plugin.formats.files import BIASED_VALUE, FEATURE_EXTENSIONS, atomic_write, list_stems, read_image, write_label
 from mars_plugin.commands.crf_settings import CrfSettings
-from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
-from mars_plugin.commands.errors import JobError, JobSummary, one_line
+from mars_plugin.runs.distributed import _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.runs.errors import JobError, JobSummary, one_line
 
 __all__ = ["crf_job", "run_crf_command", "CAM_EXTENSIONS"]
 
@@ -111,7 +111,7 @@ def _output(item: Dict[str, Any], marginals: Optional[List[np.ndarray]], cfg: Di
 
 def _finish(job: Tuple[str, Dict[str, Any], Optional[List[np.ndarray]], str, Dict[str, Any]]) -> Tuple[str, str]:
     """After the CRF (in a worker): the output, written atomically; (stem, its digest)."""
-    from mars_plugin.commands.identities import array_digest
+    from mars_plugin.runs.identities import array_digest
 
     stem, item, marginals, path, cfg = job
     out = _output(item, marginals, cfg)
@@ -198,7 +198,7 @@ def crf_job(images_dir: os.PathLike, out_dir: os.PathLike, *, cams_dir: Optional
 
     The inputs of one kind and number of labels go ``settings.batch_size`` at a time through one
     CRF call on ``settings.device``; ``settings.workers`` processes read, prepare and write the
-    files. Resumable (:mod:`mars_plugin.commands.run_record`): ``.mars-run.json`` holds
+    files. Resumable (:mod:`mars_plugin.runs.run_record`): ``.mars-run.json`` holds
     :meth:`~mars_plugin.commands.crf_settings.CrfSettings.identity` (other settings are refused,
     unless ``restart``) and each file is kept while its input and image are unchanged. Under
     torchrun each rank takes ``rank, rank + W, ...`` of the sorted stems.
@@ -226,7 +226,7 @@ def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, 
          device: torch.device, rank: int, world: int) -> JobSummary:
     """:func:`crf_job` once its arguments are checked: the record, the ranks' meeting points."""
     from mars_plugin.commands.inputs import _check_out_dir
-    from mars_plugin.commands.run_record import FolderRecord
+    from mars_plugin.runs.run_record import FolderRecord
 
     record = FolderRecord(out_dir, "crf", s.identity(), rank=rank)
     ext = ".png" if s.write == "labels" else ".npy"
@@ -270,7 +270,7 @@ def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, 
 def _forget(out_dir: Path) -> None:
     """``--restart``: the folder's record and journals go, so every file is computed again (and
     other settings are taken); the files stay until each is overwritten."""
-    from mars_plugin.commands.run_record import JOURNAL_NAME, RECORD_NAME
+    from mars_plugin.runs.run_record import JOURNAL_NAME, RECORD_NAME
 
     for p in [out_dir / RECORD_NAME, *out_dir.glob(JOURNAL_NAME.format(rank="*"))]:
         if p.is_file():
@@ -281,7 +281,7 @@ def _shard(s: CrfSettings, stems: List[str], files: Dict[str, Path], images: Dic
            out_dir: Path, ext: str, record: Any, summary: JobSummary, device: torch.device, *, desc: str,
            progress: bool) -> None:
     """One rank's files: which are current, then the others through the pipeline."""
-    from mars_plugin.commands.identities import file_id
+    from mars_plugin.runs.identities import file_id
 
     cfg = {"wsss": s.wsss, "trust_pickle": s.trust_pickle, "write": s.write, "probs_dtype": s.probs_dtype,
            "num_labels": s.num_labels, "dataset": s.dataset}
@@ -326,9 +326,9 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
     """Read and prepare (``--io-workers`` threads or ``--workers`` processes), the CRF by
     batches (here), label and write (the same workers), with at most a few batches in flight,
     so memory stays bounded whatever the folder's size
-    (:class:`~mars_plugin.commands.io_pipeline.IOPipeline`)."""
-    from mars_plugin.commands.io_pipeline import IOPipeline, check_io_workers
-    from mars_plugin.commands.size_batches import SizeBatches
+    (:class:`~mars_plugin.runs.io_pipeline.IOPipeline`)."""
+    from mars_plugin.runs.io_pipeline import IOPipeline, check_io_workers
+    from mars_plugin.runs.size_batches import SizeBatches
 
     max_bytes = DEFAULT_MAX_BYTES if s.max_bytes is None else s.max_bytes
     io_workers = check_io_workers(s.io_workers, device, s.workers)

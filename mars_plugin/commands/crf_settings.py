@@ -13,8 +13,9 @@ from typing import Any, Dict, Mapping, Optional, Union
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param
 from mars_plugin.commands.cli_types import MAX_WORKERS
 from mars_plugin.engines.crf_params import CRF_PRESET_NAMES, check_crf_params
-from mars_plugin.commands.errors import ON_ERROR
-from mars_plugin.commands.io_pipeline import add_io_workers_argument, check_io_workers
+from mars_plugin.runs.errors import ON_ERROR
+from mars_plugin.commands.cli_types import add_io_workers_argument
+from mars_plugin.runs.io_pipeline import check_io_workers
 from mars_plugin.commands.label_formats import WSSS_ADAPTERS
 
 __all__ = ["CrfSettings", "add_crf_arguments", "WRITE_CHOICES", "PROBS_DTYPES", "OWN_CRF"]
@@ -38,7 +39,7 @@ class CrfSettings:
     class id: L = 21 for ``dataset="voc"``, 81 for ``"coco"`` with ``wsss``, the input's L for
     ``--probs``). ``workers``: processes decoding and encoding files (0: this one);
     ``io_workers``: threads doing it instead, overlapped with the device
-    (:mod:`mars_plugin.commands.io_pipeline`; None: min(4, CPU cores) on cuda, else 0);
+    (:mod:`mars_plugin.runs.io_pipeline`; None: min(4, CPU cores) on cuda, else 0);
     ``batch_size``: images per CRF call on ``device``."""
 
     wsss: Optional[str] = None

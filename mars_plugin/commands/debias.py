@@ -34,9 +34,9 @@ from mars_plugin.formats.files import (
     stem_path,
     write_label,
 )
-from mars_plugin.commands.distributed import _free, _rank_world, resolve_device, share_error, sync_group
-from mars_plugin.commands.io_pipeline import check_io_workers
-from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, one_line
+from mars_plugin.runs.distributed import _free, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.runs.io_pipeline import check_io_workers
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, one_line
 from mars_plugin.method.selection import DebiasedCentroids
 from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
 from mars_plugin.commands.inputs import (
@@ -174,7 +174,7 @@ _Result = Tuple[str, str, Optional[str], Dict[int, Tuple[int, int]], str]
 def _debias_write(stem: str, label: torch.Tensor, mask: torch.Tensor) -> _Result:
     """Eq. 5's label written atomically (in an ``--io-workers`` thread): (stem, "done", warning
     or None, {class: (pixels, removed)}, digest of the label written)."""
-    from mars_plugin.commands.identities import array_digest
+    from mars_plugin.runs.identities import array_digest
 
     cfg = _WORKER
     # mark_biased without its checks: the label was checked when read, the mask is the CRF's own
@@ -188,9 +188,9 @@ def _debias_write(stem: str, label: torch.Tensor, mask: torch.Tensor) -> _Result
 def _debias_stream(batches: Sequence[Sequence[str]], io_workers: int) -> Iterator[_Result]:
     """Each of ``batches``' stems debiased, its result in input order: the files read
     ``io_workers`` threads ahead, Eq. 4 and the batch's CRF here, the labels written behind
-    (:class:`~mars_plugin.commands.io_pipeline.IOPipeline`; 0: in turn, here). A file that
+    (:class:`~mars_plugin.runs.io_pipeline.IOPipeline`; 0: in turn, here). A file that
     cannot be read or prepared fails alone ("failed" and its message)."""
-    from mars_plugin.commands.io_pipeline import IOPipeline
+    from mars_plugin.runs.io_pipeline import IOPipeline
 
     _debias_check_init()
     size = max((len(b) for b in batches), default=1)
@@ -278,7 +278,7 @@ def debias_job(
     ``auto``): Eq. 4 per image, then one dense-CRF call for the batch
     (:func:`mars_plugin.method.debias.refine_mask`; images of any sizes), then Eq. 5. ``crf_params`` is
     a preset name or a dict (:data:`mars_plugin.engines.crf_params.CRF_PRESETS`). Resumable
-    (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings (the
+    (:mod:`mars_plugin.runs.run_record`): ``out_dir/.mars-run.json`` records the settings (the
     folders, the ``centroids`` path, ``refine`` and its parameters, the PNG mode; other settings
     are refused) and each rank's journal what each label was made from (its features, pseudo
     label, image, tags, and the centroids' content): a label whose inputs are unchanged is
@@ -291,7 +291,7 @@ def debias_job(
     CRF's memory budget per batch (``--max-memory``; default 6 GiB, the CRF's own, since each of
     ``workers`` takes it); an image whose CRF needs more fails alone, by name. ``io_workers``
     (with ``workers=1``): threads that read the next batches' files and write the labels while
-    the device computes (:mod:`mars_plugin.commands.io_pipeline`; 0: in turn; None: min(4, CPU
+    the device computes (:mod:`mars_plugin.runs.io_pipeline`; 0: in turn; None: min(4, CPU
     cores) on cuda, 0 on the CPU); the outputs do not depend on it.
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
@@ -328,7 +328,7 @@ def debias_job(
         image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
         max_bytes=max_bytes,
     )
-    from mars_plugin.commands.run_record import FolderRecord
+    from mars_plugin.runs.run_record import FolderRecord
 
     crf = refine == "crf"
     # The settings that shape a label; the folders and the centroid file are not among them:
@@ -370,7 +370,7 @@ def _input_ids(labels_dir: os.PathLike, features_dir: os.PathLike, images_dir: O
                skip_suffixes: Sequence[str]) -> Set[str]:
     """The ids whose inputs all exist (a pseudo label, a feature file, with the CRF an image),
     of the whole folders (not only ``stems``): a debiased label of any other id is stale
-    (:meth:`~mars_plugin.commands.run_record.FolderRecord.open` removes it)."""
+    (:meth:`~mars_plugin.runs.run_record.FolderRecord.open` removes it)."""
     ids = set(_stems(labels_dir, skip_suffixes)) & set(list_stems(features_dir, FEATURE_EXTENSIONS))
     return ids if images_dir is None else ids & set(list_stems(images_dir, IMAGE_EXTENSIONS))
 
@@ -379,8 +379,8 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
                    on_error: str, progress: bool, rank: int, io_workers: int = 0) -> JobSummary:
     """:func:`debias_job` once the folder's record is open: which labels are current, then the
     others, each recorded as it is written."""
-    from mars_plugin.commands.identities import centroids_digest, file_id
-    from mars_plugin.commands.run_record import OutputIds
+    from mars_plugin.runs.identities import centroids_digest, file_id
+    from mars_plugin.runs.run_record import OutputIds
 
     summary = JobSummary()
     record.tell(summary)

@@ -229,7 +229,7 @@ def _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class:
     """Up to ``examples_per_class`` held-out images per class, each image at most once (an image
     of two classes counts for the first class that picks it): image | ground truth | WSSS pseudo
     | removed | plain CE | MARS."""
-    from mars_plugin.commands import label_images
+    from mars_plugin.pictures import label_images
     rows, used = [], set()
     for c in range(1, len(names)):
         members = [i for i in range(val.num_images) if bool(val.image_classes[i, c - 1]) and i not in used]
@@ -268,7 +268,7 @@ def run_demo(
     examples_per_class: int = 2,
 ) -> Dict[str, object]:
     """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics."""
-    from mars_plugin.commands import bar_charts, panel_grids
+    from mars_plugin.pictures import bar_charts, panel_grids
     from mars_plugin.worlds.synthetic_scenes import make_world
     from mars_plugin.worlds.synthetic import write_world as _write_world
 

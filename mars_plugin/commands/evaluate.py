@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from mars_plugin._checks import check_ignore_byte, check_num_classes
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, read_label, stem_path
-from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail
 from mars_plugin.commands.metrics import confusion_matrix, segmentation_scores
 from mars_plugin.commands.label_formats import evaluate_names
 from mars_plugin.commands.inputs import _progress, _stems, check_input_folder, check_label_values, no_valid_pixel

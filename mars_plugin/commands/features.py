@@ -33,10 +33,10 @@ from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param, che
 from mars_plugin.formats.files import (FEATURE_EXTENSIONS, IMAGE_EXTENSIONS, check_stem, list_stems, read_image,
                                       write_features)
 from mars_plugin.commands.inputs import _label_like
-from mars_plugin.commands.errors import JobError, JobSummary, one_line
-from mars_plugin.commands.size_batches import SizeBatches
-from mars_plugin.commands.distributed import _dist_ready, _rank_world, resolve_device, share_error, sync_group
-from mars_plugin.commands.identities import array_digest, file_id
+from mars_plugin.runs.errors import JobError, JobSummary, one_line
+from mars_plugin.runs.size_batches import SizeBatches
+from mars_plugin.runs.distributed import _dist_ready, _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.runs.identities import array_digest, file_id
 
 from mars_plugin.adapters.uss.preprocess import check_output_size
 from mars_plugin.adapters.uss.extractor import USS_MODELS, load_extractor
@@ -116,7 +116,7 @@ def features_job(
             or an (h, w) pair.
         stride: instead of ``output_size``: ``(ceil(H / stride), ceil(W / stride))``.
         on_error: a file that cannot be read (or clashes with another of the same stem):
-            ``"stop"`` raises :class:`~mars_plugin.commands.errors.JobError` naming it; ``"skip"`` records
+            ``"stop"`` raises :class:`~mars_plugin.runs.errors.JobError` naming it; ``"skip"`` records
             it in the summary and goes on.
         progress: show a progress bar (under torch.distributed, rank 0's only: see below).
         file_format: ``"npy"`` (a numpy array) or ``"pt"`` (an fp16 torch tensor, the file
@@ -127,7 +127,7 @@ def features_job(
             records them), part of the folder's record; None: the extractor's ``describe()``
             (a library extractor's weights are then not recorded: pass them here).
 
-    Resume (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings
+    Resume (:mod:`mars_plugin.runs.run_record`): ``out_dir/.mars-run.json`` records the settings
     (the model, ``fp16``, the output size, the format, the image folder; other settings are
     refused) and each rank's journal the image each file was made from: a file whose image is
     unchanged (name, size, mtime) is kept, one whose image changed, or that has no record, is
@@ -136,15 +136,15 @@ def features_job(
     written atomically, so an interrupted run never leaves a half-written file. A stem whose
     file of the *other* format is already there is a per-file failure (``on_error``): the
     folder would hold two feature files for it, which the readers refuse. Returns a
-    :class:`~mars_plugin.commands.errors.JobSummary`.
+    :class:`~mars_plugin.runs.errors.JobSummary`.
 
     Under an initialised torch.distributed (``torchrun``), every rank lists the same work (every
     stem asked for, sorted) and takes stems ``rank, rank + W, ...`` of it: the ranks write
     disjoint files, and resume stays per file, so a run killed under one world size resumes
     under another. Each rank returns the summary of its own share. All ranks meet at the end;
     a failure on one rank (``on_error="stop"``) is raised on every rank once they meet
-    (:func:`~mars_plugin.commands.distributed.share_error`): the failed rank raises its own error, the others
-    a :class:`~mars_plugin.commands.errors.JobError` naming that rank and its message. Only rank 0 shows
+    (:func:`~mars_plugin.runs.distributed.share_error`): the failed rank raises its own error, the others
+    a :class:`~mars_plugin.runs.errors.JobError` naming that rank and its message. Only rank 0 shows
     a progress bar, over its share: bars of several processes on one terminal overwrite each
     other's lines, and the strided shares progress at about the same pace.
     """
@@ -172,7 +172,7 @@ def features_job(
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     wanted = None if stems is None else set(check_stem(s) for s in stems)
     rank, world = _rank_world()
-    from mars_plugin.commands.run_record import FolderRecord
+    from mars_plugin.runs.run_record import FolderRecord
 
     if settings is None:
         describe = getattr(extractor, "describe", None)
@@ -282,7 +282,7 @@ def _features_shard(
     progress: bool, desc: str, record: Any,
 ) -> None:
     """:func:`features_job`'s work on one rank's images, counted in ``summary``; ``record`` (a
-    :class:`~mars_plugin.commands.run_record.FolderRecord`) says which files are current and records
+    :class:`~mars_plugin.runs.run_record.FolderRecord`) says which files are current and records
     each file written."""
     out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(extractor, nn.Module):
@@ -472,7 +472,7 @@ def run_features(args: argparse.Namespace) -> JobSummary:
     )
     if _rank_world()[0] == 0:  # once per launch, not once per rank
         print(f"{extractor.describe()} -> {args.out}", flush=True)
-    from mars_plugin.commands.identities import model_files_id
+    from mars_plugin.runs.identities import model_files_id
 
     # The folder's record: the model files (size and hash of their ends) and every option that
     # shapes the embeddings, as given (None: the model's default).

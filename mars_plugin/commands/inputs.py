@@ -4,7 +4,7 @@ the output file or folder, label values, features, the centroid file, the numeri
 and the progress bar.
 
 Each job streams one image at a time and treats a bad input file according to ``on_error``:
-``"stop"`` raises a :class:`~mars_plugin.commands.errors.JobError` naming the file, ``"skip"``
+``"stop"`` raises a :class:`~mars_plugin.runs.errors.JobError` naming the file, ``"skip"``
 reports it and goes on (the summary lists every skipped file). The checks here raise
 ``ValueError`` for one file (the job applies ``on_error``) and ``JobError`` for a whole input.
 """
@@ -35,7 +35,7 @@ from mars_plugin._checks import (
 )
 from mars_plugin.formats.files import (BIASED_VALUE, IMAGE_EXTENSIONS, feature_shape, find_features, find_image,
                                        list_stems, read_label)
-from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.runs.errors import JobError, one_line
 from mars_plugin.method.selection import DebiasedCentroids
 
 __all__ = ["load_centroids", "check_job_params", "no_valid_pixel", "check_any_valid", "check_label_values",

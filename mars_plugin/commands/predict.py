@@ -29,11 +29,12 @@ from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IM
                                            multiscale_probs_dhr, multiscale_probs_max)
 from mars_plugin.networks.memory import MEMORY_FLAG, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
-from mars_plugin.commands.errors import ON_ERROR, JobError, JobSummary, one_line
-from mars_plugin.commands.size_batches import SizeBatches
-from mars_plugin.commands.io_pipeline import IOPipeline, add_io_workers_argument, check_io_workers
+from mars_plugin.runs.errors import ON_ERROR, JobError, JobSummary, one_line
+from mars_plugin.runs.size_batches import SizeBatches
+from mars_plugin.commands.cli_types import add_io_workers_argument
+from mars_plugin.runs.io_pipeline import IOPipeline, check_io_workers
 from mars_plugin.commands.predict_memory import memory_plan
-from mars_plugin.commands.distributed import _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.runs.distributed import _rank_world, resolve_device, share_error, sync_group
 
 __all__ = [
     "predict_job",
@@ -118,7 +119,7 @@ def predict_job(
         num_classes: C, when known (``L = C + 1`` outputs are then checked, and each image's CRF
             memory before any work).
         on_error: a file that cannot be read or predicted: ``"stop"`` raises a
-            :class:`~mars_plugin.commands.errors.JobError` naming it, ``"skip"`` records it and goes on.
+            :class:`~mars_plugin.runs.errors.JobError` naming it, ``"skip"`` records it and goes on.
         settings: what made ``model`` (its file, which weights), part of the folder's record.
         images_flag: the flag that named ``images_dir``, for messages.
         max_bytes: the memory budget (``--max-memory``): ``"auto"`` (80% of ``device``'s memory,
@@ -129,15 +130,15 @@ def predict_job(
             alone; a batch holds only as many images of one size as fit; the CRF takes the same
             budget as its ``max_bytes``.
         io_workers: threads that read and decode the next images and encode and write the labels
-            while ``device`` computes (:mod:`mars_plugin.commands.io_pipeline`; 0: in turn; None:
+            while ``device`` computes (:mod:`mars_plugin.runs.io_pipeline`; 0: in turn; None:
             min(4, CPU cores) on cuda, 0 on the CPU); the outputs do not depend on it.
 
-    Resume (:mod:`mars_plugin.commands.run_record`): ``out_dir/.mars-run.json`` records the settings
+    Resume (:mod:`mars_plugin.runs.run_record`): ``out_dir/.mars-run.json`` records the settings
     (the model, scales, flip, CRF, class threshold, fp16; other settings are refused) and each
     rank's journal the image each label was made from: a label whose image is unchanged is
     kept. Under torch.distributed (``torchrun``) every rank lists the same sorted images and
     takes ``rank, rank + W, ...``; a failure on one rank is raised on all once they meet
-    (:func:`~mars_plugin.commands.distributed.share_error`); only rank 0 shows a progress bar.
+    (:func:`~mars_plugin.runs.distributed.share_error`); only rank 0 shows a progress bar.
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
@@ -166,7 +167,7 @@ def predict_job(
     preprocess = preprocess or _preprocess_of(model)
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     rank, world = _rank_world()
-    from mars_plugin.commands.run_record import FolderRecord
+    from mars_plugin.runs.run_record import FolderRecord
 
     record = FolderRecord(out_dir, "predict", {
         "model": dict(settings or {"model": type(model).__name__}), "scales": list(scales), "flip": bool(flip),
@@ -227,7 +228,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
                    on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None,
                    crf_image: str = "file", fuse_at: str = "input", io_workers: int = 0) -> None:
     """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
-    from mars_plugin.commands.identities import file_id
+    from mars_plugin.runs.identities import file_id
 
     out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(model, nn.Module):
@@ -343,7 +344,7 @@ def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dic
 
 def _write_labels(path: Path, labels: torch.Tensor) -> str:
     """(H, W) labels written atomically as a P-mode PNG (in an ``--io-workers`` thread); their digest."""
-    from mars_plugin.commands.identities import array_digest
+    from mars_plugin.runs.identities import array_digest
 
     y8 = labels.to(torch.uint8)
     write_label(path, y8, mode="P")
@@ -422,7 +423,7 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
             out = Path(args.out)
     else:
         images_dir, out = Path(args.images), Path(args.out)
-    from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.runs.identities import weight_file_id
 
     settings = {"file": weight_file_id(args.model), "which": meta["which"], "network": meta["model"],
                 **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from mars_plugin.commands.errors import one_line
+from mars_plugin.runs.errors import one_line
 from mars_plugin.networks.memory import check_inference_memory
 
 __all__ = ["memory_plan"]
@@ -25,7 +25,7 @@ def memory_plan(model: Any, items: List[Tuple[str, Path]], out_dir: Path, record
     :func:`~mars_plugin.networks.deeplab.build_model`) is modelled; an unreadable file is left
     to the reading, which names it."""
     from PIL import Image
-    from mars_plugin.commands.identities import file_id
+    from mars_plugin.runs.identities import file_id
 
     config = getattr(model, "config", None)
     if max_bytes is None or not isinstance(config, dict) or "arch" not in config:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Mapping
 
-from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.runs.errors import JobError, one_line
 from mars_plugin.networks.inference import CLASS_THRESHOLD, DEFAULT_SCALES
 
 __all__ = ["RECIPE_FIELDS", "PLAIN_DEFAULTS", "predict_settings"]

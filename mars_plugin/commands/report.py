@@ -13,7 +13,7 @@ import torch
 
 from mars_plugin._checks import check_class_names, check_ignore_byte
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, find_image, read_image, read_label
-from mars_plugin.commands.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
 from mars_plugin.commands.inputs import (
     _check_out_dir,
     check_out_apart,
@@ -76,7 +76,7 @@ def report_job(
     Both overlay grids carry a colour legend (class name -> colour, removed, ignore) and draw every
     label in its exact colours: the label panels unblended, beside the image; their
     panels are at most :data:`PANEL_SIDE` pixels on the longer side. One run at a time writes
-    into ``out_dir`` (a lock, :class:`~mars_plugin.commands.run_lock.RunLock`); holding it, the run
+    into ``out_dir`` (a lock, :class:`~mars_plugin.runs.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
     """
     check_out_apart(out_dir, "--out", {"--labels": labels_dir, "--debiased": debiased_dir, "--images": images_dir})
@@ -136,7 +136,7 @@ def report_job(
 
     out = Path(out_dir)
     _check_out_dir(out, "--out")
-    from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+    from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
     # One run at a time writes here; holding the lock, the .tmp-* files a killed run left are
     # stale: remove them.
@@ -225,7 +225,7 @@ def _fit_panel(img: np.ndarray, y: torch.Tensor, d: torch.Tensor) -> Tuple[np.nd
 def _report_outputs(stage, class_names, num_classes, share, total, ranking, examples, class_examples,
                     images_dir, labels_dir, debiased_dir, on_error, summary) -> None:
     """The chart and the overlays of :func:`report_job`, each written to ``stage(name)``."""
-    from mars_plugin.commands import bar_charts, label_images, panel_grids
+    from mars_plugin.pictures import bar_charts, label_images, panel_grids
     bar_charts.save_iou_bar_chart(
         stage("biased_share.png"), list(class_names[1 : num_classes + 1]),
         {"pixels marked biased (% of the class's pseudo-label pixels)": [100 * s for s in share[1:]]},

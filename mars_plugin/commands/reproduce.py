@@ -29,7 +29,7 @@ The run's settings are one record, :class:`~mars_plugin.commands.reproduce_setti
 takes it), checked once before anything is read; the run is a few stages, one method each of
 ``_Run``.
 
-Every stage resumes (:mod:`mars_plugin.commands.run_record`): ``reproduce.json``
+Every stage resumes (:mod:`mars_plugin.runs.run_record`): ``reproduce.json``
 (:mod:`mars_plugin.commands.reproduce_state`) records the settings, the finished stages and, per
 stage, a digest of the inputs it read (the ids; each image, pseudo label, mask and given feature
 file by name, size and mtime; the tags; the reference folders). A
@@ -81,9 +81,9 @@ from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.evaluate import evaluate_job
 from mars_plugin.commands.label_formats import LabelFormat
 from mars_plugin.commands.report import report_job
-from mars_plugin.commands.errors import JobError, JobSummary, one_line
-from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
-from mars_plugin.commands.run_record import broadcast_object
+from mars_plugin.runs.errors import JobError, JobSummary, one_line
+from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.runs.run_record import broadcast_object
 from mars_plugin.commands.reproduce_settings import ReproduceInputs, ReproduceSettings, default_domain, prepare
 from mars_plugin.commands.reproduce_state import _input_ids, _stage_inputs, _State
 from mars_plugin.commands.references import reference_summary, score_references, scores_key
@@ -119,7 +119,7 @@ def run_reproduce(settings: ReproduceSettings, *, dry_run: bool = False, progres
 
     Returns a dict with the score sets (``pseudo``, ``debiased``, ``references``,
     ``agreement``), the paths written (``out``, ``report``), the run's
-    :class:`~mars_plugin.commands.errors.JobSummary` (``summary``), ``rank`` and ``world_size``.
+    :class:`~mars_plugin.runs.errors.JobSummary` (``summary``), ``rank`` and ``world_size``.
     """
     from mars_plugin.commands.reproduce_plan import plan_reproduce, show_plan
 
@@ -145,7 +145,7 @@ class _Run:
     ranks' meeting points) and one method per stage. Under torchrun every rank makes one."""
 
     def __init__(self, inputs: ReproduceInputs, progress: bool, log: Callable[[str], None]):
-        from mars_plugin.commands.distributed import _rank_world, sync_group
+        from mars_plugin.runs.distributed import _rank_world, sync_group
 
         self.inputs, self.s, self.progress, self.log = inputs, inputs.settings, progress, log
         self.out = inputs.out
@@ -167,7 +167,7 @@ class _Run:
         (the plan's problems, the lock held, other settings recorded) stops every rank. Holding
         it, rank 0 removes the temporary files a killed run left and reads the record, which it
         returns (the ranks follow its reading)."""
-        from mars_plugin.commands.distributed import share_error
+        from mars_plugin.runs.distributed import share_error
         from mars_plugin.commands.reproduce_plan import plan_reproduce, refuse
 
         self.out.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ class _Run:
     def start(self, record: Optional[Dict[str, Any]]) -> None:
         """The record (rank 0's reading), the tags, and the digests of every input, taken before
         any stage reads it: a file changed while the run reads it shows on the next run."""
-        from mars_plugin.commands.distributed import share_error
+        from mars_plugin.runs.distributed import share_error
 
         self.state = _State(self.out / "reproduce.json", self.inputs.identity, write=self.rank == 0,
                             data=broadcast_object(record, self.group))
@@ -233,7 +233,7 @@ class _Run:
 
     def _stage(self, name: str, fn: Callable[[], Dict[str, Any]], everyone: bool = True) -> None:
         """Run a stage on every rank (``everyone``) or on rank 0, then meet; record it once."""
-        from mars_plugin.commands.distributed import share_error
+        from mars_plugin.runs.distributed import share_error
 
         deps = _stage_inputs(name, self.digests)
         why = self.state.stale(name, deps) if not self.ran else f"after [{self.ran[-1]}]"

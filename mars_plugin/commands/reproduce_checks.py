@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mars_plugin.formats.files import IGNORE_VALUE, IMAGE_EXTENSIONS, list_stems, read_label
-from mars_plugin.commands.errors import one_line
+from mars_plugin.runs.errors import one_line
 
 __all__ = ["Problem", "name_ids", "image_files", "check_tree", "check_model", "check_weights", "check_val_split"]
 

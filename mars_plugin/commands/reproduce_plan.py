@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 from mars_plugin.formats.files import list_stems
-from mars_plugin.commands.errors import JobError
+from mars_plugin.runs.errors import JobError
 from mars_plugin.commands.reproduce_checks import (Problem, check_model, check_tree, check_val_split, check_weights,
                                                    image_files, name_ids)
 from mars_plugin.commands.reproduce_settings import ReproduceInputs

@@ -138,7 +138,7 @@ def _checked(s: ReproduceSettings) -> Dict[str, Any]:
     """Every field of ``s`` checked, in the order of the earlier ``reproduce()``'s checks (Eq. 1-3
     and the sizes first), and converted: paths to ``str``, scales to a tuple of floats."""
     from mars_plugin._checks import check_scales
-    from mars_plugin.commands.errors import _check_on_error
+    from mars_plugin.runs.errors import _check_on_error
     from mars_plugin.commands.inputs import check_job_params
     from mars_plugin.engines.crf_params import check_crf_params
 
@@ -235,7 +235,7 @@ def prepare(s: ReproduceSettings) -> ReproduceInputs:
     """``s`` checked against the disk, before anything is computed or written (see the module
     docstring); each refusal names the flag, what it got and what was expected."""
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-    from mars_plugin.commands.distributed import resolve_device
+    from mars_plugin.runs.distributed import resolve_device
     from mars_plugin.commands.inputs import check_out_apart, root_reads
     from mars_plugin.commands.references import find_references
     from mars_plugin.formats.files import list_stems
@@ -282,7 +282,7 @@ def _check_source(s: ReproduceSettings) -> None:
 def _features_source(s: ReproduceSettings) -> Tuple[Optional[Dict[str, Any]], Path]:
     """(the identity of the model files and ``trust_pickle``, ``<out>/features``) when the run
     computes its features, (None, the given folder) with ``features_dir``."""
-    from mars_plugin.commands.identities import model_files_id
+    from mars_plugin.runs.identities import model_files_id
     from mars_plugin.formats.files import list_stems
 
     if s.features_dir is None:

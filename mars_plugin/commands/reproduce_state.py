@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from mars_plugin.formats.files import atomic_write
-from mars_plugin.commands.identities import file_id, json_digest, roles_digest, weight_file_id
-from mars_plugin.commands.run_record import OutputIds, settings_diff
+from mars_plugin.runs.identities import file_id, json_digest, roles_digest, weight_file_id
+from mars_plugin.runs.run_record import OutputIds, settings_diff
 
 __all__ = ["STAGE_INPUTS"]
 
@@ -40,7 +40,7 @@ _ROLE_NAMES = {"ids": "the set of ids", "images": "images", "pseudo": "pseudo la
 def _input_ids(stems: Sequence[str], image_dir: Path, pseudo_dir: Path, mask_dir: Path, tags_text: str,
                features: Optional[Path], refs: Mapping[str, Path]) -> Dict[str, str]:
     """One digest per input role of the run: the ids, and per id the identity (name, size,
-    mtime: :func:`~mars_plugin.commands.identities.file_id`) of its image, pseudo label, mask and given
+    mtime: :func:`~mars_plugin.runs.identities.file_id`) of its image, pseudo label, mask and given
     features; the tags JSON; each reference folder and its masks. A stat per file, no read."""
     from mars_plugin.formats.files import find_features, find_image
 

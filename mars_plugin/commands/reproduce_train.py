@@ -48,7 +48,7 @@ def train_after_reproduce(
     module docstring). Returns {"checkpoint", "val": scores or None, "masks": folder or None}."""
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
     from mars_plugin.commands.evaluate import evaluate_job
-    from mars_plugin.commands.distributed import _rank_world
+    from mars_plugin.runs.distributed import _rank_world
     from mars_plugin.commands.predict import predict_job
     from mars_plugin.commands.train import train
     from mars_plugin.commands.train_settings import TrainSettings
@@ -97,7 +97,7 @@ def _predictor(ck: os.PathLike) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
     """The network of checkpoint ``ck``, :func:`~mars_plugin.commands.predict.predict_job`'s
     inference settings and its record's ``settings``, as ``mars predict --model ck`` takes them:
     the recipe's weights (``dhr``: the EMA teacher), scales, flip, CRF, the CRF's bytes."""
-    from mars_plugin.commands.identities import weight_file_id
+    from mars_plugin.runs.identities import weight_file_id
     from mars_plugin.commands.predict import load_model
     from mars_plugin.commands.predict_recipe import predict_settings
 

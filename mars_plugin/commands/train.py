@@ -194,7 +194,7 @@ def _place(s: TrainSettings, out: Path, class_names: Optional[List[str]], num_im
     """Stage 1: what this build can train (a recipe's piece another branch brings is a
     NotImplementedError naming it), the iterations, the process's rank and device, AMP, and the
     memory check of one step (before anything is built)."""
-    from mars_plugin.commands.distributed import _rank_world, resolve_device
+    from mars_plugin.runs.distributed import _rank_world, resolve_device
     from mars_plugin.commands.train_settings import missing_piece
     from mars_plugin.networks.memory import check_train_budget
 
@@ -224,7 +224,7 @@ def _open_data(run: _Run, ds: TrainFolder, files: Any, image_labels: Optional[Ma
     """Stage 2: rank 0 compares the data and settings with the checkpoint's, or checks every
     file; the other ranks wait for its decision (a refusal reaches them all). The checkpoint to
     resume, or None."""
-    from mars_plugin.commands.distributed import _free, share_error, sync_group
+    from mars_plugin.runs.distributed import _free, share_error, sync_group
 
     s = run.s
     record = data_record(files, image_labels) if run.rank == 0 else None
@@ -319,7 +319,7 @@ def _optimizer(s: TrainSettings, model: nn.Module) -> torch.optim.Optimizer:
 def _resume(run: _Run, ck: Optional[Mapping[str, Any]]) -> int:
     """Stage 4: the checkpoint's student, teacher, optimizer and scaler into the built run (then
     DDP around the student); the step to start from (0 without a checkpoint)."""
-    from mars_plugin.commands.errors import JobError
+    from mars_plugin.runs.errors import JobError
 
     start = 0
     if ck is not None:
@@ -429,7 +429,7 @@ def _set_lr(opt: torch.optim.Optimizer, base_lrs: Sequence[float], s: TrainSetti
 def _log(run: _Run, done: int, total: torch.Tensor, count: torch.Tensor, elapsed: float, steps: int) -> float:
     """The global batch's loss of step ``done``; rank 0 appends its ``log.jsonl`` line. A loss that
     is not finite (in float32) ends the run."""
-    from mars_plugin.commands.errors import JobError
+    from mars_plugin.runs.errors import JobError
 
     loss = float(_all_reduce_sum(total.detach().double().clone()) / count.clamp_min(1))
     if not math.isfinite(loss) and not run.use_amp:
@@ -460,7 +460,7 @@ def _save(run: _Run, step: int) -> None:
 def _reported(loader: Any, start: int) -> Iterator[Dict[str, Any]]:
     """The batches of ``loader``; a sample that could not be read (a file changed after the
     check before step 1), in a worker process or this one, ends the run with one line naming it."""
-    from mars_plugin.commands.errors import JobError
+    from mars_plugin.runs.errors import JobError
 
     step = start
     it = iter(loader)
@@ -492,11 +492,11 @@ def _set_bn_mode(model: nn.Module, bn: str) -> None:
 def run_train_command(args: Any) -> Dict[str, Any]:
     """``mars train``'s arguments -> :class:`TrainSettings` -> :func:`train` (the inputs resolved
     by :func:`~mars_plugin.commands.train_data.command_inputs`)."""
-    from mars_plugin.commands.distributed import _rank_world
+    from mars_plugin.runs.distributed import _rank_world
     from mars_plugin.commands.train_data import command_inputs
 
     images, num_classes, names, image_labels, notes = command_inputs(args)
-    from mars_plugin.commands.errors import JobError
+    from mars_plugin.runs.errors import JobError
 
     settings = TrainSettings.from_args(args, num_classes)
     try:

@@ -1,14 +1,14 @@
 """What ``mars train`` reads, checked before step 1 and recorded with the run.
 
 The other resumable commands record every input's identity and compare it on the next run
-(:mod:`mars_plugin.commands.run_record`); ``mars train`` does the same for its data:
+(:mod:`mars_plugin.runs.run_record`); ``mars train`` does the same for its data:
 
 * :func:`list_train_files`: the ids (the label stems, or the ``stems`` asked for), exactly one
   image per id (``a.jpg`` beside ``a.png`` is refused, as ``mars predict`` and ``mars features``
   refuse it: :func:`mars_plugin.commands.inputs.list_images` lists them), an image for every
   label.
 * :func:`data_record`: the run's data: both folders (resolved), each id's image and label
-  identity (:func:`~mars_plugin.commands.identities.file_id`: name, size, mtime) and the image
+  identity (:func:`~mars_plugin.runs.identities.file_id`: name, size, mtime) and the image
   labels the teacher may use. The whole record is kept inside ``checkpoint.pt`` (a JSON string,
   read back weights-only), so the weights and the data they were trained on are replaced by one
   rename and can never disagree; ``train.json`` gets its digests (:func:`data_summary`).
@@ -40,9 +40,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from mars_plugin._checks import MAX_NUM_CLASSES
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, list_stems
-from mars_plugin.commands.errors import JobError, one_line
-from mars_plugin.commands.identities import file_id, json_digest, roles_digest
-from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.runs.errors import JobError, one_line
+from mars_plugin.runs.identities import file_id, json_digest, roles_digest
+from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 # The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
 # and files are compared by data_diff, which names them): the settings record's.
 from mars_plugin.commands.train_settings import RUN_KEYS

@@ -15,7 +15,7 @@ and nothing else in mars opens a lock file. A second run is refused with one lin
 and the process holding it (pid, host, start time, and whether that pid still runs). The lock
 file is removed when the run ends. Under torchrun, rank 0 takes the lock and writes the shared
 records; a refusal on rank 0 stops every rank
-(:func:`~mars_plugin.commands.distributed.share_error`). On a network file system the lock is as
+(:func:`~mars_plugin.runs.distributed.share_error`). On a network file system the lock is as
 good as the file system's locking: Linux NFS clients pass record locks to the server (the NLM
 protocol, or NFSv4 locks) where other machines see them; a mount with ``nolock`` or
 ``local_lock=posix``/``all`` (or a cluster file system mounted with local locks only) keeps them on
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.runs.errors import JobError, one_line
 
 __all__ = [
     "LOCK_NAME",

@@ -1,7 +1,7 @@
 """Panel rows and grids for MARS figures: titled panels side by side, captioned rows, a class
 legend strip, saved as PNG. Pillow draws them; it is not imported before a function needs it.
 Every file is written through :func:`mars_plugin.formats.files.atomic_write` and is byte-for-byte
-deterministic. Labels and images follow :mod:`mars_plugin.commands.label_images`.
+deterministic. Labels and images follow :mod:`mars_plugin.pictures.label_images`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from mars_plugin.formats.files import IGNORE_VALUE, atomic_write
 
-from mars_plugin.commands.label_images import (
+from mars_plugin.pictures.label_images import (
     _PALETTE,
     BIASED_COLOR,
     _check_image,

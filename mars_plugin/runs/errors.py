@@ -21,7 +21,7 @@ class JobSummary:
     ``pixels`` / ``removed`` (debias only): per class id, pseudo-label pixels of the images
     written by this run, and those of them marked biased. ``redone``: of the ``done``, files
     that existed and were computed again because their inputs changed or were not recorded
-    (:mod:`mars_plugin.commands.run_record`)."""
+    (:mod:`mars_plugin.runs.run_record`)."""
 
     done: int = 0
     existing: int = 0
@@ -32,7 +32,7 @@ class JobSummary:
     #: files that were used but add nothing (a label with no valid pixel), with the reason
     warnings: List[Tuple[str, str]] = field(default_factory=list)
     #: outputs of inputs that are gone, removed by this run (file names; see
-    #: :meth:`mars_plugin.commands.run_record.FolderRecord.open`)
+    #: :meth:`mars_plugin.runs.run_record.FolderRecord.open`)
     stale: List[str] = field(default_factory=list)
     #: one-line warnings about the output folder (files of no input that this run keeps)
     notes: List[str] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """What identifies an input of a ``mars`` run: files, model weights, arrays, settings.
 
-The records of :mod:`mars_plugin.commands.run_record` compare these on a resumed run.
+The records of :mod:`mars_plugin.runs.run_record` compare these on a resumed run.
 
 **A file's identity** is its name, size and modification time in nanoseconds, not a hash of its
 content: a resume must cost a ``stat`` per file (microseconds), not a read of every input (COCO's

@@ -3,7 +3,7 @@
 ``mars features``, ``mars centroids``, ``mars debias`` and ``mars reproduce`` resume: an output
 already written is kept. This module makes "kept" mean "made from the same inputs": every input
 that shapes a result is recorded beside the result, compared on the next run, and a second run
-into the same output while one is running is refused (the lock: :mod:`mars_plugin.commands.run_lock`).
+into the same output while one is running is refused (the lock: :mod:`mars_plugin.runs.run_lock`).
 
 **The record.** Settings (the flags that shape a result, the model files; for ``mars reproduce``
 also its ``--root`` and ``--pseudo`` folders, as before) are refused when they differ: the output
@@ -27,7 +27,7 @@ its outputs:
   per finished stage the digests it was made from), and the records of ``O/features``,
   ``O/centroids.pt`` and ``O/debiased`` above.
 
-**A file's identity**: see :mod:`mars_plugin.commands.identities`.
+**A file's identity**: see :mod:`mars_plugin.runs.identities`.
 
 **What a resumed run does** (a changed file: another size or mtime; a new or removed id: a file
 added to or removed from the pseudo-label folder):
@@ -77,9 +77,9 @@ import os
 from pathlib import Path
 from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from mars_plugin.commands.errors import JobError, JobSummary, few, one_line
-from mars_plugin.commands.identities import _stat_key, file_id, json_digest, roles_digest
-from mars_plugin.commands.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
+from mars_plugin.runs.errors import JobError, JobSummary, few, one_line
+from mars_plugin.runs.identities import _stat_key, file_id, json_digest, roles_digest
+from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
 __all__ = [
     "RECORD_NAME",

@@ -15,7 +15,7 @@ import torch
 
 from mars_plugin.formats.files import atomic_write
 
-from mars_plugin.commands.label_images import _check_indices, _describe, _to_numpy
+from mars_plugin.pictures.label_images import _check_indices, _describe, _to_numpy
 
 __all__ = [
     "bar_chart_figure",

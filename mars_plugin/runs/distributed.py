@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from mars_plugin.commands.errors import JobError, one_line
+from mars_plugin.runs.errors import JobError, one_line
 
 def _rank_world() -> Tuple[int, int]:
     """(rank, world size) under an initialised torch.distributed, else (0, 1)."""

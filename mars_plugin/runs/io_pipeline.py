@@ -30,8 +30,7 @@ import os
 from collections import deque
 from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple, TypeVar
 
-__all__ = ["IOPipeline", "Done", "check_io_workers", "default_io_workers", "add_io_workers_argument",
-           "IO_WORKERS_HELP"]
+__all__ = ["IOPipeline", "Done", "check_io_workers", "default_io_workers", "IO_WORKERS_HELP"]
 
 T = TypeVar("T")
 
@@ -180,10 +179,3 @@ class IOPipeline:
             if not fut.cancelled() and fut.done() and fut.exception() is None:
                 yield key, fut.result()
 
-
-def add_io_workers_argument(p: Any) -> None:
-    """``--io-workers N`` of an argparse parser (one flag, one wording for every command)."""
-    from mars_plugin.commands import cli_types as T
-
-    p.add_argument("--io-workers", type=T.loader_workers, default=None, metavar="N",
-                   help=IO_WORKERS_HELP + "%(default).0s")
