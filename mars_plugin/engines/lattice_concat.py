@@ -53,43 +53,49 @@ def concatenate_lattices(lattices: Sequence[PermutohedralLattice]) -> Permutohed
     # Global number of lattice i's class-r points: after every class < r, then lattices < i's class r.
     base = counts.t().reshape(-1).cumsum(0).sub(counts.t().reshape(-1)).view(d + 1, len(lattices)).t()  # (K, d+1)
     remaps = []
-    for i, lat in enumerate(lattices):
-        s = sizes[i]
-        shift = torch.cat([torch.full((s[r + 1] - s[r],), int(base[i, r]) - s[r], dtype=torch.long)
-                           for r in range(d + 1)] + [torch.tensor([M - s[-1]])])
-        remaps.append(torch.arange(s[-1] + 1, dtype=torch.long).add_(shift).to(dev))  # row M_i -> M
+    for i, s in enumerate(sizes):
+        # local point -> global point: one shift per vertex class (row M_i, the empty one, -> M),
+        # made on the lattices' device (a teacher's batch is 16 lattices of ~10^5 points each)
+        shift = torch.tensor([int(base[i, r]) - s[r] for r in range(d + 1)] + [M - s[-1]], device=dev)
+        repeats = torch.tensor([s[r + 1] - s[r] for r in range(d + 1)] + [1], device=dev)
+        remaps.append(torch.arange(s[-1] + 1, device=dev).add_(torch.repeat_interleave(shift, repeats)))
     itype = first._splat.col_indices().dtype
     out = copy.copy(first)
     out.num_points = sum(lat.num_points for lat in lattices)
     out.num_lattice_points = M
     out.class_starts = [int(v) for v in torch.cat([torch.zeros(1, dtype=torch.long),
                                                    counts.sum(0).cumsum(0)]).tolist()]
-    out._splat = _splat(lattices, remaps, M, out.num_points, itype)
+    out._splat = _splat(lattices, M, out.num_points, itype)
     out._slice = _slice(lattices, remaps, M, out.num_points, itype)
     out._blur = _blur(lattices, remaps, M)
     return out
 
 
-def _rows_in_global_order(lattices, remaps, M):
-    """(lattice i, local rows) of every global lattice point, in global order: (r, i) blocks."""
+def _rows_in_global_order(lattices):
+    """(lattice i, vertex class r, its local rows) of every global lattice point, in global
+    order: (r, i) blocks."""
     d = lattices[0].dim
-    return [(i, slice(lat.class_starts[r], lat.class_starts[r + 1])) for r in range(d + 1)
+    return [(i, r, slice(lat.class_starts[r], lat.class_starts[r + 1])) for r in range(d + 1)
             for i, lat in enumerate(lattices)]
 
 
-def _splat(lattices, remaps, M, N, itype) -> torch.Tensor:
+def _splat(lattices, M, N, itype) -> torch.Tensor:
     """The (M+1) x N splat: the global rows in order, each lattice's row with its columns moved
     by the points before it; row M empty."""
     offsets, total = [], 0
     for lat in lattices:
         offsets.append(total)
         total += lat.num_points
+    # per lattice once: its rows' lengths, and where each vertex class's entries start (one
+    # read back from the device per lattice, not two per class)
+    crows = [lat._splat.crow_indices().long() for lat in lattices]
+    lengths_of = [crow.diff() for crow in crows]
+    entry_starts = [crow[lat.class_starts].tolist() for crow, lat in zip(crows, lattices)]
     lengths, cols, vals = [], [], []
-    for i, rows in _rows_in_global_order(lattices, remaps, M):
+    for i, r, rows in _rows_in_global_order(lattices):
         sp = lattices[i]._splat
-        crow = sp.crow_indices().long()
-        a, b = int(crow[rows.start]), int(crow[rows.stop])
-        lengths.append(crow[rows.start + 1:rows.stop + 1] - crow[rows.start:rows.stop])
+        a, b = entry_starts[i][r], entry_starts[i][r + 1]
+        lengths.append(lengths_of[i][rows])
         cols.append(sp.col_indices()[a:b].long() + offsets[i])
         vals.append(sp.values()[a:b])
     dev = lattices[0].device
@@ -115,7 +121,7 @@ def _blur(lattices, remaps, M) -> List:
         pair = []
         for k in range(2):
             parts = [remaps[i][lattices[i]._blur[axis][k][rows].long()]
-                     for i, rows in _rows_in_global_order(lattices, remaps, M)]
+                     for i, _, rows in _rows_in_global_order(lattices)]
             parts.append(torch.tensor([M], device=parts[0].device))
             pair.append(torch.cat(parts).to(btype))
         out.append(tuple(pair))
