@@ -108,7 +108,6 @@ class IOPipeline:
         from mars_plugin._checks import check_int_param
 
         check_int_param(workers, "io_workers", 0)
-        self.workers = workers
         self.ahead, self.behind = max(1, int(ahead)), max(0, int(behind))
         # ``executor``: another pool to run the reads and writes in, shut down by close()
         # (``mars crf --workers``' processes, for a CPU-bound prepare); else ``workers`` threads
@@ -154,7 +153,8 @@ class IOPipeline:
 
     def write(self, key: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` behind (serial: now); its value comes back, under ``key``, from
-        :meth:`written`. Waits for the oldest writes while more than ``behind`` are in flight."""
+        :meth:`written`, which is also where the oldest writes are waited for while more than
+        ``behind`` are in flight (call it after each batch's writes)."""
         self.pending.append((key, self._submit(fn, *args)))
 
     def written(self, limit: Optional[int] = None) -> Iterator[Tuple[Any, Any]]:
