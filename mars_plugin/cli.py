@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-import argparse
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from mars_plugin import _interrupt
 from mars_plugin._checks import MAX_THREADS, check_int_param
@@ -202,126 +201,32 @@ def _check_out_apart(args) -> None:
     check_out_apart(getattr(args, flag[2:]), flag, reads)
 
 
-#: The folder jobs that torchrun shards file by file, and the word their one-process line starts with.
-_SHARDED_JOBS = {"features": "features", "predict": "predictions", "crf": "crf"}
-
-
-def _run_sharded_job(args: argparse.Namespace) -> Tuple[Any, str]:
-    """Run one of :data:`_SHARDED_JOBS`: (this rank's summary, the folder written)."""
-    if args.command == "features":
-        from mars_plugin.commands.features import run_features
-
-        return run_features(args), args.out
-    if args.command == "predict":
-        from mars_plugin.commands.predict import run_predict
-
-        return run_predict(args)
-    from mars_plugin.commands.crf_job import run_crf_command
-
-    return run_crf_command(args), args.out
-
-
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
-    from mars_plugin.commands import centroids, debias, evaluate, report
-    from mars_plugin.runs import distributed, errors
-    apply_threads(args.threads)
+    from mars_plugin.commands.command_table import command
+    from mars_plugin.runs import errors
 
-    s = None  # the job summary; failures skipped with --on-error skip make the exit status 1
+    apply_threads(args.threads)
+    spec = command(args.command)
+    res = None  # the command's result; failures skipped with --on-error skip make the exit status 1
     joined = False  # whether this call joined a torchrun process group (and must leave it)
     try:
         _check_out_apart(args)  # before any work: an output is never an input
-        if args.command == "demo":
-            from mars_plugin.commands.demo import run_demo
-
-            run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
-                     epochs=args.epochs, refine=args.refine, crf_params=args.crf_params,
-                     write_world=not args.no_world)
-            return 0
-        if args.command == "sample":
-            from mars_plugin.commands.sample_trees import describe, write_sample_tree
-
-            write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
-            print("\n".join(describe(args.tree, args.out)))
-            return 0
-        progress = not args.no_progress
-        if args.command in _SHARDED_JOBS:
-            joined = _maybe_init_distributed()
-            s, out = _run_sharded_job(args)  # under torchrun: this rank's share; a failure on one rank fails all
-            rank, world = distributed._rank_world()
-            if world == 1:
-                print(f"{_SHARDED_JOBS[args.command]} -> {out}: {s.line()}")
-            else:
-                print(f"{args.command} rank {rank}/{world}: {s.line()} -> {out}", flush=True)
-                _print_skipped(s)
-                # torchrun stops every rank as soon as one exits non-zero (1: skipped files): no
-                # rank leaves before every rank has printed its lines.
-                distributed.barrier()
-                return 1 if s.failed else 0
-        if args.command in ("centroids", "debias"):
-            joined = _maybe_init_distributed()
-        if args.command == "centroids":
-            s = centroids.run_centroids_command(args)
-        elif args.command == "debias":
-            s = debias.run_debias_command(args)
-        elif args.command == "evaluate":
-            s, scores = evaluate.run_evaluate_command(args)
-            if args.json:  # once s is known: a failed write still lists the skipped files
-                evaluate.write_scores_json(args.json, scores)
-        elif args.command == "reproduce":
-            from mars_plugin.commands.reproduce import run_reproduce
-            from mars_plugin.commands.reproduce_settings import settings_from_args
-
-            joined = _maybe_init_distributed()
-            res = run_reproduce(settings_from_args(args), dry_run=args.dry_run, progress=progress)
-            if args.dry_run:
-                return 1 if res["mismatches"] else 0
-            p, d = res["pseudo"], res["debiased"]
-            s = res["summary"]
-            if res["rank"] == 0:
-                print(f"mIoU of the labels: pseudo {100 * p['miou']:.1f}, debiased {100 * d['miou']:.1f} "
-                      f"({p['num_images']} images); details and the paper's figures in {res['report']}")
-            if args.train:
-                from mars_plugin.commands.reproduce import default_domain
-                from mars_plugin.commands.reproduce_train import train_after_reproduce
-
-                opts = dict(arch=args.arch, backbone=args.train_backbone, weights=args.weights,
-                            iterations=args.iterations, batch_size=args.train_batch_size, crop=args.crop,
-                            min_size=args.min_size, max_size=args.max_size, lr=args.lr, seed=args.seed,
-                            workers=args.loader_workers)
-                t = train_after_reproduce(args.root, args.out, data=args.data,
-                                          domain=args.domain or default_domain(args.data, args.root),
-                                          val_domain=args.val_domain, train_options=opts, device=args.device,
-                                          masks=not args.no_masks, progress=progress)
-                if res["rank"] == 0 and t["val"] is not None:
-                    print(f"mIoU of the trained network on {args.val_domain}: {100 * t['val']['miou']:.1f} "
-                          f"({t['checkpoint']})")
-            if res["world_size"] > 1:
-                # torchrun stops every rank as soon as one exits non-zero (1: files skipped): each
-                # rank names its skipped files, then they leave together.
-                _print_skipped(s)
-                sys.stdout.flush()
-                distributed.barrier()
-                return 1 if s.failed else 0
-        elif args.command == "train":
-            from mars_plugin.commands.train import run_train_command
-
-            joined = _maybe_init_distributed(train=args.device)
-            res = run_train_command(args)
-            if res["rank"] == 0:
-                print(f"train ({args.loss}) -> {res['checkpoint']}: {res['iterations']} steps"
-                      + (f", resumed at {res['resumed_from']}" if res["resumed_from"] else "")
-                      + (f", last loss {res['loss']:.4f}" if res["loss"] is not None else ""))
-        elif args.command == "report":
-            s = report.run_report_command(args)
+        if spec.joins is not None:
+            joined = _maybe_init_distributed(train=args.device if spec.joins == "device" else None)
+        res = spec.run(args)  # under torchrun: this rank's share; a failure on one rank fails all
+        if res.after is not None:  # once the summary is held: a failure still lists the skipped files
+            res.after()
+        if spec.sharded is not None:
+            _sharded_lines(spec.sharded, args.command, res)
     except BrokenPipeError:
         raise  # the reader is gone: main() ends quietly
     except errors.JobError as e:
-        _print_skipped(s)
+        _print_skipped(res and res.summary)
         print(f"mars {args.command}: error: {errors.one_line(e)}", file=sys.stderr)
         return 2
     except (ValueError, TypeError, OSError) as e:  # PermissionError is an OSError
-        _print_skipped(s)
+        _print_skipped(res and res.summary)
         msg = errors.one_line(e)
         print(f"mars {args.command}: error: {msg if isinstance(e, OSError) else _flag_names(msg)}", file=sys.stderr)
         return 2
@@ -330,6 +235,35 @@ def _main(argv: Optional[List[str]]) -> int:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+    return _exit_status(res)
+
+
+def _sharded_lines(word: str, name: str, res: Any) -> None:
+    """The line of a sharded folder job: one for a single process, one per rank under torchrun
+    (whose ranks then meet before leaving, :attr:`CommandResult.meet`)."""
+    from mars_plugin.runs import distributed
+
+    rank, world = distributed._rank_world()
+    if world == 1:
+        print(f"{word} -> {res.out}: {res.summary.line()}")
+    else:
+        print(f"{name} rank {rank}/{world}: {res.summary.line()} -> {res.out}", flush=True)
+        res.meet = True
+
+
+def _exit_status(res: Any) -> int:
+    """0 done, 1 done with skipped files (or the command's own status); under torchrun with
+    several ranks each names its skipped files, then all leave together."""
+    s = res.summary
+    if res.meet:
+        from mars_plugin.runs import distributed
+
+        _print_skipped(s)
+        sys.stdout.flush()
+        distributed.barrier()
+        return 1 if s.failed else 0
+    if res.status is not None:
+        return res.status
     _print_skipped(s)
     return 1 if s is not None and s.failed else 0
 

@@ -133,16 +133,65 @@ def test_no_module_is_over_about_500_lines():
     assert not long, "\n".join(long)
 
 
-#: ``mars reproduce`` is a settings record and a few small stages (issue 31, "Shape"); the
-#: function length counts the whole def (signature, docstring, nested functions): end_lineno - lineno.
+#: Every procedure reads in one screen (issue 33): a function's lines, from ``def`` to its end
+#: with nested functions, less its docstring, are at most 60. The compiled kernels (one function
+#: per loop nest, as numba and Triton need them) are exempt.
 MAX_FUNCTION_LINES = 60
+LONG_KERNELS = KERNELS | {"permutohedral_triton.py"}
+#: Functions not yet split (path:name); the list only shrinks.
+NOT_YET = {
+    "adapters/uss/extractor.py:load_extractor",
+    "adapters/uss/vit_weights.py:vit_from_state_dict",
+    "mars_plugin/commands/centroids.py:centroids_job",
+    "mars_plugin/commands/debias.py:_debias_folder",
+    "mars_plugin/commands/debias.py:debias_job",
+    "mars_plugin/commands/demo.py:run_demo",
+    "mars_plugin/commands/features.py:_features_shard",
+    "mars_plugin/commands/features.py:add_features_arguments",
+    "mars_plugin/commands/features.py:features_job",
+    "mars_plugin/commands/predict.py:_predict_shard",
+    "mars_plugin/commands/predict.py:add_predict_arguments",
+    "mars_plugin/commands/predict.py:predict_job",
+    "mars_plugin/commands/references.py:score_references",
+    "mars_plugin/commands/report.py:report_job",
+    "mars_plugin/engines/kmeans.py:_kmeans_padded",
+    "mars_plugin/engines/permutohedral.py:__init__",
+    "mars_plugin/method/centroid_pixels.py:_pixels_by_group",
+    "mars_plugin/method/centroids.py:_cluster_groups",
+    "mars_plugin/method/debias.py:debias_labels",
+    "mars_plugin/pictures/bar_charts.py:bar_chart_figure",
+    "mars_plugin/worlds/synthetic_scenes.py:make_world",
+}
 
 
-def test_no_reproduce_function_is_over_60_lines():
-    long = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno} lines"
-            for p in sorted((ROOT / "mars_plugin" / "commands").glob("reproduce*.py"))
+def _function_lines(node: ast.AST) -> int:
+    """Lines of a def without its docstring."""
+    n = node.end_lineno - node.lineno + 1
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        n -= body[0].end_lineno - body[0].lineno + 1
+    return n
+
+
+def _long_functions() -> List[str]:
+    return [f"{p.relative_to(ROOT)}:{node.name}: {_function_lines(node)} lines"
+            for p in _sources() if p.name not in LONG_KERNELS
             for node in ast.walk(ast.parse(p.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.end_lineno - node.lineno > MAX_FUNCTION_LINES]
-    assert len(list((ROOT / "mars_plugin" / "commands").glob("reproduce*.py"))) >= 6
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _function_lines(node) > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_over_60_lines():
+    long = [f for f in _long_functions() if f.rsplit(":", 1)[0] not in NOT_YET]
     assert not long, "\n".join(long)
+
+
+def test_the_not_yet_list_names_only_long_functions():
+    """An entry is removed as soon as its function is split (the list cannot hide a new one)."""
+    long = {f.rsplit(":", 1)[0] for f in _long_functions()}
+    assert not NOT_YET - long, sorted(NOT_YET - long)
+
+
+def test_the_line_count_leaves_out_the_docstring_only():
+    tree = ast.parse('def f():\n    """doc\n    more"""\n    a = 1\n\n    return a\n')
+    assert _function_lines(tree.body[0]) == 4

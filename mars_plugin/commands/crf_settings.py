@@ -175,3 +175,23 @@ def add_crf_arguments(p: argparse.ArgumentParser) -> None:
                    help="a bad input file: stop at the first with one line naming it (exit 2), or skip it, go on, "
                         "list every skipped file on stderr at the end and exit 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+#: ``mars crf`` in ``mars --help``, and the head of its own ``--help``
+HELP = "the dense CRF over a folder of a codebase's CAMs or of probability maps, in batches on the device"
+DESCRIPTION = (
+    "One label PNG (P mode, VOC palette) or (L, H, W) .npy of marginals per file of --cams (a codebase's "
+    "CAMs, made into the CRF's input by its own rule) or --probs (probability maps, channel = class id), with"
+    " its image of --images. Resumable, atomic writes; under torchrun the ranks share the files."
+)
+
+#: the flags of ``mars crf`` (:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)
+add_arguments = add_crf_arguments
+#: the record the flags build, and the Python function taking its fields as keywords
+SETTINGS = CrfSettings
+API = "mars_plugin.commands.crf_job:crf_job"
+#: flag dest -> Python keyword, where the names differ
+FLAG_KEYWORDS = {"cams": "cams_dir", "probs": "probs_dir", "images": "images_dir", "out": "out_dir",
+                 "no_progress": "progress", "max_memory": "max_bytes"}
+#: keywords no flag sets
+PYTHON_ONLY = {"stems": "only these files of the folder (a caller's subset)"}

@@ -402,3 +402,9 @@ def run_demo(
              f"--class-names {out_dir}/world/classes.json)" if write_world else ""))
     print(f"[mars demo] total {metrics['timings_s']['total']:.1f} s")
     return metrics
+
+
+def run_demo_command(args: Any) -> None:
+    """``mars demo``: :func:`run_demo` on the parsed flags."""
+    run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
+             epochs=args.epochs, refine=args.refine, crf_params=args.crf_params, write_world=not args.no_world)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
+from mars_plugin.commands.command_table import CommandResult
 from mars_plugin._checks import check_ignore_byte, check_num_classes
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, read_label, stem_path
 from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail
@@ -84,11 +85,11 @@ def evaluate_job(
     return scores, summary
 
 
-def run_evaluate_command(args: argparse.Namespace) -> Tuple[JobSummary, Dict[str, object]]:
+def run_evaluate_command(args: argparse.Namespace) -> CommandResult:
     """``mars evaluate``: :func:`evaluate_job` on the parsed flags, its table on stdout; returns
-    the summary and the scores with ``class_names``, for :func:`write_scores_json` (``--json``;
-    written by the caller once it holds the summary, whose skipped files a failed write still
-    lists)."""
+    the summary and, with ``--json``, the write of the scores with ``class_names``
+    (:func:`write_scores_json`) as the work to do once the caller holds the summary (whose
+    skipped files a failed write still lists)."""
     from mars_plugin.commands.metrics import format_scores_table
 
     progress = not args.no_progress
@@ -99,7 +100,8 @@ def run_evaluate_command(args: argparse.Namespace) -> Tuple[JobSummary, Dict[str
     if source is not None:
         print(f"class names from {source}")
     print(f"{s.line('evaluated')}")
-    return s, dict(scores, class_names=names[: args.num_classes + 1])
+    scores = dict(scores, class_names=names[: args.num_classes + 1])
+    return CommandResult(summary=s, after=(lambda: write_scores_json(args.json, scores)) if args.json else None)
 
 
 def write_scores_json(path: os.PathLike, scores: Dict[str, object]) -> None:

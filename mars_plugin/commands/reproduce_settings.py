@@ -12,6 +12,7 @@ folders, the identity of the model files).
 """
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from mars_plugin._checks import describe
 from mars_plugin.adapters.uss.extractor import USS_MODELS
 from mars_plugin.adapters.uss.multiscale import DHR_SCALES
+from mars_plugin.commands import cli_types as T
+from mars_plugin.commands.cli_flags import add_selection_arguments, crf_params_argument
 
 __all__ = ["ReproduceSettings", "ReproduceInputs", "TRAIN_PLAN_KEYS", "default_domain", "prepare",
            "settings_from_args"]
@@ -299,3 +302,112 @@ def _features_source(s: ReproduceSettings) -> Tuple[Optional[Dict[str, Any]], Pa
     if not list_stems(feats, (".npy", ".pt")):
         raise ValueError(f"--features {s.features_dir}: no .npy or .pt feature files in this folder")
     return None, feats
+
+
+#: ``mars reproduce`` in ``mars --help``, and the head of its own ``--help``
+HELP = (
+    "the paper's setting end to end on DHR's folder tree (VOC2012, COCO2014), with the paper's figures and "
+    "the other methods' masks beside"
+)
+DESCRIPTION = (
+    "On <root>/<data>/<domain>/{image,mask,xml} (DHR's layout): USS features with DHR's multi-scale inference"
+    " (the model files as 'mars features' takes them), centroids, debias, evaluation of the pseudo and the "
+    "debiased labels against <domain>/mask and of every other method folder of <root>/WSS/<data>/ (e.g. the "
+    "authors' MARS masks) with its agreement with ours, and report.md with the paper's published figures "
+    "beside. Every stage resumes; --out remembers its settings. Under torchrun the ranks share every stage."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``mars reproduce`` (:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)."""
+    _add_model_flags(p)
+    _add_data_flags(p)
+    _add_stage_flags(p)
+    _add_train_flags(p)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The tree, the labels, the output and the USS model (its files, or its features given)."""
+    from mars_plugin.commands.features import _OWN_DEFAULT
+
+    p.add_argument("--root", required=True, help="folder holding <data>/<domain>/{image,mask,xml} (DHR's --root)")
+    p.add_argument("--pseudo", required=True, help="folder of pseudo-label PNGs (e.g. <root>/WSS/VOC2012/RSEPM/train_aug)")
+    p.add_argument("--out", required=True, help="output folder (features, centroids, debiased labels, report.md)")
+    p.add_argument("--uss", choices=USS_MODELS, default="stego",
+                   help="the USS model (paper: stego; DHR: cause), loaded exactly as by 'mars features'")
+    p.add_argument("--checkpoint", default=None,
+                   help="STEGO Lightning .ckpt (e.g. cocostuff27_vit_base_5.ckpt; a pickle: needs --trust-pickle) "
+                        "or Leopart .ckpt" + _OWN_DEFAULT)
+    p.add_argument("--backbone", "--uss-backbone", dest="backbone", default=None,
+                   help="DINO's dino_vitbase8_pretrain.pth (stego, with --heads) or DINOv2's "
+                        "dinov2_vit?14_pretrain.pth (cause with --heads; dinov2 alone); weights_only" + _OWN_DEFAULT)
+    p.add_argument("--heads", "--uss-heads", dest="heads", default=None,
+                   help="DHR's STEGO_<data>.pt or CAUSE_<data>.pt, or CAUSE's own release (see docs/adapters.md); "
+                        "weights_only" + _OWN_DEFAULT)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow unpickling --checkpoint (STEGO's and Lightning's .ckpt files need it); only for "
+                        "files you trust")
+    p.add_argument("--features", default=None,
+                   help="instead of the model files: a folder of <id>.pt/.npy features already computed "
+                        "(e.g. <root>/VOC2012/train_aug/STEGO from DHR's produce_uss_features.py)" + _OWN_DEFAULT)
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    """Which split of the tree, and the features' scales and flip (DHR's inference)."""
+    from mars_plugin.commands.features import _OWN_DEFAULT, scales_argument
+
+    p.add_argument("--data", default="VOC2012", help="dataset folder under --root (DHR's --data: VOC2012, COCO2014)")
+    p.add_argument("--domain", default=None,
+                   help="split folder under <data> (DHR's --domain; default: train_aug for VOC2012, train "
+                        "otherwise)" + _OWN_DEFAULT)
+    p.add_argument("--scales", type=scales_argument, default=DHR_SCALES,
+                   help="feature scales, comma-separated; the first sets the feature grid (DHR's inference)")
+    p.add_argument("--no-flip", action="store_true", help="no flip averaging of the features")
+
+
+def _add_stage_flags(p: argparse.ArgumentParser) -> None:
+    """Eq. 1-5's settings and how the stages run."""
+    add_selection_arguments(p)
+    p.add_argument("--refine", choices=("crf", "threshold"), default="crf", help="dense CRF or a plain threshold")
+    p.add_argument("--crf-params", type=crf_params_argument, default="mars", help="dense-CRF preset or JSON dict (see debias)")
+    p.add_argument("--device", default="cpu",
+                   help="where features, K-means and CRF run: cpu, cuda, cuda:1, or auto (under torchrun: GPU "
+                        "LOCAL_RANK)")
+    p.add_argument("--fp16", action="store_true", help="features under float16 autocast (GPUs)")
+    p.add_argument("--batch-size", type=T.batch_size, default=8, help="images per CRF call (64 suits a GPU)")
+    p.add_argument("--workers", type=T.workers, default=1, help="debias processes on the CPU (one thread each)")
+    p.add_argument("--num-examples", type=T.num_examples, default=8, help="most-changed images shown in the report")
+    p.add_argument("--no-references", action="store_true",
+                   help="do not score the other method folders of <root>/WSS/<data>/")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the tree and say what each stage would read and write, computing and writing "
+                        "nothing (exit 1 when it finds a mismatch)")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="a bad input file: stop with its name (exit 2), or skip it, name it and exit 1")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """The second step (``--train``): its flags are ``mars train``'s."""
+    tr = p.add_argument_group("the second step (--train): mars train on the debiased labels, mars predict")
+    tr.add_argument("--train", action="store_true",
+                    help="then train the segmentation network on the debiased labels (out/train), predict and score "
+                         "the validation split (out/val_pred, scores_trained.json) and write the MARS masks of the "
+                         "training split (out/masks); each stage resumes")
+    # each left out is the dhr recipe's, as mars train's (deeplabv3+dhr resnet101, 100 epochs of 16 512 crops, lr 1e-3)
+    tr.add_argument("--arch", choices=("deeplabv3+dhr", "deeplabv3+", "deeplabv2"), default=None,
+                    help="as mars train --arch (default: the dhr recipe's, deeplabv3+dhr)")
+    tr.add_argument("--train-backbone", choices=("resnet18", "resnet50", "resnet101"), default=None,
+                    help="as mars train --backbone (default: resnet101)")
+    tr.add_argument("--weights", default=None, help="as mars train --weights (ImageNet ResNet, torchvision layout)")
+    tr.add_argument("--iterations", type=T.iterations, default=None,
+                    help="as mars train --iterations (default: the recipe's 100 epochs)")
+    tr.add_argument("--train-batch-size", type=T.batch_size, default=None, help="as mars train --batch-size (16)")
+    tr.add_argument("--crop", type=T.crop, default=None, help="as mars train --crop (512)")
+    tr.add_argument("--min-size", type=T.image_side, default=None, help="as mars train --min-size (320)")
+    tr.add_argument("--max-size", type=T.image_side, default=None, help="as mars train --max-size (640)")
+    tr.add_argument("--lr", type=T.lr, default=None, help="as mars train --lr (1e-3)")
+    tr.add_argument("--loader-workers", type=T.loader_workers, default=2, help="as mars train --workers")
+    tr.add_argument("--val-domain", default="validation",
+                    help="the split scored after training (<root>/<data>/<val-domain>/{image,mask}; DHR: validation)")
+    tr.add_argument("--no-masks", action="store_true", help="do not predict the training split (the MARS masks)")

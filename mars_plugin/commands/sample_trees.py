@@ -22,7 +22,7 @@ import os
 import shlex
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 import torch
@@ -357,3 +357,9 @@ def describe(tree: str, out: Union[str, os.PathLike]) -> Tuple[str, ...]:
     lines.append("try next:")
     lines += [f"  {c}" for c in sample_commands(tree, out)]
     return tuple(lines)
+
+
+def run_sample_command(args: Any) -> None:
+    """``mars sample``: :func:`write_sample_tree` on the parsed flags, then the commands to try on it."""
+    write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
+    print("\n".join(describe(args.tree, args.out)))

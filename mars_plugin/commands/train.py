@@ -491,7 +491,7 @@ def _set_bn_mode(model: nn.Module, bn: str) -> None:
 
 def run_train_command(args: Any) -> Dict[str, Any]:
     """``mars train``'s arguments -> :class:`TrainSettings` -> :func:`train` (the inputs resolved
-    by :func:`~mars_plugin.commands.train_data.command_inputs`)."""
+    by :func:`~mars_plugin.commands.train_data.command_inputs`); rank 0 says what it trained."""
     from mars_plugin.runs.distributed import _rank_world
     from mars_plugin.commands.train_data import command_inputs
 
@@ -504,5 +504,8 @@ def run_train_command(args: Any) -> Dict[str, Any]:
                     progress=not args.no_progress, restart=args.restart, notes=notes)
     except NotImplementedError as e:  # a recipe's piece this build lacks: one line on the command line
         raise JobError(str(e).removeprefix("mars train: ")) from None
-    res["rank"] = _rank_world()[0]
+    if _rank_world()[0] == 0:
+        print(f"train ({args.loss}) -> {res['checkpoint']}: {res['iterations']} steps"
+              + (f", resumed at {res['resumed_from']}" if res["resumed_from"] else "")
+              + (f", last loss {res['loss']:.4f}" if res["loss"] is not None else ""))
     return res

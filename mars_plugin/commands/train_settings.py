@@ -24,13 +24,16 @@ None -> 'dhr'``; ``--restart`` or another ``--out``).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from mars_plugin._checks import check_int_param, check_num_classes, check_real_param, check_seed
-from mars_plugin.networks.recipes import (DEFAULT_RECIPE, Recipe, get_recipe, iterations_for_epochs,
+from mars_plugin.commands import cli_types as T
+from mars_plugin.commands.cli_flags import crf_params_argument
+from mars_plugin.networks.recipes import (DEFAULT_RECIPE, RECIPE_NAMES, Recipe, get_recipe, iterations_for_epochs,
                                           recipe_to_dict)
 
 __all__ = ["TrainSettings", "RUN_KEYS", "RECIPE_FIELDS", "TRAIN_DEFAULTS", "missing_piece"]
@@ -321,3 +324,118 @@ def missing_piece(s: TrainSettings) -> Optional[str]:
 #: The defaults of ``mars train`` that are not the recipe's (those are :data:`RECIPE_FIELDS`).
 TRAIN_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainSettings)
                                   if f.init and f.name not in RECIPE_FIELDS and not f.metadata.get("run")}
+
+
+#: ``mars train`` in ``mars --help``, and the head of its own ``--help``
+HELP = (
+    "train the segmentation network on debiased labels (EMA teacher + CRF complement + WCE, Sec. 3.4), or "
+    "with plain CE as the baseline"
+)
+DESCRIPTION = (
+    "The paper's second step: a DeepLab network trained on the debiased labels (254 = biased) with the EMA "
+    "teacher refined by the dense CRF, the complement and the weighted CE (Eq. 6-7); --loss ce trains plain "
+    "CE on the given labels. The MARS authors' trainer's settings (DHR train.py): SGD, poly, batch 16 of "
+    "512x512, random resize, flip, colour jitter. Resumes from --out; under torchrun each process takes its "
+    "slice of the global batch (the same step as one process)."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``mars train`` (:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)."""
+    _add_data_flags(p)
+    _add_network_flags(p)
+    _add_schedule_flags(p)
+    _add_run_flags(p)
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    """What the run reads and where it writes."""
+    p.add_argument("--images", default=None, help="folder of <id>.jpg|png images (default with --root: "
+                                                  "<root>/<data>/<domain>/image)")
+    p.add_argument("--labels", required=True, help="folder of <id>.png labels: debiased (254 = biased) for --loss mars, "
+                                                   "the pseudo labels for --loss ce")
+    p.add_argument("--out", required=True, help="the run's folder: checkpoint.pt, log.jsonl, train.json; a run there "
+                                                 "of the same settings and data resumes, of other ones is refused")
+    p.add_argument("--restart", action="store_true",
+                   help="train from step 0 in --out: remove its checkpoint.pt and log.jsonl (once the data passed "
+                        "its check), where a run of other settings or data would be refused")
+    p.add_argument("--root", default=None, help="DHR's tree: images and xml tags from <root>/<data>/<domain>")
+    p.add_argument("--data", default="VOC2012", help="with --root: dataset folder (VOC2012, COCO2014)")
+    p.add_argument("--domain", default="train_aug", help="with --root: split folder")
+    p.add_argument("--num-classes", type=T.num_classes, default=None,
+                   help="foreground classes C (default: from --class-names, DHR's dataset with --root, else the "
+                        "largest class id of --image-labels; refused when none is given)")
+    p.add_argument("--class-names", default=None, help="JSON list of class names (background first), kept in the "
+                                                        "checkpoint")
+    p.add_argument("--image-labels", default=None,
+                   help="JSON {id: [class ids]} the teacher may fill biased pixels with (mars reproduce writes "
+                        "image_labels.json); default: the xml tags with --root, else each label's classes")
+
+
+def _add_network_flags(p: argparse.ArgumentParser) -> None:
+    """The recipe, the network and the loss."""
+    p.add_argument("--recipe", choices=RECIPE_NAMES, default="dhr",
+                   help="the codebase whose training the run follows (mars_plugin/networks/recipes.py): dhr (the "
+                        "RS+EPM row, DHR's trainer), deeplab-pytorch (IRNet/AdvCAM rows), seam (SEAM row); each flag "
+                        "below left out is the recipe's, one given overrides that field (recorded in train.json)")
+    p.add_argument("--arch", choices=("deeplabv3+dhr", "deeplabv3+", "deeplabv2", "deeplabv1-wr38"), default=None,
+                   help="the network (default: the recipe's); deeplabv3+ is RS+EPM's DeepLabv3+ (3x3 classifier)")
+    p.add_argument("--backbone", choices=("resnet18", "resnet50", "resnet101", "wr38"), default=None,
+                   help="ResNet depth (resnet18 for small runs; default: the recipe's)")
+    p.add_argument("--output-stride", type=T.output_stride, choices=(8, 16), default=None,
+                   help="the backbone's output stride (default: the recipe's, 8 for all three)")
+    p.add_argument("--bn", choices=("train", "frozen", "sync"), default=None,
+                   help="BatchNorm: batch statistics (dhr's), frozen (deeplab-pytorch's) or sync (SyncBatchNorm "
+                        "over torchrun's GPUs)")
+    p.add_argument("--weights", default=None,
+                   help="torchvision-layout ImageNet file of the backbone (e.g. resnet101-63fe2227.pth), read "
+                        "weights-only; default: random initialisation")
+    p.add_argument("--loss", choices=("mars", "ce"), default="mars",
+                   help="mars: EMA teacher + complement + WCE on debiased labels; ce: plain CE (the baseline)")
+    p.add_argument("--refine", choices=("crf", "none"), default="crf",
+                   help="the teacher's refinement (the paper: the dense CRF, on the batch, on the device)")
+    p.add_argument("--crf-params", type=crf_params_argument, default="mars", help="dense-CRF preset or JSON dict (see debias)")
+
+
+def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
+    """The optimisation: steps, batches, crops, the learning rate (each left out is the recipe's)."""
+    sched = p.add_mutually_exclusive_group()
+    sched.add_argument("--iterations", type=T.iterations, default=None, help="optimizer steps (default: the recipe's)")
+    sched.add_argument("--epochs", type=T.epochs, default=None,
+                       help="passes over the images, counted as DHR (images // global batch per epoch with drop_last; "
+                            "dhr: 100, 66,100 steps on VOC train_aug at 16)")
+    p.add_argument("--batch-size", type=T.batch_size, default=None,
+                   help="global batch (split over torchrun's processes; dhr: 16)")
+    p.add_argument("--iter-size", type=T.iter_size, default=None,
+                   help="batches whose gradients add up to one step (deeplab-pytorch: 2)")
+    p.add_argument("--lr-step", type=T.iterations, default=None,
+                   help="the poly learning rate is recomputed every N steps (deeplab-pytorch: 10)")
+    p.add_argument("--loss-grid", choices=("logits", "input"), default=None,
+                   help="the loss on the logits' grid (labels resized nearest) or at the crop (logits upsampled)")
+    p.add_argument("--crop", type=T.crop, default=None, help="crop side (dhr: 512)")
+    p.add_argument("--min-size", type=T.image_side, default=None, help="random resize: smallest longer side (dhr: 320)")
+    p.add_argument("--max-size", type=T.image_side, default=None, help="random resize: largest longer side (dhr: 640)")
+    p.add_argument("--lr", type=T.lr, default=None, help="backbone learning rate, the groups at the recipe's "
+                                                         "multiples (dhr: 1e-3, new layers 10x)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                   help="sgd: the MARS authors' (DHR's); adamw: for a network trained from random initialisation on "
+                        "a small set (the demo world), which it teaches in far fewer steps")
+    p.add_argument("--momentum", type=T.momentum, default=None, help="SGD momentum (dhr: 0.9)")
+    p.add_argument("--weight-decay", type=T.weight_decay, default=None, help="SGD weight decay (dhr: 4e-5)")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The teacher's momentum, the seed, and how the run goes."""
+    p.add_argument("--ema", type=T.ema, default=0.999, help="teacher EMA momentum (the paper: 0.999)")
+    p.add_argument("--seed", type=T.seed, default=0, help="seed of the initialisation, the data order and the "
+                                                          "augmentation")
+    p.add_argument("--no-amp", action="store_true", help="float32 on CUDA (AMP is on by default there)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if any; under torchrun: GPU LOCAL_RANK), cpu, cuda")
+    p.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
+                   help="memory budget per process in GiB: a step of --crop x --batch-size that needs more is refused "
+                        "before step 1 (default: 80%% of the device's memory: RAM on the CPU, the GPU's on cuda)"
+                   + "%(default).0s")
+    p.add_argument("--workers", type=T.loader_workers, default=2, help="data-loading processes per training process")
+    p.add_argument("--save-every", type=T.every, default=1000, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--log-every", type=T.every, default=10, help="a log.jsonl line every N steps")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")

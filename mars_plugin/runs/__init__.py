@@ -4,6 +4,8 @@
 * ``errors.py`` -- ``JobError``, ``JobSummary`` and ``--on-error``: a bad file fails alone, by name.
 * ``run_record.py`` -- resumable runs: what each output was made from, and which outputs are current.
 * ``identities.py`` -- what identifies an input (files, arrays, centroids, a model's weight files).
+* ``resume_ledger.py`` -- a folder job's resume bookkeeping: each output kept, made again or
+  made, and recorded.
 * ``run_lock.py`` -- one run at a time per output folder.
 * ``distributed.py`` -- torchrun: rank, device, the ranks' meeting points.
 * ``size_batches.py`` -- images of one size in one forward pass.
