@@ -209,6 +209,40 @@ def load_extractor(
     """
     if uss not in USS_MODELS:
         raise ValueError(f"uss must be one of {USS_MODELS}, got {uss!r}")
+    _check_model_files(uss, checkpoint, backbone, heads, trust_pickle, head, prefix)
+    if dhr:  # DHR's settings fill only what the caller left unset
+        res = "native" if res is None else res
+        scales = DHR_SETTINGS["scales"] if scales is None else scales
+        flip_average = DHR_SETTINGS["flip_average"] if flip_average is None else flip_average
+        normalize = DHR_SETTINGS["normalize"] if normalize is None else normalize
+    kw = _extractor_options(res, interpolation, flip_average, scales)
+    if uss == "dinov2":
+        from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
+
+        if normalize is not None:
+            kw["normalize"] = normalize
+        return DINOv2Extractor.from_files(backbone, **kw)
+    if uss == "cause":
+        from mars_plugin.adapters.uss.cause import CAUSEExtractor
+
+        if head or prefix is not None:
+            raise ValueError(f"{'--head' if head else '--prefix'} is a Leopart option; CAUSE's embedding is its code")
+        if normalize is not None:
+            kw["normalize"] = normalize
+        return CAUSEExtractor.from_files(backbone, heads, **kw)
+    if uss == "stego":
+        # Exactly one of checkpoint and the two files was given (checked).
+        return _stego_extractor(checkpoint, backbone, heads, trust_pickle, head, prefix, normalize, kw)
+    from mars_plugin.adapters.uss.leopart import LeopartExtractor
+
+    kw.update(head=head, normalize=normalize)
+    return LeopartExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, prefix=prefix, **kw)
+
+
+def _check_model_files(uss: str, checkpoint: Optional[PathLike], backbone: Optional[PathLike],
+                       heads: Optional[PathLike], trust_pickle: bool, head: bool, prefix: Optional[str]) -> None:
+    """Refuse files (and file options) the model ``uss`` does not read: exactly one ``checkpoint``
+    or the two files ``backbone`` and ``heads`` (DINOv2: ``backbone`` alone)."""
     if uss == "dinov2":
         if backbone is None or checkpoint is not None or heads is not None:
             raise ValueError("--uss dinov2 reads one --backbone FILE (DINOv2's dinov2_vitb14_pretrain.pth...), "
@@ -237,11 +271,11 @@ def load_extractor(
         if trust_pickle:
             raise ValueError("--trust-pickle applies to --checkpoint; --backbone and --heads are plain state dicts, "
                              "always read with weights_only=True")
-    if dhr:  # DHR's settings fill only what the caller left unset
-        res = "native" if res is None else res
-        scales = DHR_SETTINGS["scales"] if scales is None else scales
-        flip_average = DHR_SETTINGS["flip_average"] if flip_average is None else flip_average
-        normalize = DHR_SETTINGS["normalize"] if normalize is None else normalize
+
+
+def _extractor_options(res: Optional[Union[int, str]], interpolation: Optional[str], flip_average: Optional[bool],
+                       scales: Optional[Sequence[float]]) -> Dict[str, Any]:
+    """The keywords of every extractor's constructor that the caller set (None: the model's default)."""
     if isinstance(res, str) and res != "native":
         raise ValueError(f"res must be an integer or 'native', got {res!r}")
     kw: Dict[str, Any] = {}
@@ -253,33 +287,21 @@ def load_extractor(
         kw["flip_average"] = flip_average
     if scales is not None:
         kw["scales"] = scales
-    if uss == "dinov2":
-        from mars_plugin.adapters.uss.dinov2 import DINOv2Extractor
+    return kw
 
-        if normalize is not None:
-            kw["normalize"] = normalize
-        return DINOv2Extractor.from_files(backbone, **kw)
-    if uss == "cause":
-        from mars_plugin.adapters.uss.cause import CAUSEExtractor
 
-        if head or prefix is not None:
-            raise ValueError(f"{'--head' if head else '--prefix'} is a Leopart option; CAUSE's embedding is its code")
-        if normalize is not None:
-            kw["normalize"] = normalize
-        return CAUSEExtractor.from_files(backbone, heads, **kw)
-    if uss == "stego":
-        from mars_plugin.adapters.uss.stego import STEGOExtractor
+def _stego_extractor(checkpoint: Optional[PathLike], backbone: Optional[PathLike], heads: Optional[PathLike],
+                     trust_pickle: bool, head: bool, prefix: Optional[str], normalize: Optional[bool],
+                     kw: Dict[str, Any]) -> nn.Module:
+    """STEGO from its ``checkpoint``, or (``checkpoint`` None) from DHR's two files."""
+    from mars_plugin.adapters.uss.stego import STEGOExtractor
 
-        if head:
-            raise ValueError("--head is a Leopart option; STEGO's embedding is its code")
-        if prefix is not None:
-            raise ValueError("--prefix is a Leopart option; STEGO checkpoints always store the model under 'net.'")
-        if normalize is not None:
-            kw["normalize"] = normalize
-        if two_files:
-            return STEGOExtractor.from_files(backbone, heads, **kw)
-        return STEGOExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, **kw)
-    from mars_plugin.adapters.uss.leopart import LeopartExtractor
-
-    kw.update(head=head, normalize=normalize)
-    return LeopartExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, prefix=prefix, **kw)
+    if head:
+        raise ValueError("--head is a Leopart option; STEGO's embedding is its code")
+    if prefix is not None:
+        raise ValueError("--prefix is a Leopart option; STEGO checkpoints always store the model under 'net.'")
+    if normalize is not None:
+        kw["normalize"] = normalize
+    if checkpoint is None:
+        return STEGOExtractor.from_files(backbone, heads, **kw)
+    return STEGOExtractor.from_checkpoint(checkpoint, trust_pickle=trust_pickle, **kw)

@@ -11,7 +11,7 @@ import os
 import pickle
 import re
 import types
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -89,41 +89,13 @@ def vit_from_state_dict(
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"{what} must be a mapping of names to tensors, got {type(sd).__name__}")
-    w = _need(sd, "patch_embed.proj.weight", what)
-    if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
-        raise ValueError(f"{what}: patch_embed.proj.weight must be (D, C, p, p), got {tuple(w.shape)}")
-    dim, in_chans, patch = int(w.shape[0]), int(w.shape[1]), int(w.shape[-1])
-    pos = _need(sd, "pos_embed", what)
-    if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape[2] != dim:
-        raise ValueError(f"{what}: pos_embed must be (1, 1 + N, {dim}), got {tuple(pos.shape)}")
-    num_patches = int(pos.shape[1]) - 1
-    if math.isqrt(num_patches) ** 2 != num_patches:
-        raise ValueError(f"{what}: pos_embed holds {num_patches} patch positions, not a square grid")
-    indices = sorted({int(m.group(1)) for k in sd for m in [_BLOCK_RE.match(k)] if m})
-    if not indices:
-        raise ValueError(f"{what}: no 'blocks.N.*' keys, so no transformer blocks to load")
-    depth = indices[-1] + 1
-    if indices != list(range(depth)):
-        gaps = sorted(set(range(depth)) - set(indices))
-        raise ValueError(f"{what}: blocks {gaps} are missing (found blocks {indices[0]}..{indices[-1]})")
+    dim, in_chans, patch, num_patches = _patch_shapes(sd, what)
+    depth = _depth(sd, what)
     # DINOv2's parts are detected from any block, so that one missing key is reported as missing
     # (not as a family of unexpected ones).
     layer_scale = any(_LS_RE.match(k) for k in sd)
-    swiglu = [k for k in sd if _W12_RE.match(k)]
-    if swiglu:
-        w12 = _need(sd, min(swiglu, key=_natural), what)
-        if w12.ndim != 2 or w12.shape[0] % 2:
-            raise ValueError(f"{what}: {min(swiglu, key=_natural)!r} must be (2 * hidden, {dim}), got {tuple(w12.shape)}")
-        hidden = int(w12.shape[0]) // 2
-    else:
-        fc1 = [k for k in sd if _FC1_RE.match(k)]
-        hidden = int(_need(sd, min(fc1, key=_natural) if fc1 else "blocks.0.mlp.fc1.weight", what).shape[0])
-    regs = 0
-    if "register_tokens" in sd:
-        r = _need(sd, "register_tokens", what)
-        if r.ndim != 3 or r.shape[0] != 1 or r.shape[2] != dim or r.shape[1] < 1:
-            raise ValueError(f"{what}: register_tokens must be (1, R, {dim}), got {tuple(r.shape)}")
-        regs = int(r.shape[1])
+    hidden, swiglu = _mlp_width(sd, dim, what)
+    regs = _register_count(sd, dim, what)
     # dinov2/hub/backbones.py:27-28 (plain) and 107-108 (every _reg builder).
     offset = (0.0 if regs else 0.1) if interpolate_offset is None else interpolate_offset
     antialias = bool(regs) if interpolate_antialias is None else interpolate_antialias
@@ -135,6 +107,65 @@ def vit_from_state_dict(
         layer_scale=layer_scale, num_register_tokens=regs, mask_token="mask_token" in sd,
         ffn="swiglu" if swiglu else "mlp", interpolate_offset=offset, interpolate_antialias=antialias,
     )
+    _check_same_keys(model, sd, what)
+    try:
+        model.load_state_dict(dict(sd), strict=True)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"{what}: {e}") from e
+    return model.eval()
+
+
+def _patch_shapes(sd: Mapping[str, Any], what: str) -> Tuple[int, int, int, int]:
+    """(width D, input channels, patch p, patch positions N) from ``patch_embed.proj.weight`` and ``pos_embed``."""
+    w = _need(sd, "patch_embed.proj.weight", what)
+    if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
+        raise ValueError(f"{what}: patch_embed.proj.weight must be (D, C, p, p), got {tuple(w.shape)}")
+    dim, in_chans, patch = int(w.shape[0]), int(w.shape[1]), int(w.shape[-1])
+    pos = _need(sd, "pos_embed", what)
+    if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape[2] != dim:
+        raise ValueError(f"{what}: pos_embed must be (1, 1 + N, {dim}), got {tuple(pos.shape)}")
+    num_patches = int(pos.shape[1]) - 1
+    if math.isqrt(num_patches) ** 2 != num_patches:
+        raise ValueError(f"{what}: pos_embed holds {num_patches} patch positions, not a square grid")
+    return dim, in_chans, patch, num_patches
+
+
+def _depth(sd: Mapping[str, Any], what: str) -> int:
+    """The number of transformer blocks, from the ``blocks.N`` indices (which must run 0..depth-1)."""
+    indices = sorted({int(m.group(1)) for k in sd for m in [_BLOCK_RE.match(k)] if m})
+    if not indices:
+        raise ValueError(f"{what}: no 'blocks.N.*' keys, so no transformer blocks to load")
+    depth = indices[-1] + 1
+    if indices != list(range(depth)):
+        gaps = sorted(set(range(depth)) - set(indices))
+        raise ValueError(f"{what}: blocks {gaps} are missing (found blocks {indices[0]}..{indices[-1]})")
+    return depth
+
+
+def _mlp_width(sd: Mapping[str, Any], dim: int, what: str) -> Tuple[int, bool]:
+    """(hidden width, SwiGLU or not) of the blocks' MLP: from ``mlp.w12`` (ViT-g's SwiGLU) or ``mlp.fc1``."""
+    swiglu = [k for k in sd if _W12_RE.match(k)]
+    if swiglu:
+        w12 = _need(sd, min(swiglu, key=_natural), what)
+        if w12.ndim != 2 or w12.shape[0] % 2:
+            raise ValueError(f"{what}: {min(swiglu, key=_natural)!r} must be (2 * hidden, {dim}), got {tuple(w12.shape)}")
+        return int(w12.shape[0]) // 2, True
+    fc1 = [k for k in sd if _FC1_RE.match(k)]
+    return int(_need(sd, min(fc1, key=_natural) if fc1 else "blocks.0.mlp.fc1.weight", what).shape[0]), False
+
+
+def _register_count(sd: Mapping[str, Any], dim: int, what: str) -> int:
+    """R, DINOv2's register tokens (``register_tokens`` (1, R, D)); 0 without them."""
+    if "register_tokens" not in sd:
+        return 0
+    r = _need(sd, "register_tokens", what)
+    if r.ndim != 3 or r.shape[0] != 1 or r.shape[2] != dim or r.shape[1] < 1:
+        raise ValueError(f"{what}: register_tokens must be (1, R, {dim}), got {tuple(r.shape)}")
+    return int(r.shape[1])
+
+
+def _check_same_keys(model: DinoViT, sd: Mapping[str, Any], what: str) -> None:
+    """Refuse a state dict that lacks a key of ``model`` or holds one it does not have, naming them."""
     expected = set(model.state_dict())
     missing = sorted(expected - set(sd), key=_natural)
     unexpected = sorted(set(sd) - expected, key=_natural)
@@ -145,11 +176,6 @@ def vit_from_state_dict(
         if unexpected:
             msg.append(f"unexpected keys {_short(unexpected)}")
         raise ValueError(" ".join(msg))
-    try:
-        model.load_state_dict(dict(sd), strict=True)
-    except RuntimeError as e:  # shape mismatches
-        raise ValueError(f"{what}: {e}") from e
-    return model.eval()
 
 
 def _natural(key: str):

@@ -7,7 +7,8 @@ group.
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -99,57 +100,42 @@ class _Workspace:
         return buf[:n].view(shape)
 
 
+@dataclass(frozen=True)
+class _PixelGroups:
+    """The pixels of a batch sorted by (image, class) (:func:`_pixels_by_group`).
+
+    Attributes:
+        x: (P + 1, D) the (normalised) pixel embeddings in row-major order per image, followed
+            by one zero row (padded points of the K-means problems read it).
+        order: (P',) the permutation of the non-ignored pixels that sorts them by group (stable:
+            pixel order within a group is row-major, the order a boolean mask gives).
+        image, label, start, size: each group's image, class, offset in ``order`` and size.
+    """
+
+    x: torch.Tensor
+    order: torch.Tensor
+    image: List[int]
+    label: List[int]
+    start: List[int]
+    size: List[int]
+
+
 def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, ignore_index: int,
                      normalize: bool, device: Optional[torch.device], name=None, max_label: Optional[int] = None,
-                     workspace: Optional[_Workspace] = None):
-    """Every non-ignored pixel of a batch, sorted by (image, class).
+                     workspace: Optional[_Workspace] = None) -> _PixelGroups:
+    """Every non-ignored pixel of a batch, sorted by (image, class): a :class:`_PixelGroups`.
 
-    Returns ``(x, order (P',), image, label, start, size)``.
-    ``x`` is (P + 1, D): the (normalised) pixel embeddings in row-major order per image
-    followed by one zero row.
-    ``order`` is the permutation of the non-ignored pixels that sorts them by group (stable:
-    pixel order within a group is row-major, the order a boolean mask gives); then come each
-    group's image, class, offset in ``order`` and size, as Python lists.
     ``name(i)``, when given, turns on the batch-level value checks and names image i in errors;
     ``max_label`` (C) then bounds the class ids.
     """
-    dim = int(features[0].shape[0])
     # int64 before any comparison: torch compares a uint8 255 equal to ignore_index=-1.
     labels = [y.long() for y in labels]
-    dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
-    # K-means sums in half precision would lose the centroids' digits: work in float32.
-    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     dev = torch.device(device) if device is not None else features[0].device
-    ws = workspace if workspace is not None else _Workspace()
-    y_full = None
     uniform = all(tuple(f.shape) == tuple(features[0].shape) for f in features)
     n_pix = [int(f.shape[-1] * f.shape[-2]) for f in features]
-    if uniform:
-        # The common case (one feature grid for the dataset): every image is transposed to
-        # (pixels, D) and converted in one copy into a reused buffer. Fresh tensors of tens of
-        # MB cost more in page faults than the copy itself on the CPU.
-        B, P = len(features), n_pix[0]
-        x3 = ws.get("x", (B * P + 1, dim), work, dev)
-        x3[-1].zero_()  # a zero row: padded points of the K-means problems read it
-        if dev.type == "cpu":
-            for i, t in enumerate(features):
-                x3[i * P : (i + 1) * P].copy_(t.reshape(dim, P).T)
-        else:  # one host-to-device copy of the stacked batch, in its own dtype
-            f = torch.stack([t.to(dtype) for t in features]).to(dev, non_blocking=True)
-            x3[:-1].view(B, P, dim).copy_(f.view(B, dim, P).transpose(1, 2))
-        x = x3[:-1]
-    else:
-        x3 = torch.cat([f.to(device=dev, dtype=work).reshape(dim, -1).T for f in features] +
-                       [torch.zeros(1, dim, dtype=work, device=dev)])
-        x = x3[:-1]
-    if uniform and len({tuple(y.shape) for y in labels}) == 1:
-        y_stack = torch.stack(list(labels)).to(dev)
-        if name is not None:
-            y_full = y_stack.masked_fill(y_stack == ignore_index, 0)
-        y = resize_label(y_stack, tuple(features[0].shape[-2:])).reshape(-1)
-    else:
-        y = torch.cat([resize_label(lab.to(dev), tuple(f.shape[-2:])).reshape(-1)
-                       for f, lab in zip(features, labels)])
+    x3 = _embedding_rows(features, dev, uniform, workspace if workspace is not None else _Workspace())
+    x = x3[:-1]
+    y, y_full = _labels_on_grids(features, labels, dev, uniform, ignore_index, name is not None)
     img = torch.repeat_interleave(torch.arange(len(n_pix), device=dev), torch.tensor(n_pix, device=dev))
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True) if normalize else None
     if name is not None:
@@ -161,21 +147,70 @@ def _pixels_by_group(features: Sequence[torch.Tensor], labels: Sequence[torch.Te
                                     max_label)
         _check_feature_values(features, norms if norms is not None else x.sum(1), img, name)
     if norms is not None:
-        # Finite pixels (checked above, or by the caller) whose squared norm overflows the
-        # work dtype (values beyond ~1.8e19 in float32) would become zero vectors: those rows
-        # alone are normalised through their largest magnitude first.
-        over = torch.isinf(norms[:, 0])
-        if bool(over.any()):
-            x[over] = l2_normalize(x[over], dim=1).to(x.dtype)
-            norms[over] = 1.0
-        x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
+        _normalize_rows(x, norms)
+    return _sort_by_group(x3, y, img, ignore_index, len(n_pix))
+
+
+def _embedding_rows(features: Sequence[torch.Tensor], dev: torch.device, uniform: bool,
+                    ws: _Workspace) -> torch.Tensor:
+    """(P + 1, D): every image's (D, h, w) embeddings as (pixels, D) rows on ``dev``, then a zero row."""
+    dim = int(features[0].shape[0])
+    dtype = functools.reduce(torch.promote_types, {f.dtype for f in features})
+    # K-means sums in half precision would lose the centroids' digits: work in float32.
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    if not uniform:
+        return torch.cat([f.to(device=dev, dtype=work).reshape(dim, -1).T for f in features] +
+                         [torch.zeros(1, dim, dtype=work, device=dev)])
+    # The common case (one feature grid for the dataset): every image is transposed to
+    # (pixels, D) and converted in one copy into a reused buffer. Fresh tensors of tens of
+    # MB cost more in page faults than the copy itself on the CPU.
+    B, P = len(features), int(features[0].shape[-1] * features[0].shape[-2])
+    x3 = ws.get("x", (B * P + 1, dim), work, dev)
+    x3[-1].zero_()  # a zero row: padded points of the K-means problems read it
+    if dev.type == "cpu":
+        for i, t in enumerate(features):
+            x3[i * P : (i + 1) * P].copy_(t.reshape(dim, P).T)
+    else:  # one host-to-device copy of the stacked batch, in its own dtype
+        f = torch.stack([t.to(dtype) for t in features]).to(dev, non_blocking=True)
+        x3[:-1].view(B, P, dim).copy_(f.view(B, dim, P).transpose(1, 2))
+    return x3
+
+
+def _labels_on_grids(features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], dev: torch.device,
+                     uniform: bool, ignore_index: int, checked: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Every label on its feature grid, flattened in pixel order; with ``checked``, also the
+    (B, H, W) full-size labels (ignored pixels set to 0) when they share a size, else None."""
+    if uniform and len({tuple(y.shape) for y in labels}) == 1:
+        y_stack = torch.stack(list(labels)).to(dev)
+        y_full = y_stack.masked_fill(y_stack == ignore_index, 0) if checked else None
+        return resize_label(y_stack, tuple(features[0].shape[-2:])).reshape(-1), y_full
+    return torch.cat([resize_label(lab.to(dev), tuple(f.shape[-2:])).reshape(-1)
+                      for f, lab in zip(features, labels)]), None
+
+
+def _normalize_rows(x: torch.Tensor, norms: torch.Tensor) -> None:
+    """L2-normalise the rows of ``x`` in place, given their (P, 1) norms (which it overwrites)."""
+    # Finite pixels (checked above, or by the caller) whose squared norm overflows the
+    # work dtype (values beyond ~1.8e19 in float32) would become zero vectors: those rows
+    # alone are normalised through their largest magnitude first.
+    over = torch.isinf(norms[:, 0])
+    if bool(over.any()):
+        x[over] = l2_normalize(x[over], dim=1).to(x.dtype)
+        norms[over] = 1.0
+    x.div_(norms.clamp_min_(1e-12))  # F.normalize's rule: x / max(|x|, eps), in place
+
+
+def _sort_by_group(x3: torch.Tensor, y: torch.Tensor, img: torch.Tensor, ignore_index: int,
+                   num_images: int) -> _PixelGroups:
+    """The kept pixels (class ``y``, image ``img``) sorted by (image, class), and the groups they form."""
     keep = y != ignore_index
     n_labels = int(y.masked_fill(~keep, 0).max()) + 1 if y.numel() else 1
     # One key per pixel, (image, class) in lexicographic order; ignored pixels sort last.
-    key = (img * n_labels + y).masked_fill_(~keep, len(n_pix) * n_labels)
+    key = (img * n_labels + y).masked_fill_(~keep, num_images * n_labels)
     sorted_key, order = torch.sort(key, stable=True)
     n_keep = int(keep.sum())
     groups, sizes = torch.unique_consecutive(sorted_key[:n_keep], return_counts=True)
     groups, sizes = groups.tolist(), sizes.tolist()
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
-    return (x3, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts, sizes)
+    return _PixelGroups(x3, order[:n_keep], [g // n_labels for g in groups], [g % n_labels for g in groups], starts,
+                        sizes)

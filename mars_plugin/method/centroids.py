@@ -27,6 +27,7 @@ from mars_plugin.engines.kmeans import _kmeans_padded, _uniforms, batched_kmeans
 from mars_plugin.method.centroid_pixels import (
     _check_label_bounds,
     _check_reserved_ids,
+    _PixelGroups,
     _pixels_by_group,
     _Workspace,
     resize_label,
@@ -204,6 +205,18 @@ def _cluster_groups(
     # out= copies would refuse a tensor that requires grad).
     features = [f.detach() for f in features]
     ws = workspace if workspace is not None else _Workspace()
+    if _choose_backend(features, backend, device, n_init) == "compiled":
+        return _cluster_compiled(features, labels, k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index,
+                                 normalize=normalize, seed=seed, max_iter=max_iter, tol=tol, name=name,
+                                 max_label=max_label)
+    groups = _pixels_by_group(features, labels, ignore_index=ignore_index, normalize=normalize, device=device,
+                              name=name, max_label=max_label, workspace=ws)
+    return _cluster_torch(groups, len(features), k_fg=k_fg, k_bg=k_bg, seed=seed, max_iter=max_iter, tol=tol,
+                          n_init=n_init, bucket_ratio=bucket_ratio, workspace=ws)
+
+
+def _choose_backend(features: Sequence[torch.Tensor], backend: Optional[str], device, n_init: int) -> str:
+    """The K-means backend of one :func:`_cluster_groups` call: None resolved, the choice checked."""
     if backend is None:
         on_cpu = (torch.device(device) if device is not None else features[0].device).type == "cpu"
         backend = "compiled" if (on_cpu and n_init == 1 and kmeans_compiled.available()
@@ -216,13 +229,14 @@ def _cluster_groups(
                              "use backend='torch' or 'auto' for n_init > 1")
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"backend='compiled' runs on the CPU, got device={device!r}; use 'torch' or 'auto'")
-        return _cluster_compiled(features, labels, k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index,
-                                 normalize=normalize, seed=seed, max_iter=max_iter, tol=tol, name=name,
-                                 max_label=max_label)
-    x, order, g_img, g_lab, g_start, g_size = _pixels_by_group(
-        features, labels, ignore_index=ignore_index, normalize=normalize, device=device, name=name,
-        max_label=max_label, workspace=ws)
-    G, D = len(g_size), dims[0]
+    return backend
+
+
+def _cluster_torch(groups: _PixelGroups, num_images: int, *, k_fg: int, k_bg: int, seed: int, max_iter: int, tol: float,
+                   n_init: int, bucket_ratio: Optional[float], workspace: _Workspace) -> GroupCentroids:
+    """:func:`_cluster_groups` through the batched torch K-means, one padded call per size bucket."""
+    x, g_lab, g_size = groups.x, groups.label, groups.size
+    G, D = len(g_size), int(x.shape[1])
     ks_asked = [k_bg if c == 0 else k_fg for c in g_lab]
     # A group has at most one centroid per pixel: K past its size would only allocate rows
     # never filled (memory follows the pixels, never K). Its draws stay those of the K asked
@@ -230,32 +244,14 @@ def _cluster_groups(
     trials = [seeding_trials(k) for k in ks_asked]
     ks = [min(k, n) for k, n in zip(ks_asked, g_size)]
     kmax = max(ks, default=1)
-    img_t, lab_t = torch.tensor(g_img, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long)
-    zero_row = x.shape[0] - 1
+    img_t, lab_t = torch.tensor(groups.image, dtype=torch.long), torch.tensor(g_lab, dtype=torch.long)
     cents = x.new_zeros(G, kmax, D)
     count = torch.zeros(G, dtype=torch.long)
-    # Problems are padded to the largest of their call: bucket them by size (each bucket's
-    # smallest problem at least half its largest) so that padding never doubles the work.
-    by_size = sorted(range(G), key=lambda g: -g_size[g])
-    buckets: List[List[int]] = []
     # On a GPU the padding is nearly free and every kernel launch costs: one bucket.
     ratio = bucket_ratio if bucket_ratio is not None else (2 if x.device.type == "cpu" else float("inf"))
-    for g in by_size:
-        if buckets and g_size[g] * ratio >= g_size[buckets[-1][0]]:
-            buckets[-1].append(g)
-        else:
-            buckets.append([g])
-    for bucket in buckets:
-        n_max = g_size[bucket[0]]
+    for bucket in _size_buckets(g_size, ratio):
         idx = torch.tensor(bucket, dtype=torch.long)
-        start = torch.tensor([g_start[g] for g in bucket], device=x.device)
-        size = torch.tensor([g_size[g] for g in bucket], device=x.device)
-        offs = torch.arange(n_max, device=x.device)
-        mask = offs[None, :] < size[:, None]
-        rows = order[(start[:, None] + offs[None, :]).clamp_max_(max(order.numel() - 1, 0))]
-        rows = torch.where(mask, rows, zero_row)  # padded points read the zero row
-        pts = ws.get("pts", (len(bucket), n_max, D), x.dtype, x.device)
-        torch.index_select(x, 0, rows.reshape(-1), out=pts.view(-1, D))
+        pts, mask = _bucket_points(groups, bucket, workspace)
         b_seeds = [problem_seed(seed, g_lab[g]) for g in bucket]
         if n_init > 1:
             # batched_kmeans bounds K by the bucket's size itself and keeps each K's trials.
@@ -268,7 +264,35 @@ def _cluster_groups(
         # k-means++ fills the valid centroids first, so each group's centroids are a prefix.
         cents[idx.to(x.device), : c.shape[1]] = c
         count[idx] = v.sum(1).cpu()
-    return GroupCentroids(img_t, lab_t, cents, count, len(features))
+    return GroupCentroids(img_t, lab_t, cents, count, num_images)
+
+
+def _size_buckets(g_size: Sequence[int], ratio: float) -> List[List[int]]:
+    """The groups, largest first, cut into buckets whose smallest is at least 1/ratio of their largest."""
+    # Problems are padded to the largest of their call: bucket them by size (each bucket's
+    # smallest problem at least half its largest) so that padding never doubles the work.
+    buckets: List[List[int]] = []
+    for g in sorted(range(len(g_size)), key=lambda g: -g_size[g]):
+        if buckets and g_size[g] * ratio >= g_size[buckets[-1][0]]:
+            buckets[-1].append(g)
+        else:
+            buckets.append([g])
+    return buckets
+
+
+def _bucket_points(groups: _PixelGroups, bucket: List[int], workspace: _Workspace) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (G_b, n_max, D) padded points of a bucket's groups (padding reads the zero row) and their mask."""
+    x, order = groups.x, groups.order
+    n_max, D, zero_row = groups.size[bucket[0]], int(x.shape[1]), x.shape[0] - 1
+    start = torch.tensor([groups.start[g] for g in bucket], device=x.device)
+    size = torch.tensor([groups.size[g] for g in bucket], device=x.device)
+    offs = torch.arange(n_max, device=x.device)
+    mask = offs[None, :] < size[:, None]
+    rows = order[(start[:, None] + offs[None, :]).clamp_max_(max(order.numel() - 1, 0))]
+    rows = torch.where(mask, rows, zero_row)  # padded points read the zero row
+    pts = workspace.get("pts", (len(bucket), n_max, D), x.dtype, x.device)
+    torch.index_select(x, 0, rows.reshape(-1), out=pts.view(-1, D))
+    return pts, mask
 
 
 def _cluster_compiled(features, labels, *, k_fg, k_bg, ignore_index, normalize, seed, max_iter, tol, name,

@@ -327,22 +327,33 @@ def debias_labels(
     if refine == "threshold":
         mask = m_hat > threshold
     else:
-        if image is None:
-            raise ValueError("refine='crf' needs the RGB image: pass image=..., or use refine='threshold'")
-        imgs = as_tensor(image, "image")
-        if not single and (imgs.ndim != 4 or imgs.shape[0] != yb.shape[0]):
-            raise ValueError(f"image must be a batch (B, H, W, 3) or (B, 3, H, W) with B={yb.shape[0]}, got {describe(imgs)}")
-        mask = refine_mask(m_hat if not single else m_hat[0], imgs, params, crf_backend)
-        if single:
-            mask = mask[None]
+        mask = _crf_mask(m_hat, image, single, params, crf_backend)
 
     out = _mark(yb, mask, valid, ignore_index)
     if not return_details:
         return out[0] if single else out
-    untouched = []
-    for b in range(yb.shape[0]):
-        present = torch.unique(yb[b][(yb[b] > 0) & (yb[b] != ignore_index)]).tolist()
-        untouched.append([int(c) for c in present if not bool(valid[int(c)])])
+    untouched = _untouched_classes(yb, valid, ignore_index)
     if single:
         return DebiasResult(out[0], m_hat[0], mask[0], untouched)
     return DebiasResult(out, m_hat, mask, untouched)
+
+
+def _crf_mask(m_hat: torch.Tensor, image: Any, single: bool, params: Mapping[str, Any],
+              crf_backend: str) -> torch.Tensor:
+    """M of :func:`debias_labels`'s ``refine="crf"``: (B, H, W) M_hat and the images -> (B, H, W) bool."""
+    if image is None:
+        raise ValueError("refine='crf' needs the RGB image: pass image=..., or use refine='threshold'")
+    imgs = as_tensor(image, "image")
+    if not single and (imgs.ndim != 4 or imgs.shape[0] != m_hat.shape[0]):
+        raise ValueError(f"image must be a batch (B, H, W, 3) or (B, 3, H, W) with B={m_hat.shape[0]}, got {describe(imgs)}")
+    mask = refine_mask(m_hat if not single else m_hat[0], imgs, params, crf_backend)
+    return mask[None] if single else mask
+
+
+def _untouched_classes(y: torch.Tensor, valid: torch.Tensor, ignore_index: int) -> List[List[int]]:
+    """Per image of (B, H, W) labels, its foreground classes that have no valid centroid."""
+    untouched = []
+    for b in range(y.shape[0]):
+        present = torch.unique(y[b][(y[b] > 0) & (y[b] != ignore_index)]).tolist()
+        untouched.append([int(c) for c in present if not bool(valid[int(c)])])
+    return untouched
