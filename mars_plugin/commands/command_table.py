@@ -60,7 +60,9 @@ class CommandResult:
             return value
         if isinstance(value, tuple):  # (summary, folder written)
             return cls(summary=value[0], out=value[1])
-        return cls(summary=value)
+        # a job summary (its failed files set the exit status); any other value (mars train's
+        # result dict) is for Python callers
+        return cls(summary=value if hasattr(value, "failed") else None)
 
 
 _C = "mars_plugin.commands."
