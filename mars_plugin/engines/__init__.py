@@ -12,6 +12,7 @@ lattice it filters on, and the windowed CRF. Nothing here knows MARS's equations
 * ``crf_terms.py`` -- the general dense CRF (any pairwise terms, normalisations and label
   compatibilities), under the pydensecrf drop-in :mod:`mars_plugin.densecrf`.
 * ``permutohedral.py`` -- the permutohedral lattice (Adams et al. 2010) in torch.
+* ``permutohedral_lift.py`` -- its lifting: points onto the hyperplane, their simplices and weights.
 * ``lattice_concat.py`` -- images' lattices joined into their batch's, without building it again.
 * ``permutohedral_triton.py`` -- its filter as fused Triton kernels (CUDA; the ``gpu`` extra).
 * ``local_crf.py`` -- the windowed approximation of the dense CRF.

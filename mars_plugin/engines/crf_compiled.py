@@ -14,7 +14,7 @@ in blocks with four threads or more), then the pixels of the softmax: two waits 
 
 It computes what the torch path computes, with the same float32 operations where they decide
 something: the lifting onto the lattice and the simplex of each point (the operations and
-their order of :func:`mars_plugin.engines.permutohedral._elevate` and ``_simplex``, no fused
+their order of :func:`mars_plugin.engines.permutohedral_lift._elevate` and ``_simplex``, no fused
 multiply-add), hence the same lattice points and barycentric weights as pydensecrf; the blur's
 ``old + 0.5 (n1 + n2)`` per axis in the same axis order; splatting in point order. The lattice
 points are found with a hash table in the order pixels first touch them (as pydensecrf's
@@ -157,7 +157,7 @@ if numba is not None:
     def _lift_one(f, scale, d, cf, el, diff, rank, rem0, by_rank, bary):
         """One point f (d,) -> its simplex: rem0 (d+1,) int64 (the nearest 0-coloured point,
         wrapped), rank (d+1,) int64 and bary (d+1,) float32, with the float32 operations of
-        permutohedral._elevate and _simplex in their order."""
+        permutohedral_lift._elevate and _simplex in their order."""
         d1 = d + 1
         down = scale[d]  # the caller's float32(1 / (d+1)), as the torch path rounds it
         for i in range(d):

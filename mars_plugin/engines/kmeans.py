@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -321,9 +321,7 @@ def _kmeans_padded(
     the points are never drawn: the stream of a K x T block starts with that of n x T).
     Returns ``(centroids (B, Kmax, D), valid (B, Kmax), n_iter)``; invalid rows are zeros.
     """
-    B, N, D = x.shape
     kmax = max(k_list)
-    w = mask.to(x.dtype)
     k_t = torch.tensor(k_list, dtype=torch.long, device=x.device)
     # Per-problem K and number of seeding candidates: a problem's draws do not depend on the K
     # of the other problems in the batch.
@@ -332,14 +330,7 @@ def _kmeans_padded(
     u = _uniforms(seed_list, k_list, trial_list, x.device)
     trials = torch.tensor(trial_list, dtype=torch.long, device=x.device)
     centers, valid = _kmeanspp(x, mask, k_t, u, trials)
-
-    # Mean per-dimension variance of each problem (scikit-learn's tolerance scale), as
-    # E|x|^2 - |E x|^2 over D: no (B, N, D) temporary. Padded points are zeros.
-    x2 = torch.linalg.vector_norm(x, dim=-1).square()  # no (B, N, D) temporary
-    n_pts = w.sum(1).clamp_min(1)
-    mean = x.sum(1) / n_pts[:, None]
-    var = ((x2.sum(1) / n_pts - mean.square().sum(1)) / D).clamp_min(0)
-    tol_b = tol * var
+    tol_b, mean, n_pts = _tolerances(x, mask, tol)
 
     # A problem stops for good once it meets its own criterion, so its result never depends on
     # which other problems share the batch (batch == one-by-one, exactly). Finished problems
@@ -349,7 +340,29 @@ def _kmeans_padded(
     if kmax == 2 and min(k_list) == 2:
         # MARS's own case (K_fg = K_bg = 2): a two-centroid Lloyd with half the arithmetic.
         n_iter = _lloyd_two(x, mask, act, centers, valid, tol_b, mean * n_pts[:, None], max_iter)
-        return centers * valid[:, :, None], valid, n_iter
+    else:
+        n_iter = _lloyd(x, mask, act, centers, valid, tol_b, kmax, max_iter)
+    return centers * valid[:, :, None], valid, n_iter
+
+
+def _tolerances(x: torch.Tensor, mask: torch.Tensor, tol: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tol_b (B,), mean (B, D), n_pts (B,)): each problem's stopping threshold on the centres'
+    squared shift, its mean point and its number of points (at least 1)."""
+    # Mean per-dimension variance of each problem (scikit-learn's tolerance scale), as
+    # E|x|^2 - |E x|^2 over D: no (B, N, D) temporary. Padded points are zeros.
+    D = x.shape[2]
+    w = mask.to(x.dtype)
+    x2 = torch.linalg.vector_norm(x, dim=-1).square()  # no (B, N, D) temporary
+    n_pts = w.sum(1).clamp_min(1)
+    mean = x.sum(1) / n_pts[:, None]
+    var = ((x2.sum(1) / n_pts - mean.square().sum(1)) / D).clamp_min(0)
+    return tol * var, mean, n_pts
+
+
+def _lloyd(x, mask, act, centers, valid, tol_b, kmax, max_iter) -> int:
+    """Lloyd iterations for any K of the problems ``act`` (those with points), writing the final
+    centres into ``centers``; returns the number of iterations run."""
+    B = x.shape[0]
     if act.numel() == B:  # the usual case: no empty problem, no copy of the points
         xa, pad, va, ca, tola = x, ~mask, valid, centers, tol_b
     else:
@@ -388,13 +401,13 @@ def _kmeans_padded(
     else:
         live = ~fz
         centers[act[live]] = ca[live]  # problems that hit max_iter
-    return centers * valid[:, :, None], valid, n_iter
+    return n_iter
 
 
 def _lloyd_two(x, mask, act, centers, valid, tol_b, total, max_iter) -> int:
     """Lloyd iterations when every problem has K = 2, writing the final centres into ``centers``.
 
-    Same iterations, stopping rule and results as the general loop of :func:`_kmeans_padded`,
+    Same iterations, stopping rule and results as the general loop, :func:`_lloyd`,
     with the two-centroid algebra: a point joins centroid 1 exactly when
     ``|c1|^2 - |c0|^2 - 2 x.(c1 - c0) < 0`` (ties go to centroid 0, as argmin does), which is one
     matrix-vector product per problem instead of two; and cluster 0's sum is the problem's total

@@ -35,10 +35,11 @@ import importlib.util
 import math
 import os
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
+
+from mars_plugin.engines.permutohedral_lift import _f32, _lift, lifted_bounds, max_lifted_coordinate
 
 __all__ = ["PermutohedralLattice", "LatticeTooLarge", "MAX_COORDINATE", "lifted_bounds", "max_lifted_coordinate"]
 
@@ -57,9 +58,6 @@ _Q_MARGIN = 2
 # (very fine kernels on large images) the keys are compared as rows instead, with the same
 # result.
 _MAX_CODE_BITS = 62
-# Points lifted at a time (the float temporaries of the lifting: about 250 bytes a point).
-_LIFT_BLOCK = 1 << 16
-_LIFT_BLOCK_CUDA = 1 << 22
 #: The largest magnitude of a lifted coordinate the lattice accepts. The lifting and the
 #: rounding to the nearest 0-coloured point run in float32, as in the C++: the lifted
 #: coordinates must sum to 0 within less than one lattice step, which float32 keeps while they
@@ -76,88 +74,12 @@ TRANSPOSED_BLUR: Optional[bool] = None
 USE_TRITON: Optional[bool] = None
 
 
-def _f32(x: float) -> float:
-    """A Python float rounded to float32, as the C++ stores its constants."""
-    return float(np.float32(x))
-
-
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     """A CSR matrix from indices this module built itself (so not re-checked), without torch's
     "sparse CSR support is in beta" warning on every lattice."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
-
-
-def _elevate(f: torch.Tensor) -> torch.Tensor:
-    """(N, d) features -> (d+1, N) coordinates on the lattice's hyperplane (Adams et al., p. 5).
-
-    The same float32 operations in the same order as the C++, so that points on a simplex
-    boundary fall on the same side. Coordinates are rows: every later step works on whole
-    contiguous rows.
-    """
-    N, d = f.shape
-    inv_std_dev = _f32(math.sqrt(2.0 / 3.0) * (d + 1))
-    scale = torch.tensor([_f32(1.0 / math.sqrt((i + 2) * (i + 1)) * inv_std_dev) for i in range(d)],
-                         dtype=torch.float32, device=f.device)
-    cf = (f * scale).t().contiguous()
-    elevated = torch.empty(d + 1, N, dtype=torch.float32, device=f.device)
-    running = torch.zeros(N, dtype=torch.float32, device=f.device)
-    for j in range(d, 0, -1):
-        elevated[j] = running - float(j) * cf[j - 1]
-        running = running + cf[j - 1]
-    elevated[0] = running
-    return elevated
-
-
-def _simplex(elevated: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The enclosing simplex of each lifted point, all (d+1, N).
-
-    Returns ``rem0`` int64, the nearest 0-coloured lattice point; ``rank`` int64, the position
-    of each remainder in decreasing order (ties: the earlier coordinate first), per point a
-    permutation of 0..d; and ``bary`` float32 barycentric weights, row r for vertex r.
-    """
-    d1, N = elevated.shape
-    d = d1 - 1
-    down = _f32(1.0 / d1)
-    v = torch.round(elevated * down)  # half to even, as _mm_round_ps / _mm_cvtps_epi32
-    rem0 = v * float(d1)
-    shift = v.sum(0).long()  # small integers: exact in any order
-    diff = elevated - rem0
-    # The C++ ranking loop, "if (di < dj) rank[i]++ else rank[j]++" for every i < j.
-    rank = torch.zeros(d1, N, dtype=torch.int32, device=elevated.device)
-    for i in range(d1):
-        for j in range(i + 1, d1):
-            less = diff[i] < diff[j]
-            rank[i].add_(less)
-            rank[j].add_(~less)
-    rank = rank.long() + shift
-    # Bring the point back onto the plane: ranks wrap around modulo d+1.
-    wrap = (rank < 0).long() - (rank > d).long()
-    rank += wrap * d1
-    rem0 = rem0.long() + wrap * d1
-    # Barycentric weights (Adams et al., p. 10): with vr[k] the scaled remainder of rank k,
-    # b[p] = vr[d-p] - vr[d-p+1] and b[0] wraps around, as the C++ accumulates them.
-    rest = (elevated - rem0.to(torch.float32)) * down
-    by_rank = torch.zeros_like(rest).scatter_(0, rank, rest).flip(0)
-    bary = torch.empty_like(rest)
-    bary[1:] = by_rank[1:] - by_rank[:-1]
-    bary[0] = by_rank[0] + (1.0 - by_rank[d])
-    return rem0, rank, bary
-
-
-def lifted_bounds(abs_max: Sequence[float]) -> List[float]:
-    """Upper bounds of |lifted coordinate j|, j = 0..d, for features whose column i is at most
-    ``abs_max[i]`` in magnitude: the lifting is linear, coordinate j is
-    sum_{i >= j} s_i f_i - j s_{j-1} f_{j-1} with the scale factors s_i."""
-    d = len(abs_max)
-    terms = [math.sqrt(2.0 / 3.0) * (d + 1) / math.sqrt((i + 1) * (i + 2)) * float(abs_max[i]) for i in range(d)]
-    return [sum(terms[j:]) + (j * terms[j - 1] if j else 0.0) for j in range(d + 1)]
-
-
-def max_lifted_coordinate(abs_max: Sequence[float]) -> float:
-    """An upper bound of |lifted coordinate| (see :func:`lifted_bounds`)."""
-    return max(lifted_bounds(abs_max))
 
 
 class LatticeTooLarge(ValueError):
@@ -167,30 +89,6 @@ class LatticeTooLarge(ValueError):
     def __init__(self, points: int, limit: int, num_points: int) -> None:
         super().__init__(f"the lattice has {points:,} points, more than max_points = {limit:,}")
         self.points, self.limit, self.num_points = points, limit, num_points
-
-
-def _lift(features: torch.Tensor, P: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lift the N points and P zero padding points and find their simplices, a block of points
-    at a time (the float temporaries of a block stay small).
-
-    Returns ``q0`` (d, N+P) int32, the nearest 0-coloured lattice point divided by d+1;
-    ``rank`` (d+1, N+P) uint8; ``bary`` (d+1, N+P) float32 (0 for the padding points).
-    """
-    N, d = features.shape
-    dev = features.device
-    Np = N + P
-    q0 = torch.empty(d, Np, dtype=torch.int32, device=dev)
-    rank = torch.empty(d + 1, Np, dtype=torch.uint8, device=dev)
-    bary = torch.zeros(d + 1, Np, dtype=torch.float32, device=dev)
-    block = _LIFT_BLOCK_CUDA if dev.type == "cuda" else _LIFT_BLOCK
-    spans = [(a, min(a + block, N)) for a in range(0, N, block)] + ([(N, Np)] if P else [])
-    for a, b in spans:
-        rem0, rk, by = _simplex(_elevate(features[a:b] if a < N else features.new_zeros(P, d)))
-        q0[:, a:b] = torch.div(rem0[:d], d + 1, rounding_mode="floor")
-        rank[:, a:b] = rk
-        if a < N:
-            bary[:, a:b] = by
-    return q0, rank, bary
 
 
 def _lookup(points: torch.Tensor, offset: int, M: int):
@@ -312,6 +210,132 @@ class _KeyRows:
             out.copy_(table[inv[n:]])
 
 
+def _check_features(features: torch.Tensor) -> None:
+    """Refuse features the lattice cannot hold: not (N, d) float32, empty, non-finite, or lifted
+    past :data:`MAX_COORDINATE`."""
+    if features.ndim != 2 or features.dtype != torch.float32 or features.shape[1] < 1:
+        raise ValueError(f"features must be an (N, d) float32 tensor with d >= 1, got {tuple(features.shape)} {features.dtype}")
+    if features.shape[0] == 0:
+        raise ValueError("features must hold at least one point, got N = 0")
+    if not bool(torch.isfinite(features).all()):
+        raise ValueError("features contain NaN or Inf values; expected finite positions")
+    top = max_lifted_coordinate(features.abs().amax(0).tolist())
+    if top > MAX_COORDINATE:
+        raise ValueError(f"features are too large for the float32 lattice: lifted coordinates reach up to "
+                         f"{top:.4g}, at most {MAX_COORDINATE:.4g} work (MAX_COORDINATE); divide the positions "
+                         "by larger standard deviations")
+
+
+def _segments(features: torch.Tensor, segment: Optional[torch.Tensor],
+              simd_padding: bool) -> Tuple[Optional[torch.Tensor], int, int]:
+    """(seg, S, P): the checked image index of every point (None for one image), with those of
+    the P zero padding points appended, and the number S of images."""
+    N, dev = features.shape[0], features.device
+    seg = None
+    num_segments = 1
+    if segment is not None:
+        seg = segment.to(dev, torch.long)
+        if seg.shape != (N,) or int(seg.min()) < 0:
+            raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got "
+                             f"{tuple(segment.shape)}")
+        num_segments = int(seg.max()) + 1
+    padded = torch.zeros(0, dtype=torch.long, device=dev)
+    if simd_padding:
+        # pydensecrf's x86 build lifts the points four at a time and pads the last block
+        # with all-zero feature vectors, whose simplex vertices it inserts into the lattice
+        # too: they hold no value, but the blur runs through them (near a black top-left
+        # pixel in bilateral space). One zero point per image whose count is not a
+        # multiple of 4 recreates them.
+        per_image = (torch.bincount(seg, minlength=num_segments) if seg is not None
+                     else torch.tensor([N], device=dev))
+        padded = torch.nonzero(per_image % _SIMD_BLOCK).flatten()
+    P = padded.numel()
+    if seg is not None and P:
+        seg = torch.cat([seg, padded])
+    return seg, num_segments, P
+
+
+def _vertex_keys(q0: torch.Tensor, rank: torch.Tensor, seg: Optional[torch.Tensor], num_segments: int):
+    """The vertices' keys: packed integer codes (:class:`_PackedCodes`), or :class:`_KeyRows`
+    where a code would need more than ``_MAX_CODE_BITS`` bits."""
+    # Key of vertex r of point n, coordinate i < d (C++: rem0[i] + canonical[r][rank[i]]):
+    #   key[r, i, n] = rem0[i, n] + r - (d+1) [rank[i, n] > d - r].
+    # rem0 is a multiple of d+1, so every coordinate of vertex r is r modulo d+1: the key is
+    # (r, q) with q[i] = rem0[i] / (d+1) - [rank[i] > d - r]. Vertices of different r never
+    # meet, so the lattice points are found one r at a time (a sort of N codes, not
+    # N (d+1)), numbered by (r, segment, q); an axis neighbour of an r-point is an
+    # (r-1)-point (r = 0: a d-point), q moved by at most 1: q stays within
+    # q0 - 2 .. q0 + 1, the margins of the packed code.
+    lo = q0.amin(1).long() - _Q_MARGIN
+    radix = [int(x) for x in (q0.amax(1).long() - lo + _Q_MARGIN + 1).tolist()]
+    lo = [int(x) for x in lo.tolist()]
+    bits = math.log2(num_segments) + sum(math.log2(x) for x in radix)
+    if bits <= _MAX_CODE_BITS:
+        return _PackedCodes(q0, rank, seg, lo, radix, bits)
+    return _KeyRows(q0, rank, seg)
+
+
+def _number_vertices(groups, bary: torch.Tensor, itype: torch.dtype):
+    """Number the lattice points one vertex class r at a time: (splat_col, splat_val, vertex,
+    starts, offsets), the splat matrix's columns, weights and row starts per class, every
+    vertex's lattice point, and the first point of each class followed by M."""
+    # Splat: (M+1) x N, one row per lattice point with its vertices in the C++ order (point
+    # by point); row M stays empty: it is the zero "missing neighbour" of the blur. Padding
+    # points are column 0 with weight 0. Slice: N x (M+1), vertex r of point n in column
+    # ``vertex[n, r]``.
+    d1, Np = bary.shape
+    dev = bary.device
+    splat_col = torch.empty(d1 * Np, dtype=itype, device=dev)
+    splat_val = torch.empty(d1 * Np, dtype=torch.float32, device=dev)
+    vertex = torch.empty(Np, d1, dtype=itype, device=dev)
+    starts, offsets, M = [], [], 0
+    for r in range(d1):
+        order, new = groups.sort(r)
+        ids = torch.cumsum(new, 0, dtype=itype)
+        ids += M - 1
+        vertex[:, r].index_copy_(0, order, ids)
+        del ids
+        part = slice(r * Np, (r + 1) * Np)
+        splat_col[part] = order
+        torch.index_select(bary[r], 0, order, out=splat_val[part])
+        del order
+        first = torch.nonzero(new).flatten()
+        del new
+        groups.keep(r, first)
+        starts.append((first + r * Np).to(itype))
+        offsets.append(M)
+        M += first.numel()
+        del first
+    offsets.append(M)
+    return splat_col, splat_val, vertex, starts, offsets
+
+
+def _axis_neighbours(groups, offsets: List[int], device: torch.device) -> List[torch.Tensor]:
+    """Along each axis j, the neighbour n1 (C++: key - 1 everywhere, key[j] + d; the last axis
+    has no stored coordinate) of every lattice point, M where there is none."""
+    d, M = len(offsets) - 2, offsets[-1]
+    btype = torch.int32 if M < 2 ** 31 - 1 else torch.long
+    n1 = [torch.full((M + 1,), M, dtype=btype, device=device) for _ in range(d + 1)]
+    for g in range(d + 1):
+        s = g + 1 if g < d else 0  # the r-points whose neighbours are (r-1)-points (0: d)
+        groups.neighbours(g, s, offsets, M, [n[offsets[s]:offsets[s + 1]] for n in n1])
+    return n1
+
+
+def _blur_pairs(n1: List[torch.Tensor]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(n1, n2) per axis: n2 (key + 1, key[j] - d) is the inverse of n1 (a + delta = b  <=>
+    b - delta = a), M where there is none."""
+    M = n1[0].numel() - 1
+    idx = torch.arange(M + 1, device=n1[0].device, dtype=n1[0].dtype)
+    pairs = []
+    for a in n1:
+        b = torch.full((M + 1,), M, dtype=a.dtype, device=a.device)
+        b[a] = idx  # b[n1[k]] = k; the points without a neighbour all write row M ...
+        b[M] = M  # ... which stays the empty one
+        pairs.append((a, b))
+    return pairs
+
+
 class PermutohedralLattice:
     """A permutohedral lattice over N points, and the Gaussian filter it approximates.
 
@@ -338,88 +362,18 @@ class PermutohedralLattice:
 
     def __init__(self, features: torch.Tensor, segment: Optional[torch.Tensor] = None, *,
                  simd_padding: bool = True, max_points: Optional[int] = None) -> None:
-        if features.ndim != 2 or features.dtype != torch.float32 or features.shape[1] < 1:
-            raise ValueError(f"features must be an (N, d) float32 tensor with d >= 1, got {tuple(features.shape)} {features.dtype}")
+        _check_features(features)
         N, d = features.shape
-        if N == 0:
-            raise ValueError("features must hold at least one point, got N = 0")
-        if not bool(torch.isfinite(features).all()):
-            raise ValueError("features contain NaN or Inf values; expected finite positions")
-        top = max_lifted_coordinate(features.abs().amax(0).tolist())
-        if top > MAX_COORDINATE:
-            raise ValueError(f"features are too large for the float32 lattice: lifted coordinates reach up to "
-                             f"{top:.4g}, at most {MAX_COORDINATE:.4g} work (MAX_COORDINATE); divide the positions "
-                             "by larger standard deviations")
         dev = features.device
         self.num_points, self.dim, self.device = N, d, dev
-        seg = None
-        num_segments = 1
-        if segment is not None:
-            seg = segment.to(dev, torch.long)
-            if seg.shape != (N,) or int(seg.min()) < 0:
-                raise ValueError(f"segment must be (N,) = ({N},) non-negative image indices, got "
-                                 f"{tuple(segment.shape)}")
-            num_segments = int(seg.max()) + 1
-        padded = torch.zeros(0, dtype=torch.long, device=dev)
-        if simd_padding:
-            # pydensecrf's x86 build lifts the points four at a time and pads the last block
-            # with all-zero feature vectors, whose simplex vertices it inserts into the lattice
-            # too: they hold no value, but the blur runs through them (near a black top-left
-            # pixel in bilateral space). One zero point per image whose count is not a
-            # multiple of 4 recreates them.
-            per_image = (torch.bincount(seg, minlength=num_segments) if seg is not None
-                         else torch.tensor([N], device=dev))
-            padded = torch.nonzero(per_image % _SIMD_BLOCK).flatten()
-        P = padded.numel()
+        seg, num_segments, P = _segments(features, segment, simd_padding)
         Np = N + P
-        if seg is not None and P:
-            seg = torch.cat([seg, padded])
         q0, rank, bary = _lift(features, P)
-
-        # Key of vertex r of point n, coordinate i < d (C++: rem0[i] + canonical[r][rank[i]]):
-        #   key[r, i, n] = rem0[i, n] + r - (d+1) [rank[i, n] > d - r].
-        # rem0 is a multiple of d+1, so every coordinate of vertex r is r modulo d+1: the key is
-        # (r, q) with q[i] = rem0[i] / (d+1) - [rank[i] > d - r]. Vertices of different r never
-        # meet, so the lattice points are found one r at a time (a sort of N codes, not
-        # N (d+1)), numbered by (r, segment, q); an axis neighbour of an r-point is an
-        # (r-1)-point (r = 0: a d-point), q moved by at most 1: q stays within
-        # q0 - 2 .. q0 + 1, the margins of the packed code.
-        lo = q0.amin(1).long() - _Q_MARGIN
-        radix = [int(x) for x in (q0.amax(1).long() - lo + _Q_MARGIN + 1).tolist()]
-        lo = [int(x) for x in lo.tolist()]
-        bits = math.log2(num_segments) + sum(math.log2(x) for x in radix)
+        groups = _vertex_keys(q0, rank, seg, num_segments)
         nnz = (d + 1) * Np
         itype = torch.int32 if nnz < 2 ** 31 - 1 else torch.long  # MKL's and cuSPARSE's 32-bit indices
-        if bits <= _MAX_CODE_BITS:
-            groups = _PackedCodes(q0, rank, seg, lo, radix, bits)
-        else:
-            groups = _KeyRows(q0, rank, seg)
-        # Splat: (M+1) x N, one row per lattice point with its vertices in the C++ order (point
-        # by point); row M stays empty: it is the zero "missing neighbour" of the blur. Padding
-        # points are column 0 with weight 0. Slice: N x (M+1), vertex r of point n in column
-        # ``vertex[n, r]``.
-        splat_col = torch.empty(nnz, dtype=itype, device=dev)
-        splat_val = torch.empty(nnz, dtype=torch.float32, device=dev)
-        vertex = torch.empty(Np, d + 1, dtype=itype, device=dev)
-        starts, offsets, M = [], [], 0
-        for r in range(d + 1):
-            order, new = groups.sort(r)
-            ids = torch.cumsum(new, 0, dtype=itype)
-            ids += M - 1
-            vertex[:, r].index_copy_(0, order, ids)
-            del ids
-            part = slice(r * Np, (r + 1) * Np)
-            splat_col[part] = order
-            torch.index_select(bary[r], 0, order, out=splat_val[part])
-            del order
-            first = torch.nonzero(new).flatten()
-            del new
-            groups.keep(r, first)
-            starts.append((first + r * Np).to(itype))
-            offsets.append(M)
-            M += first.numel()
-            del first
-        offsets.append(M)
+        splat_col, splat_val, vertex, starts, offsets = _number_vertices(groups, bary, itype)
+        M = offsets[-1]
         del q0, rank
         if max_points is not None and M > max_points:
             raise LatticeTooLarge(M, max_points, N)
@@ -438,23 +392,9 @@ class PermutohedralLattice:
         crow = torch.arange(0, N * (d + 1) + 1, d + 1, device=dev, dtype=itype)
         self._slice = _csr(crow, vertex[:N].reshape(-1), weights, (N, M + 1))
         del crow, vertex, weights
-
-        # Blur: along axis j, the neighbours n1 (C++: key - 1 everywhere, key[j] + d; the last
-        # axis has no stored coordinate) and n2 (key + 1, key[j] - d) of every lattice point,
-        # M where there is none. n2 is the inverse of n1 (a + delta = b  <=>  b - delta = a).
-        btype = torch.int32 if M < 2 ** 31 - 1 else torch.long
-        n1 = [torch.full((M + 1,), M, dtype=btype, device=dev) for _ in range(d + 1)]
-        for g in range(d + 1):
-            s = g + 1 if g < d else 0  # the r-points whose neighbours are (r-1)-points (0: d)
-            groups.neighbours(g, s, offsets, M, [n[offsets[s]:offsets[s + 1]] for n in n1])
+        n1 = _axis_neighbours(groups, offsets, dev)
         del groups
-        idx = torch.arange(M + 1, device=dev, dtype=btype)
-        self._blur = []
-        for a in n1:
-            b = torch.full((M + 1,), M, dtype=btype, device=dev)
-            b[a] = idx  # b[n1[k]] = k; the points without a neighbour all write row M ...
-            b[M] = M  # ... which stays the empty one
-            self._blur.append((a, b))
+        self._blur = _blur_pairs(n1)
 
     # ------------------------------------------------------------ filtering
     @property

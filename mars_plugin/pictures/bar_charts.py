@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -67,6 +67,150 @@ def tick_label_boxes(fig: Any) -> List[Any]:
     return [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
 
 
+def _check_names(class_names: Any) -> List[str]:
+    """The class names as a non-empty list of str."""
+    if isinstance(class_names, (str, bytes)) or not isinstance(class_names, Sequence):
+        raise ValueError(f"class_names must be a sequence of str, got {_describe(class_names)}")
+    names = [str(c) for c in class_names]
+    if not names:
+        raise ValueError("class_names must not be empty")
+    return names
+
+
+def _check_series(series: Any, n: int) -> Dict[str, np.ndarray]:
+    """``{name: (n,) float64}`` in legend order; NaN allowed (an absent class), inf refused."""
+    if not isinstance(series, Mapping) or not series:
+        raise ValueError(f"series must be a non-empty dict {{name: {n} values}}, got {_describe(series)}")
+    table: Dict[str, np.ndarray] = {}
+    for key, vals in series.items():
+        label = f"series[{key!r}]"
+        if isinstance(vals, (str, bytes)):
+            raise ValueError(f"{label} must be {n} numbers (one per class), got {_describe(vals)}")
+        try:
+            arr = np.asarray(_to_numpy(vals, label) if isinstance(vals, torch.Tensor) else vals, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{label} must be {n} numbers (one per class), got {_describe(vals)}") from e
+        if arr.shape != (n,):
+            raise ValueError(
+                f"{label} must hold one value per class ({n}, as class_names), got shape {arr.shape}"
+            )
+        if np.isinf(arr).any():
+            raise ValueError(f"{label} holds infinite values; use NaN for an absent class")
+        table[str(key)] = arr
+    return table
+
+
+def _check_texts(title: Any, ylabel: Any, note: Any, tick_notes: Any, dpi: Any, n: int) -> None:
+    """Refuse a title, y label, note or tick notes that are not str, and a dpi under 10."""
+    if not isinstance(title, str):
+        raise ValueError(f"title must be a str, got {_describe(title)}")
+    if not isinstance(ylabel, str):
+        raise ValueError(f"ylabel must be a str, got {_describe(ylabel)}")
+    if note is not None and not isinstance(note, str):
+        raise ValueError(f"note must be a str or None, got {_describe(note)}")
+    if tick_notes is not None:
+        if isinstance(tick_notes, (str, bytes)) or not isinstance(tick_notes, Sequence) or len(tick_notes) != n \
+                or not all(isinstance(t, str) for t in tick_notes):
+            raise ValueError(f"tick_notes must be {n} str (one per class, as class_names), got {_describe(tick_notes)}")
+    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Integral) or dpi < 10:
+        raise ValueError(f"dpi must be an integer >= 10, got {_describe(dpi)}")
+
+
+def _y_range(table: Dict[str, np.ndarray], idx: List[int], ymax: Any) -> Tuple[float, float]:
+    """(ymin, ymax) of the y axis: 0 or 1.15 x the lowest value, and ``ymax`` checked, or by
+    default 1.15 x the largest value (room for value labels), 1 when none is positive."""
+    finite = np.concatenate([a[idx][np.isfinite(a[idx])] for a in table.values()])
+    if ymax is None:
+        top = float(finite.max()) if finite.size else 0.0
+        ymax = top * 1.15 if top > 0 else 1.0
+    elif isinstance(ymax, bool) or not isinstance(ymax, numbers.Real) or not math.isfinite(ymax) or ymax <= 0:
+        raise ValueError(f"ymax must be a positive finite number, got {_describe(ymax)}")
+    ymin = min(0.0, float(finite.min()) * 1.15) if finite.size else 0.0
+    return ymin, ymax
+
+
+def _draw_bars(ax: Any, table: Dict[str, np.ndarray], idx: List[int], ymin: float, ymax: float,
+               value_labels: bool, value_format: str) -> None:
+    """One bar per class and series (a group per class), its value above it or "n/a"."""
+    k, m = len(table), len(idx)
+    group = 0.8
+    width = group / k
+    x = np.arange(m, dtype=np.float64)
+    label_size = 7 if k * m <= 48 else 6
+    for s, (key, arr) in enumerate(table.items()):
+        vals = arr[idx]
+        pos = x - group / 2 + (s + 0.5) * width
+        ok = np.isfinite(vals)
+        ax.bar(pos[ok], vals[ok], width=width * 0.92, color=_SERIES_COLORS[s % len(_SERIES_COLORS)],
+               label=key, zorder=2)
+        for p, v, good in zip(pos, vals, ok):
+            if not good:
+                ax.text(p, 0, "n/a", ha="center", va="bottom", rotation=90, fontsize=label_size,
+                        color="0.45", zorder=3)
+            elif value_labels:
+                ax.text(p, max(v, 0.0) + 0.01 * (ymax - ymin), value_format.format(v), ha="center",
+                        va="bottom", rotation=90, fontsize=label_size, zorder=3)
+
+
+def _style_axes(ax: Any, labels: List[str], bold: List[bool], ymin: float, ymax: float, ylabel: str,
+                title: str) -> List[Any]:
+    """Ticks (``bold``: highlighted ones), limits, titles, grid and legend; returns the tick labels."""
+    m = len(labels)
+    ax.set_xticks(np.arange(m, dtype=np.float64))
+    ticks = ax.set_xticklabels(labels, fontsize=8)
+    for t, b in zip(ticks, bold):
+        if b:
+            t.set_fontweight("bold")
+    ax.set_xlim(-0.6, m - 0.4)
+    ax.set_ylim(ymin, ymax)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", color="0.88", zorder=0)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    return ticks
+
+
+def _lay_out(fig: Any, ax: Any, notes: List[str]) -> bool:
+    """Place the notes and tighten the layout; whether the tick labels are then clear of each other."""
+    import textwrap
+    import warnings
+
+    # The note under the tick labels, wrapped to the figure width (~7 pt characters).
+    chars = max(40, int(fig.get_figwidth() * 72 / 4.2))
+    ax.set_xlabel("\n".join(textwrap.fill(t, chars) for t in notes), fontsize=7, color="0.3",
+                  loc="left") if notes else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tight_layout's "not compatible" chatter
+        fig.tight_layout()
+    return not _boxes_overlap(tick_label_boxes(fig))
+
+
+def _fit_tick_labels(fig: Any, ax: Any, ticks: List[Any], notes: List[str], fig_h: float, dpi: int) -> None:
+    """Turn the tick labels by 0, 45 or 90 degrees, the first that keeps them apart, then make
+    room under the axes and widen the figure while they still overlap."""
+    for rotation in (0, 45, 90):
+        for t in ticks:
+            t.set_rotation(rotation)
+            t.set_rotation_mode("anchor" if rotation else "default")
+            t.set_horizontalalignment("right" if rotation else "center")
+            t.set_verticalalignment("center" if rotation == 90 else "top")
+        if _lay_out(fig, ax, notes):
+            break
+    # Room under the axes for turned labels: grow the figure by the labels' height.
+    label_h = max(b.height for b in tick_label_boxes(fig)) / dpi
+    if label_h > 0.8:
+        fig.set_size_inches(fig.get_figwidth(), fig_h + label_h - 0.5)
+        _lay_out(fig, ax, notes)
+    for _ in range(12):  # still overlapping at 90 degrees: widen (labels do not scale)
+        if not _boxes_overlap(tick_label_boxes(fig)):
+            break
+        fig.set_size_inches(fig.get_figwidth() * 1.25, fig.get_figheight())
+        _lay_out(fig, ax, notes)
+
+
 def bar_chart_figure(
     class_names: Sequence[str],
     series: Mapping[str, Sequence[float]],
@@ -87,53 +231,15 @@ def bar_chart_figure(
     see there for the arguments. Tick labels never overlap: names are wrapped, turned by 0, 45
     or 90 degrees, whichever is the first whose rendered boxes do not overlap, and the figure is
     widened until they do not."""
-    if isinstance(class_names, (str, bytes)) or not isinstance(class_names, Sequence):
-        raise ValueError(f"class_names must be a sequence of str, got {_describe(class_names)}")
-    names = [str(c) for c in class_names]
-    if not names:
-        raise ValueError("class_names must not be empty")
+    names = _check_names(class_names)
     n = len(names)
-    if not isinstance(series, Mapping) or not series:
-        raise ValueError(f"series must be a non-empty dict {{name: {n} values}}, got {_describe(series)}")
-    table: Dict[str, np.ndarray] = {}
-    for key, vals in series.items():
-        label = f"series[{key!r}]"
-        if isinstance(vals, (str, bytes)):
-            raise ValueError(f"{label} must be {n} numbers (one per class), got {_describe(vals)}")
-        try:
-            arr = np.asarray(_to_numpy(vals, label) if isinstance(vals, torch.Tensor) else vals, dtype=np.float64)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{label} must be {n} numbers (one per class), got {_describe(vals)}") from e
-        if arr.shape != (n,):
-            raise ValueError(
-                f"{label} must hold one value per class ({n}, as class_names), got shape {arr.shape}"
-            )
-        if np.isinf(arr).any():
-            raise ValueError(f"{label} holds infinite values; use NaN for an absent class")
-        table[str(key)] = arr
+    table = _check_series(series, n)
     hl = set(_check_indices(highlight, "highlight", n, unique=False))
     idx = list(range(n)) if order is None else _check_indices(order, "order", n, unique=True)
     if not idx:
         raise ValueError("order must select at least one class, got an empty sequence")
-    if not isinstance(title, str):
-        raise ValueError(f"title must be a str, got {_describe(title)}")
-    if not isinstance(ylabel, str):
-        raise ValueError(f"ylabel must be a str, got {_describe(ylabel)}")
-    if note is not None and not isinstance(note, str):
-        raise ValueError(f"note must be a str or None, got {_describe(note)}")
-    if tick_notes is not None:
-        if isinstance(tick_notes, (str, bytes)) or not isinstance(tick_notes, Sequence) or len(tick_notes) != n \
-                or not all(isinstance(t, str) for t in tick_notes):
-            raise ValueError(f"tick_notes must be {n} str (one per class, as class_names), got {_describe(tick_notes)}")
-    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Integral) or dpi < 10:
-        raise ValueError(f"dpi must be an integer >= 10, got {_describe(dpi)}")
-    finite = np.concatenate([a[idx][np.isfinite(a[idx])] for a in table.values()])
-    if ymax is None:
-        top = float(finite.max()) if finite.size else 0.0
-        ymax = top * 1.15 if top > 0 else 1.0
-    elif isinstance(ymax, bool) or not isinstance(ymax, numbers.Real) or not math.isfinite(ymax) or ymax <= 0:
-        raise ValueError(f"ymax must be a positive finite number, got {_describe(ymax)}")
-    ymin = min(0.0, float(finite.min()) * 1.15) if finite.size else 0.0
+    _check_texts(title, ylabel, note, tick_notes, dpi, n)
+    ymin, ymax = _y_range(table, idx, ymax)
 
     try:
         import matplotlib
@@ -141,14 +247,8 @@ def bar_chart_figure(
         from matplotlib.figure import Figure
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("save_iou_bar_chart needs matplotlib: pip install matplotlib") from e
-    import textwrap
-    import warnings
 
-    k = len(table)
-    m = len(idx)
-    group = 0.8
-    width = group / k
-    fig_w = max(6.0, 1.2 + m * (0.28 * k + 0.35))
+    fig_w = max(6.0, 1.2 + len(idx) * (0.28 * len(table) + 0.35))
     fig_h = 4.4
     labels = [_wrap_name(names[i]) + (" *" if i in hl else "") + (f"\n{tick_notes[i]}" if tick_notes else "")
               for i in idx]
@@ -156,65 +256,10 @@ def bar_chart_figure(
         fig = Figure(figsize=(fig_w, fig_h), dpi=dpi)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
-        x = np.arange(m, dtype=np.float64)
-        label_size = 7 if k * m <= 48 else 6
-        for s, (key, arr) in enumerate(table.items()):
-            vals = arr[idx]
-            pos = x - group / 2 + (s + 0.5) * width
-            ok = np.isfinite(vals)
-            ax.bar(pos[ok], vals[ok], width=width * 0.92, color=_SERIES_COLORS[s % len(_SERIES_COLORS)],
-                   label=key, zorder=2)
-            for p, v, good in zip(pos, vals, ok):
-                if not good:
-                    ax.text(p, 0, "n/a", ha="center", va="bottom", rotation=90, fontsize=label_size,
-                            color="0.45", zorder=3)
-                elif value_labels:
-                    ax.text(p, max(v, 0.0) + 0.01 * (ymax - ymin), value_format.format(v), ha="center",
-                            va="bottom", rotation=90, fontsize=label_size, zorder=3)
-        ax.set_xticks(x)
-        ticks = ax.set_xticklabels(labels, fontsize=8)
-        for t, i in zip(ticks, idx):
-            if i in hl:
-                t.set_fontweight("bold")
-        ax.set_xlim(-0.6, m - 0.4)
-        ax.set_ylim(ymin, ymax)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(axis="y", color="0.88", zorder=0)
-        ax.set_axisbelow(True)
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+        _draw_bars(ax, table, idx, ymin, ymax, value_labels, value_format)
+        ticks = _style_axes(ax, labels, [i in hl for i in idx], ymin, ymax, ylabel, title)
         notes = [t for t in (note, highlight_note if hl else None) if t]
-
-        def layout() -> bool:
-            # The note under the tick labels, wrapped to the figure width (~7 pt characters).
-            chars = max(40, int(fig.get_figwidth() * 72 / 4.2))
-            ax.set_xlabel("\n".join(textwrap.fill(t, chars) for t in notes), fontsize=7, color="0.3",
-                          loc="left") if notes else None
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # tight_layout's "not compatible" chatter
-                fig.tight_layout()
-            return not _boxes_overlap(tick_label_boxes(fig))
-
-        for rotation in (0, 45, 90):
-            for t in ticks:
-                t.set_rotation(rotation)
-                t.set_rotation_mode("anchor" if rotation else "default")
-                t.set_horizontalalignment("right" if rotation else "center")
-                t.set_verticalalignment("center" if rotation == 90 else "top")
-            if layout():
-                break
-        # Room under the axes for turned labels: grow the figure by the labels' height.
-        label_h = max(b.height for b in tick_label_boxes(fig)) / dpi
-        if label_h > 0.8:
-            fig.set_size_inches(fig.get_figwidth(), fig_h + label_h - 0.5)
-            layout()
-        for _ in range(12):  # still overlapping at 90 degrees: widen (labels do not scale)
-            if not _boxes_overlap(tick_label_boxes(fig)):
-                break
-            fig.set_size_inches(fig.get_figwidth() * 1.25, fig.get_figheight())
-            layout()
+        _fit_tick_labels(fig, ax, ticks, notes, fig_h, dpi)
     return fig
 
 

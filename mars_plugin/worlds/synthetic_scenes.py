@@ -18,18 +18,18 @@ The same contexts also appear as *plain background* (label 0) in images of other
 behind a dog, rail next to a car. That is what MARS exploits: the biased cluster of a boat image
 is close to the background of all the other images.
 
-The world's vocabulary and container are in :mod:`mars_plugin.worlds.synthetic`.
+The world's vocabulary and container are in :mod:`mars_plugin.worlds.synthetic`, the simulated
+pseudo labels in :mod:`mars_plugin.worlds.synthetic_pseudo`.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-
-from mars_plugin.formats.files import IGNORE_VALUE
 
 from mars_plugin.worlds.synthetic import (
     _NUM_CONTEXTS,
@@ -51,6 +51,7 @@ from mars_plugin.worlds.synthetic import (
     WALL,
     SyntheticWorld,
 )
+from mars_plugin.worlds.synthetic_pseudo import simulated_pseudo_labels
 
 __all__ = [
     "make_world",
@@ -128,28 +129,6 @@ def _pick_other(g: torch.Generator, choices: Tuple[int, ...], avoid: torch.Tenso
     return out
 
 
-def _dilate(mask: torch.Tensor, r: int) -> torch.Tensor:
-    """(N, H, W) bool -> dilation by a (2r+1) square."""
-    if r <= 0:
-        return mask
-    return F.max_pool2d(mask[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0.5
-
-
-def _erode(mask: torch.Tensor, r: int) -> torch.Tensor:
-    if r <= 0:
-        return mask
-    return ~_dilate(~mask, r)
-
-
-def _gauss_matrix(n: int, sigma: float, offset: float = 0.0) -> torch.Tensor:
-    """(n, n) smoothing matrix: row i = sum_j exp(-(i - j - offset)^2 / 2 sigma^2) / (sigma sqrt(2 pi)).
-
-    ``offset`` > 0 smears mass towards larger indices (downwards for rows)."""
-    i = torch.arange(n, dtype=torch.float32)
-    d = i[:, None] - i[None, :] - offset
-    return torch.exp(-0.5 * (d / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
-
-
 def _prototypes(g: torch.Generator, dim: int, overlap: float) -> torch.Tensor:
     """(K, D) unit prototypes: orthonormal except a shared component inside each super-category."""
     k = len(KIND_NAMES)
@@ -159,6 +138,255 @@ def _prototypes(g: torch.Generator, dim: int, overlap: float) -> torch.Tensor:
         for kind in group:
             protos[kind] = math.sqrt(1.0 - overlap) * q[kind] + math.sqrt(overlap) * q[k + j]
     return protos.float()
+
+
+# --------------------------------------------------------------------------------------------
+# the generator's stages (each draws from the one generator ``g``: the stages run in a fixed
+# order, and so do the draws inside each, so a seed gives the same world bit for bit)
+
+
+@dataclass(frozen=True)
+class _WorldSpec:
+    """The checked arguments of :func:`make_world` (``n`` is ``num_images``)."""
+
+    n: int
+    size: int
+    dim: int
+    stride: int
+    seed: int
+    leak_rate: float
+    noise: float
+    boundary_noise: int
+    erode_rate: float
+    dilate_rate: float
+    overlap: float
+    shift: float
+    leak_spread: float
+    context_bias: float
+    two_class_rate: float
+    ignore_rate: float
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Every image's scene before its objects: the classes of its two object slots (slot 1: 0
+    for none), its horizon row, the height of its bottom strip and its (N, H, W) region kinds."""
+
+    primary: torch.Tensor
+    second: torch.Tensor
+    horizon: torch.Tensor
+    strip_h: torch.Tensor
+    kinds: torch.Tensor
+
+
+def _col(t: torch.Tensor) -> torch.Tensor:
+    """(N,) -> (N, 1, 1), to broadcast a per-image value over (N, H, W)."""
+    return t[:, None, None]
+
+
+def _grid(size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pixel rows (1, H, 1) and columns (1, 1, W) as float32."""
+    yy = torch.arange(size, dtype=torch.float32)[None, :, None]
+    xx = torch.arange(size, dtype=torch.float32)[None, None, :]
+    return yy, xx
+
+
+def _check_world(num_images: Any, *, size: Any, dim: Any, stride: Any, seed: Any, leak_rate: Any, noise: Any,
+                 boundary_noise: Any, erode_rate: Any, dilate_rate: Any, overlap: Any, shift: Any,
+                 leak_spread: Any, context_bias: Any, two_class_rate: Any, ignore_rate: Any) -> _WorldSpec:
+    """Validate :func:`make_world`'s arguments, in the order of its signature."""
+    n = _int(num_images, "num_images", 1)
+    size = _int(size, "size", _MIN_SIZE)
+    stride = _int(stride, "stride", 1)
+    if size % stride:
+        raise ValueError(f"size must be divisible by stride, got size={size}, stride={stride}")
+    dim = _int(dim, "dim", len(KIND_NAMES) + len(_GROUPS))
+    seed = _int(seed, "seed", 0)
+    if seed >= 2**63:
+        raise ValueError(f"seed must be < 2**63, got {seed}")
+    leak_rate = _real(leak_rate, "leak_rate", 0.0, 1.0)
+    noise = _real(noise, "noise", 0.0)
+    boundary_noise = _int(boundary_noise, "boundary_noise", 0)
+    if boundary_noise > size // 4:
+        raise ValueError(f"boundary_noise must be <= size // 4 = {size // 4} pixels, got {boundary_noise}")
+    erode_rate = _real(erode_rate, "erode_rate", 0.0, 1.0)
+    dilate_rate = _real(dilate_rate, "dilate_rate", 0.0, 1.0)
+    if erode_rate + dilate_rate > 1.0 + 1e-12:
+        raise ValueError(f"erode_rate + dilate_rate must be <= 1, got {erode_rate} + {dilate_rate}")
+    return _WorldSpec(
+        n=n, size=size, dim=dim, stride=stride, seed=seed, leak_rate=leak_rate, noise=noise,
+        boundary_noise=boundary_noise, erode_rate=erode_rate, dilate_rate=dilate_rate,
+        overlap=_real(overlap, "overlap", 0.0, 1.0, high_open=True), shift=_real(shift, "shift", 0.0),
+        leak_spread=_real(leak_spread, "leak_spread", 0.0, low_open=True),
+        context_bias=_real(context_bias, "context_bias", 0.0, 1.0),
+        two_class_rate=_real(two_class_rate, "two_class_rate", 0.0, 1.0),
+        ignore_rate=_real(ignore_rate, "ignore_rate", 0.0, 1.0),
+    )
+
+
+def _scene_classes(g: torch.Generator, spec: _WorldSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The class of each image's object slots: (primary (N,), second (N,), 0 for none)."""
+    n, C = spec.n, len(CLASS_NAMES) - 1
+    primary = (torch.arange(n) % C + 1)[torch.randperm(n, generator=g)]  # balanced classes
+    two = torch.rand(n, generator=g) < spec.two_class_rate
+    second = _pick_other(g, _NON_PROBLEMATIC, primary)
+    dup = torch.rand(n, generator=g) < 0.25  # a second instance of the same class
+    return primary, torch.where(two, second, torch.where(dup, primary, torch.zeros_like(primary)))
+
+
+def _scene_layout(g: torch.Generator, spec: _WorldSpec) -> _Layout:
+    """Sky, ground (a problematic class mostly on its own context), bottom strip and wall."""
+    n, S = spec.n, float(spec.size)
+    primary, second = _scene_classes(g, spec)
+    ground = torch.tensor(_GROUNDS)[torch.randint(len(_GROUNDS), (n,), generator=g)]
+    on_own = torch.rand(n, generator=g) < spec.context_bias
+    other_ground = torch.zeros_like(ground)
+    for c, ctx in OWN_CONTEXT.items():
+        is_c = primary == c
+        other_ground[is_c] = _pick_other(g, _GROUNDS, torch.full((n,), ctx))[is_c]
+        ground = torch.where(is_c, torch.where(on_own, torch.full_like(ground, ctx), other_ground), ground)
+    horizon = (_uniform(g, 0.30 * S, 0.50 * S, n)).round()
+    has_strip = torch.rand(n, generator=g) < 0.3
+    strip_h = torch.where(has_strip, _uniform(g, 0.10 * S, 0.18 * S, n).round(), torch.zeros(n))
+    strip_ctx = _pick_other(g, _GROUNDS, ground)
+    has_wall = torch.rand(n, generator=g) < 0.3
+    wall_w = _uniform(g, 0.15 * S, 0.30 * S, n).round()
+    wall_h = _uniform(g, 0.15 * S, 0.30 * S, n).round()
+    wall_left = torch.rand(n, generator=g) < 0.5
+
+    yy, xx = _grid(spec.size)
+    kinds = torch.where(yy < _col(horizon), torch.tensor(SKY), _col(ground)).expand(n, spec.size, spec.size).clone()
+    kinds = torch.where(yy >= S - _col(strip_h), _col(strip_ctx), kinds)
+    in_wall_cols = torch.where(_col(wall_left), xx < _col(wall_w), xx >= S - _col(wall_w))
+    wall = _col(has_wall) & in_wall_cols & (yy < _col(horizon)) & (yy >= _col(horizon - wall_h))
+    kinds = kinds.masked_fill(wall, WALL)
+    return _Layout(primary=primary, second=second, horizon=horizon, strip_h=strip_h, kinds=kinds)
+
+
+def _object_box(g: torch.Generator, spec: _WorldSpec, layout: _Layout, cls: torch.Tensor,
+                cx0: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """(w, h, cx, cy) of the objects of one slot, (N,) each; ``cx0``: slot 0's centres (None for
+    slot 0 itself)."""
+    n, S, C = spec.n, float(spec.size), len(CLASS_NAMES) - 1
+    safe = cls.clamp_min(1)
+    wlo = torch.tensor([0.0] + [_WIDTH[c][0] for c in range(1, C + 1)])[safe]
+    whi = torch.tensor([0.0] + [_WIDTH[c][1] for c in range(1, C + 1)])[safe]
+    alo = torch.tensor([0.0] + [_ASPECT[c][0] for c in range(1, C + 1)])[safe]
+    ahi = torch.tensor([0.0] + [_ASPECT[c][1] for c in range(1, C + 1)])[safe]
+    w = (_uniform(g, wlo, whi, n) * S).clamp_min(3.0)
+    h = (w * _uniform(g, alo, ahi, n)).clamp(3.0, 0.6 * S)
+    if cx0 is None:
+        cx = _uniform(g, w / 2, S - w / 2, n)
+    else:  # on the other half of the image, to limit occlusion
+        left = cx0 >= S / 2
+        lo = torch.where(left, w / 2, (w / 2).clamp_min(S / 2))
+        hi = torch.where(left, (S - w / 2).clamp_max(S / 2), S - w / 2)
+        cx = _uniform(g, lo, torch.maximum(lo, hi), n)
+    # Ground objects stand on the ground (bottom between the horizon and the strip); birds fly.
+    horizon, ground_bottom = layout.horizon, S - layout.strip_h
+    b_lo = horizon + 0.25 * (ground_bottom - horizon)
+    bottom = _uniform(g, b_lo, ground_bottom - 1, n)
+    cy_ground = bottom - h / 2
+    cy_sky = _uniform(g, h / 2 + 1, torch.maximum(h / 2 + 1, horizon - h / 2 - 1), n)
+    return w, h, cx, torch.where(cls == BIRD, cy_sky, cy_ground)
+
+
+def _object_mask(g: torch.Generator, spec: _WorldSpec, w: torch.Tensor, h: torch.Tensor, cx: torch.Tensor,
+                 cy: torch.Tensor) -> torch.Tensor:
+    """(N, H, W) bool: an ellipse, a rounded rectangle or a blob in each box."""
+    n = spec.n
+    yy, xx = _grid(spec.size)
+    shape = torch.randint(3, (n,), generator=g)  # 0 ellipse, 1 rounded rectangle, 2 blob
+    lobes = torch.randint(3, 6, (n,), generator=g).float()
+    amp = _uniform(g, 0.12, 0.25, n)
+    phase = _uniform(g, 0.0, 2 * math.pi, n)
+    dx = (xx + 0.5 - _col(cx)) / _col(w / 2)
+    dy = (yy + 0.5 - _col(cy)) / _col(h / 2)
+    r2 = dx**2 + dy**2
+    ellipse = r2 <= 1.0
+    rect = dx**4 + dy**4 <= 1.0
+    theta = torch.atan2(dy, dx)
+    blob = r2.sqrt() <= 1.0 + _col(amp) * torch.sin(_col(lobes) * theta + _col(phase))
+    return torch.where(_col(shape == 0), ellipse, torch.where(_col(shape == 1), rect, blob))
+
+
+def _object_colour(g: torch.Generator, spec: _WorldSpec, safe: torch.Tensor) -> torch.Tensor:
+    """(N, 3) per-instance RGB, one of its class's palette."""
+    choice = torch.rand(spec.n, generator=g)
+    rgb = torch.zeros(spec.n, 3)
+    for c in range(1, len(CLASS_NAMES)):
+        pal = torch.tensor(_OBJECT_RGB[c], dtype=torch.float32)
+        rgb = torch.where((safe == c)[:, None], pal[(choice * len(pal)).long().clamp_max(len(pal) - 1)], rgb)
+    return rgb
+
+
+def _paint_objects(g: torch.Generator, spec: _WorldSpec, layout: _Layout) -> Tuple[torch.Tensor, torch.Tensor, list]:
+    """Slot 0's object always, slot 1's (a second class / instance) painted on top: (kinds,
+    slot_map (N, H, W), -1 outside the objects, and per slot (rgb, cy, h, class))."""
+    kinds = layout.kinds
+    slot_map = torch.full((spec.n, spec.size, spec.size), -1, dtype=torch.long)
+    slot_rgb = []
+    cx0 = None
+    for slot, cls in enumerate((layout.primary, layout.second)):
+        safe = cls.clamp_min(1)
+        w, h, cx, cy = _object_box(g, spec, layout, cls, cx0)
+        if slot == 0:
+            cx0 = cx
+        m = _object_mask(g, spec, w, h, cx, cy) & _col(cls > 0)
+        kinds = torch.where(m, _col(_NUM_CONTEXTS - 1 + safe), kinds)
+        slot_map = slot_map.masked_fill(m, slot)
+        slot_rgb.append((_object_colour(g, spec, safe), cy, h, cls))
+    return kinds, slot_map, slot_rgb
+
+
+def _embeddings(g: torch.Generator, spec: _WorldSpec, kinds: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
+    """(N, D, H/stride, W/stride) USS-like features of the region kinds."""
+    # Per-pixel prototype + N(0, noise^2) per dimension, averaged over stride x stride cells: the
+    # mean of the prototypes is the kind fractions times the prototypes, and the mean of stride^2
+    # i.i.d. Gaussians is N(0, (noise / stride)^2), drawn directly at cell resolution.
+    n, dim, stride = spec.n, spec.dim, spec.stride
+    frac = F.avg_pool2d(F.one_hot(kinds, len(KIND_NAMES)).permute(0, 3, 1, 2).float(), stride)  # (N, K, h, w)
+    h_f, w_f = spec.size // stride, spec.size // stride
+    features = torch.einsum("nkhw,kd->ndhw", frac, protos)
+    features = features + (spec.noise / stride) * torch.randn(n, dim, h_f, w_f, generator=g)
+    features = features + (spec.shift / math.sqrt(dim)) * torch.randn(n, dim, 1, 1, generator=g)
+    return features.contiguous()
+
+
+def _context_texture(kinds: torch.Tensor, horizon: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+    """(N, H, W) brightness pattern of the contexts: sky gradient, waves, rails, bricks."""
+    yy, xx = _grid(kinds.shape[-1])
+    ph = _col(phase)
+    tex = torch.zeros(kinds.shape)
+    tex = torch.where(kinds == SKY, 25.0 * yy / _col(horizon.clamp_min(1)) - 10.0, tex)
+    tex = torch.where(kinds == SEA, 22.0 * torch.sin(2 * math.pi * yy / 3.5 + 1.5 * torch.sin(2 * math.pi * xx / 16 + ph)), tex)
+    tex = torch.where(kinds == RAIL, torch.where(torch.remainder(xx + 5 * ph, 5.0) < 2.0, -35.0, 10.0)
+                      + torch.where(torch.remainder(yy - _col(horizon), 6.0) < 1.0, 50.0, 0.0), tex)
+    return torch.where(kinds == WALL, torch.where((torch.remainder(yy, 4.0) < 1.0)
+                                                  | (torch.remainder(xx + 4 * torch.remainder(torch.floor(yy / 4), 2), 8.0) < 1.0),
+                                                  55.0, 0.0), tex)
+
+
+def _paint_rgb(g: torch.Generator, spec: _WorldSpec, kinds: torch.Tensor, horizon: torch.Tensor,
+               slot_map: torch.Tensor, slot_rgb: list) -> torch.Tensor:
+    """(N, H, W, 3) uint8 images: textured contexts, shaded objects, grain."""
+    n, C = spec.n, len(CLASS_NAMES) - 1
+    yy, _ = _grid(spec.size)
+    phase = _uniform(g, 0.0, 2 * math.pi, n)
+    base = torch.tensor(_CONTEXT_RGB + [(0, 0, 0)] * C, dtype=torch.float32)[kinds]  # (N, H, W, 3)
+    tex = _context_texture(kinds, horizon, phase)
+    grain = torch.randn(n, spec.size, spec.size, generator=g)
+    amp = torch.tensor([4.0, 6.0, 12.0, 22.0, 8.0, 6.0] + [5.0] * C)[kinds]
+    rgb = base + (tex + amp * grain)[..., None]
+    for slot, (col_rgb, cy, h, cls) in enumerate(slot_rgb):
+        m = slot_map == slot
+        rel = (yy + 0.5 - _col(cy)) / _col(h / 2)  # -1 top .. 1 bottom of the object
+        obj = col_rgb[:, None, None, :] * (1.0 - 0.12 * rel)[..., None]
+        obj = torch.where(((_col(cls) == TRAIN) & (rel > -0.6) & (rel < -0.15))[..., None], obj * 0.35, obj)  # windows
+        obj = torch.where(((_col(cls) == PERSON) & (rel < -0.6))[..., None], torch.tensor(_SKIN, dtype=torch.float32), obj)
+        obj = torch.where(((_col(cls) == BOAT) & (rel > 0.35))[..., None], obj * 0.55, obj)  # hull
+        rgb = torch.where(m[..., None], obj + 5.0 * grain[..., None], rgb)
+    return rgb.round().clamp(0, 255).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,200 +446,26 @@ def make_world(
     Returns:
         A :class:`SyntheticWorld`.
     """
-    n = _int(num_images, "num_images", 1)
-    size = _int(size, "size", _MIN_SIZE)
-    stride = _int(stride, "stride", 1)
-    if size % stride:
-        raise ValueError(f"size must be divisible by stride, got size={size}, stride={stride}")
-    k_kinds = len(KIND_NAMES)
-    dim = _int(dim, "dim", k_kinds + len(_GROUPS))
-    seed = _int(seed, "seed", 0)
-    if seed >= 2**63:
-        raise ValueError(f"seed must be < 2**63, got {seed}")
-    leak_rate = _real(leak_rate, "leak_rate", 0.0, 1.0)
-    noise = _real(noise, "noise", 0.0)
-    boundary_noise = _int(boundary_noise, "boundary_noise", 0)
-    if boundary_noise > size // 4:
-        raise ValueError(f"boundary_noise must be <= size // 4 = {size // 4} pixels, got {boundary_noise}")
-    erode_rate = _real(erode_rate, "erode_rate", 0.0, 1.0)
-    dilate_rate = _real(dilate_rate, "dilate_rate", 0.0, 1.0)
-    if erode_rate + dilate_rate > 1.0 + 1e-12:
-        raise ValueError(f"erode_rate + dilate_rate must be <= 1, got {erode_rate} + {dilate_rate}")
-    overlap = _real(overlap, "overlap", 0.0, 1.0, high_open=True)
-    shift = _real(shift, "shift", 0.0)
-    leak_spread = _real(leak_spread, "leak_spread", 0.0, low_open=True)
-    context_bias = _real(context_bias, "context_bias", 0.0, 1.0)
-    two_class_rate = _real(two_class_rate, "two_class_rate", 0.0, 1.0)
-    ignore_rate = _real(ignore_rate, "ignore_rate", 0.0, 1.0)
-
+    spec = _check_world(num_images, size=size, dim=dim, stride=stride, seed=seed, leak_rate=leak_rate, noise=noise,
+                        boundary_noise=boundary_noise, erode_rate=erode_rate, dilate_rate=dilate_rate,
+                        overlap=overlap, shift=shift, leak_spread=leak_spread, context_bias=context_bias,
+                        two_class_rate=two_class_rate, ignore_rate=ignore_rate)
     C = len(CLASS_NAMES) - 1
-    H = W = size
-    S = float(size)
-    g = torch.Generator().manual_seed(seed)
-    protos = _prototypes(g, dim, overlap)
-
-    # ---- scene layout ------------------------------------------------------------------
-    primary = (torch.arange(n) % C + 1)[torch.randperm(n, generator=g)]  # balanced classes
-    two = torch.rand(n, generator=g) < two_class_rate
-    second = _pick_other(g, _NON_PROBLEMATIC, primary)
-    dup = torch.rand(n, generator=g) < 0.25  # a second instance of the same class
-    cls1 = torch.where(two, second, torch.where(dup, primary, torch.zeros_like(primary)))
-
-    ground = torch.tensor(_GROUNDS)[torch.randint(len(_GROUNDS), (n,), generator=g)]
-    on_own = torch.rand(n, generator=g) < context_bias
-    other_ground = torch.zeros_like(ground)
-    for c, ctx in OWN_CONTEXT.items():
-        is_c = primary == c
-        other_ground[is_c] = _pick_other(g, _GROUNDS, torch.full((n,), ctx))[is_c]
-        ground = torch.where(is_c, torch.where(on_own, torch.full_like(ground, ctx), other_ground), ground)
-    horizon = (_uniform(g, 0.30 * S, 0.50 * S, n)).round()
-    has_strip = torch.rand(n, generator=g) < 0.3
-    strip_h = torch.where(has_strip, _uniform(g, 0.10 * S, 0.18 * S, n).round(), torch.zeros(n))
-    strip_ctx = _pick_other(g, _GROUNDS, ground)
-    has_wall = torch.rand(n, generator=g) < 0.3
-    wall_w = _uniform(g, 0.15 * S, 0.30 * S, n).round()
-    wall_h = _uniform(g, 0.15 * S, 0.30 * S, n).round()
-    wall_left = torch.rand(n, generator=g) < 0.5
-
-    yy = torch.arange(H, dtype=torch.float32)[None, :, None]  # (1, H, 1)
-    xx = torch.arange(W, dtype=torch.float32)[None, None, :]  # (1, 1, W)
-    col = lambda t: t[:, None, None]  # noqa: E731
-    kinds = torch.where(yy < col(horizon), torch.tensor(SKY), col(ground)).expand(n, H, W).clone()
-    kinds = torch.where(yy >= S - col(strip_h), col(strip_ctx), kinds)
-    in_wall_cols = torch.where(col(wall_left), xx < col(wall_w), xx >= S - col(wall_w))
-    wall = col(has_wall) & in_wall_cols & (yy < col(horizon)) & (yy >= col(horizon - wall_h))
-    kinds = kinds.masked_fill(wall, WALL)
-
-    # ---- objects (slot 0 always, slot 1 for a second class / instance, painted on top) -----
-    slot_map = torch.full((n, H, W), -1, dtype=torch.long)
-    slot_rgb = []
-    ground_bottom = S - strip_h
-    cx0 = None
-    for slot, cls in enumerate((primary, cls1)):
-        present = cls > 0
-        safe = cls.clamp_min(1)
-        wlo = torch.tensor([0.0] + [_WIDTH[c][0] for c in range(1, C + 1)])[safe]
-        whi = torch.tensor([0.0] + [_WIDTH[c][1] for c in range(1, C + 1)])[safe]
-        alo = torch.tensor([0.0] + [_ASPECT[c][0] for c in range(1, C + 1)])[safe]
-        ahi = torch.tensor([0.0] + [_ASPECT[c][1] for c in range(1, C + 1)])[safe]
-        w = (_uniform(g, wlo, whi, n) * S).clamp_min(3.0)
-        h = (w * _uniform(g, alo, ahi, n)).clamp(3.0, 0.6 * S)
-        if slot == 0:
-            cx = _uniform(g, w / 2, S - w / 2, n)
-            cx0 = cx
-        else:  # on the other half of the image, to limit occlusion
-            left = cx0 >= S / 2
-            lo = torch.where(left, w / 2, (w / 2).clamp_min(S / 2))
-            hi = torch.where(left, (S - w / 2).clamp_max(S / 2), S - w / 2)
-            cx = _uniform(g, lo, torch.maximum(lo, hi), n)
-        # Ground objects stand on the ground (bottom between the horizon and the strip); birds fly.
-        b_lo = horizon + 0.25 * (ground_bottom - horizon)
-        bottom = _uniform(g, b_lo, ground_bottom - 1, n)
-        cy_ground = bottom - h / 2
-        cy_sky = _uniform(g, h / 2 + 1, torch.maximum(h / 2 + 1, horizon - h / 2 - 1), n)
-        cy = torch.where(cls == BIRD, cy_sky, cy_ground)
-        shape = torch.randint(3, (n,), generator=g)  # 0 ellipse, 1 rounded rectangle, 2 blob
-        lobes = torch.randint(3, 6, (n,), generator=g).float()
-        amp = _uniform(g, 0.12, 0.25, n)
-        phase = _uniform(g, 0.0, 2 * math.pi, n)
-        dx = (xx + 0.5 - col(cx)) / col(w / 2)
-        dy = (yy + 0.5 - col(cy)) / col(h / 2)
-        r2 = dx**2 + dy**2
-        ellipse = r2 <= 1.0
-        rect = dx**4 + dy**4 <= 1.0
-        theta = torch.atan2(dy, dx)
-        blob = r2.sqrt() <= 1.0 + col(amp) * torch.sin(col(lobes) * theta + col(phase))
-        m = torch.where(col(shape == 0), ellipse, torch.where(col(shape == 1), rect, blob)) & col(present)
-        kinds = torch.where(m, col(_NUM_CONTEXTS - 1 + safe), kinds)
-        slot_map = slot_map.masked_fill(m, slot)
-        # per-instance colour
-        choice = torch.rand(n, generator=g)
-        rgb = torch.zeros(n, 3)
-        for c in range(1, C + 1):
-            pal = torch.tensor(_OBJECT_RGB[c], dtype=torch.float32)
-            rgb = torch.where((safe == c)[:, None], pal[(choice * len(pal)).long().clamp_max(len(pal) - 1)], rgb)
-        slot_rgb.append((rgb, cy, h, cls))
-
+    g = torch.Generator().manual_seed(spec.seed)
+    protos = _prototypes(g, spec.dim, spec.overlap)
+    layout = _scene_layout(g, spec)
+    kinds, slot_map, slot_rgb = _paint_objects(g, spec, layout)
     gt = (kinds - (_NUM_CONTEXTS - 1)).clamp_min(0)
-    image_classes = torch.zeros(n, C, dtype=torch.bool)
+    image_classes = torch.zeros(spec.n, C, dtype=torch.bool)
     for c in range(1, C + 1):
         image_classes[:, c - 1] = (gt == c).flatten(1).any(1)
-
-    # ---- simulated WSSS pseudo labels ------------------------------------------------------
-    pseudo = gt.clone()
-    leaks = torch.rand(n, generator=g) < leak_rate
-    rough = F.interpolate(torch.randn(n, 1, max(1, H // 8), max(1, W // 8), generator=g), size=(H, W),
-                          mode="bilinear", align_corners=False)[:, 0]
-    sx, sy = leak_spread * S, 0.5 * leak_spread * S
-    kx = _gauss_matrix(W, sx)  # horizontal smear (context is horizontal: rails, sea)
-    ky = _gauss_matrix(H, sy, offset=0.5 * sy)  # vertical smear, towards the bottom (under the object)
-    for c, ctx in OWN_CONTEXT.items():
-        obj = (gt == c).float()
-        # Gaussian smear of the object: ~0.5 on its border, decaying over the band width; an
-        # object fully surrounded by context spills ~sx horizontally and ~sy (mostly downwards).
-        field = torch.einsum("ij,njk,lk->nil", ky, obj, kx)
-        band = (field > 0.03) & (field * (1.0 + 0.35 * rough) > 0.08)  # ragged, but only near the object
-        leak = band & (kinds == ctx) & col(leaks)
-        pseudo = pseudo.masked_fill(leak, c)
-
-    if boundary_noise > 0:
-        u = torch.rand(n, C, generator=g)
-        op = torch.where(u < erode_rate, 0, torch.where(u >= 1.0 - dilate_rate, 2, 1))  # 0 erode, 1 keep, 2 dilate
-        # Ragged edges: a smooth random field decides which stretches of the boundary move.
-        accept = F.interpolate(torch.randn(n, 1, max(1, H // 4), max(1, W // 4), generator=g), size=(H, W),
-                               mode="bilinear", align_corners=False)[:, 0] > -0.4
-        for c in range(1, C + 1):
-            region = pseudo == c
-            grow = _dilate(region, boundary_noise) & (pseudo == 0) & accept & col(op[:, c - 1] == 2)
-            shrink = region & ~_erode(region, boundary_noise) & accept & col(op[:, c - 1] == 0)
-            pseudo = pseudo.masked_fill(grow, c).masked_fill(shrink, 0)
-
-    if ignore_rate > 0:
-        has_ignore = torch.rand(n, generator=g) < ignore_rate
-        lab = pseudo.float()[:, None]
-        hi = F.max_pool2d(lab, 3, stride=1, padding=1)[:, 0]
-        lo = -F.max_pool2d(-lab, 3, stride=1, padding=1)[:, 0]
-        edge = (hi != lo) & (pseudo > 0) & col(has_ignore)  # inner border of the objects
-        pseudo = pseudo.masked_fill(edge, IGNORE_VALUE)
-
-    # ---- USS-like embeddings -----------------------------------------------------------------
-    # Per-pixel prototype + N(0, noise^2) per dimension, averaged over stride x stride cells: the
-    # mean of the prototypes is the kind fractions times the prototypes, and the mean of stride^2
-    # i.i.d. Gaussians is N(0, (noise / stride)^2), drawn directly at cell resolution.
-    frac = F.avg_pool2d(F.one_hot(kinds, k_kinds).permute(0, 3, 1, 2).float(), stride)  # (N, K, h, w)
-    h_f, w_f = H // stride, W // stride
-    features = torch.einsum("nkhw,kd->ndhw", frac, protos)
-    features = features + (noise / stride) * torch.randn(n, dim, h_f, w_f, generator=g)
-    features = features + (shift / math.sqrt(dim)) * torch.randn(n, dim, 1, 1, generator=g)
-    features = features.contiguous()
-
-    # ---- RGB ----------------------------------------------------------------------------------
-    phase = _uniform(g, 0.0, 2 * math.pi, n)
-    ph = col(phase)
-    base = torch.tensor(_CONTEXT_RGB + [(0, 0, 0)] * C, dtype=torch.float32)[kinds]  # (N, H, W, 3)
-    tex = torch.zeros(n, H, W)
-    tex = torch.where(kinds == SKY, 25.0 * yy / col(horizon.clamp_min(1)) - 10.0, tex)
-    tex = torch.where(kinds == SEA, 22.0 * torch.sin(2 * math.pi * yy / 3.5 + 1.5 * torch.sin(2 * math.pi * xx / 16 + ph)), tex)
-    tex = torch.where(kinds == RAIL, torch.where(torch.remainder(xx + 5 * ph, 5.0) < 2.0, -35.0, 10.0)
-                      + torch.where(torch.remainder(yy - col(horizon), 6.0) < 1.0, 50.0, 0.0), tex)
-    tex = torch.where(kinds == WALL, torch.where((torch.remainder(yy, 4.0) < 1.0)
-                                                 | (torch.remainder(xx + 4 * torch.remainder(torch.floor(yy / 4), 2), 8.0) < 1.0),
-                                                 55.0, 0.0), tex)
-    grain = torch.randn(n, H, W, generator=g)
-    amp = torch.tensor([4.0, 6.0, 12.0, 22.0, 8.0, 6.0] + [5.0] * C)[kinds]
-    rgb = base + (tex + amp * grain)[..., None]
-    for slot, (col_rgb, cy, h, cls) in enumerate(slot_rgb):
-        m = slot_map == slot
-        rel = (yy + 0.5 - col(cy)) / col(h / 2)  # -1 top .. 1 bottom of the object
-        obj = col_rgb[:, None, None, :] * (1.0 - 0.12 * rel)[..., None]
-        obj = torch.where(((col(cls) == TRAIN) & (rel > -0.6) & (rel < -0.15))[..., None], obj * 0.35, obj)  # windows
-        obj = torch.where(((col(cls) == PERSON) & (rel < -0.6))[..., None], torch.tensor(_SKIN, dtype=torch.float32), obj)
-        obj = torch.where(((col(cls) == BOAT) & (rel > 0.35))[..., None], obj * 0.55, obj)  # hull
-        rgb = torch.where(m[..., None], obj + 5.0 * grain[..., None], rgb)
-    images = rgb.round().clamp(0, 255).to(torch.uint8)
-
+    pseudo = simulated_pseudo_labels(g, gt, kinds, leak_rate=spec.leak_rate, leak_spread=spec.leak_spread,
+                                     boundary_noise=spec.boundary_noise, erode_rate=spec.erode_rate,
+                                     dilate_rate=spec.dilate_rate, ignore_rate=spec.ignore_rate)
+    features = _embeddings(g, spec, kinds, protos)
+    images = _paint_rgb(g, spec, kinds, layout.horizon, slot_map, slot_rgb)
     return SyntheticWorld(
         images=images, gt=gt, pseudo=pseudo, features=features, image_classes=image_classes, kinds=kinds,
         class_names=CLASS_NAMES, kind_names=KIND_NAMES, problematic=PROBLEMATIC,
-        stems=[f"syn_{i:06d}" for i in range(n)], prototypes=protos, stride=stride,
+        stems=[f"syn_{i:06d}" for i in range(spec.n)], prototypes=protos, stride=spec.stride,
     )
