@@ -152,10 +152,6 @@ NOT_YET = {
     "mars_plugin/commands/predict.py:predict_job",
     "mars_plugin/commands/references.py:score_references",
     "mars_plugin/commands/report.py:report_job",
-    "mars_plugin/engines/kmeans.py:_kmeans_padded",
-    "mars_plugin/engines/permutohedral.py:__init__",
-    "mars_plugin/pictures/bar_charts.py:bar_chart_figure",
-    "mars_plugin/worlds/synthetic_scenes.py:make_world",
 }
 
 
