@@ -147,9 +147,6 @@ NOT_YET = {
     "mars_plugin/commands/features.py:_features_shard",
     "mars_plugin/commands/features.py:add_features_arguments",
     "mars_plugin/commands/features.py:features_job",
-    "mars_plugin/commands/predict.py:_predict_shard",
-    "mars_plugin/commands/predict.py:add_predict_arguments",
-    "mars_plugin/commands/predict.py:predict_job",
     "mars_plugin/commands/references.py:score_references",
     "mars_plugin/commands/report.py:report_job",
 }

@@ -25,7 +25,6 @@ NOT_YET = {
     "demo",
     "evaluate",
     "features",
-    "predict",
     "report",
     "reproduce",
     "sample",

@@ -16,9 +16,9 @@ The commands:
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record and
   flags; ``train_dhr.py``: the loss grid (the dhr recipe's, on DHR's stride-4 logits);
-  ``predict_settings.py``: predict's flags; ``predict_recipe.py``: predict's settings from the
-  checkpoint's recipe; ``predict_memory.py``: each image against the memory budget, from its
-  header, before any work.
+  ``predict_settings.py``: predict's settings record and flags; ``predict_recipe.py``: predict's
+  settings from the checkpoint's recipe; ``predict_memory.py``: each image against the memory
+  budget, from its header, before any work.
 * ``reproduce.py`` -- ``mars reproduce``, with ``reproduce_settings.py`` (its settings record,
   checked once, and its flags), ``reproduce_command.py`` (the command line's run and lines),
   ``reproduce_state.py`` (its record),

@@ -282,6 +282,7 @@ def _shard(s: CrfSettings, stems: List[str], files: Dict[str, Path], images: Dic
            progress: bool) -> None:
     """One rank's files: which are current, then the others through the pipeline."""
     from mars_plugin.runs.identities import file_id
+    from mars_plugin.runs.resume_ledger import ResumeLedger
 
     cfg = {"wsss": s.wsss, "trust_pickle": s.trust_pickle, "write": s.write, "probs_dtype": s.probs_dtype,
            "num_labels": s.num_labels, "dataset": s.dataset}
@@ -291,42 +292,29 @@ def _shard(s: CrfSettings, stems: List[str], files: Dict[str, Path], images: Dic
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(stems), desc=desc, unit="img")
-    todo, inputs, again = [], {}, set()
+    ledger = ResumeLedger(record, summary, s.on_error, None if bar is None else lambda: bar.update(1))
+    todo, inputs = [], {}
     for stem in stems:
         if stem in bad:
-            _fail(s, summary, stem, bad[stem], bar)
+            ledger.fail(stem, bad[stem])
             continue
         inputs[stem] = {"input": file_id(files[stem]), "image": file_id(images[stem])}  # before reading them
-        kept, exists = record.current(stem, out_dir / f"{stem}{ext}", inputs[stem])
-        if kept:
-            summary.existing += 1
-            if bar is not None:
-                bar.update(1)
-        else:
+        if ledger.needs(stem, out_dir / f"{stem}{ext}", inputs[stem]):
             todo.append((stem, os.fspath(files[stem]), os.fspath(images[stem]), cfg))
-            again.update([stem] if exists else [])
     try:
-        _pipeline(s, todo, cfg, out_dir, ext, device, record, inputs, again, summary, bar)
+        _pipeline(s, todo, cfg, out_dir, ext, device, ledger, inputs)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _fail(s: CrfSettings, summary: JobSummary, stem: str, why: str, bar: Any) -> None:
-    if s.on_error == "stop":
-        raise JobError(f"{stem}: {why}")
-    summary.failed.append((stem, why))
-    if bar is not None:
-        bar.update(1)
-
-
 def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], cfg: Dict[str, Any], out_dir: Path,
-              ext: str, device: torch.device, record: Any, inputs: Dict[str, Any], again: set, summary: JobSummary,
-              bar: Any) -> None:
+              ext: str, device: torch.device, ledger: Any, inputs: Dict[str, Any]) -> None:
     """Read and prepare (``--io-workers`` threads or ``--workers`` processes), the CRF by
     batches (here), label and write (the same workers), with at most a few batches in flight,
     so memory stays bounded whatever the folder's size
-    (:class:`~mars_plugin.runs.io_pipeline.IOPipeline`)."""
+    (:class:`~mars_plugin.runs.io_pipeline.IOPipeline`); each file written is recorded in
+    ``ledger`` (a :class:`~mars_plugin.runs.resume_ledger.ResumeLedger`)."""
     from mars_plugin.runs.io_pipeline import IOPipeline, check_io_workers
     from mars_plugin.runs.size_batches import SizeBatches
 
@@ -342,11 +330,7 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
 
     def keep(written: Any) -> None:
         for stem, (_, digest) in written:
-            record.add(stem, out_dir / f"{stem}{ext}", inputs[stem], digest)
-            summary.done += 1
-            summary.redone += stem in again
-            if bar is not None:
-                bar.update(1)
+            ledger.written(stem, out_dir / f"{stem}{ext}", inputs[stem], digest)
 
     with IOPipeline(io_workers, ahead=window, behind=2 * s.batch_size, executor=_pool(s.workers)) as io:
         try:
@@ -361,11 +345,11 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
             argmax = s.write == "labels" and s.wsss is None
             batches = SizeBatches(s.batch_size,
                                   lambda b: _crf_batch([it for _, it in b], s.params, device, max_bytes, argmax),
-                                  write, lambda it, e: _fail(s, summary, it[0], one_line(e), bar))
+                                  write, lambda it, e: ledger.fail(it[0], one_line(e)))
             for _, fut in io.reads(_prepare, todo):
                 stem, item, err = fut.result()  # _prepare returns a file's failure, never raises it
                 if item is None:
-                    _fail(s, summary, stem, err or "", bar)
+                    ledger.fail(stem, err or "")
                     continue
                 batches.add(_batch_key(item), (stem, item))
             batches.flush()

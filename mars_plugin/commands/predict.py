@@ -15,26 +15,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param, check_real_param, check_scales, describe
+from mars_plugin._checks import describe
 from mars_plugin.engines.crf_memory import check_crf_image
 from mars_plugin.formats.files import read_image, write_label
-from mars_plugin.networks.inference import (CLASS_THRESHOLD, CRF_CHOICES, CRF_IMAGES, DEFAULT_SCALES, _crf_params,
-                                           _scaled_size, crf_rgb, labels_from_probs, multiscale_probs,
-                                           multiscale_probs_dhr, multiscale_probs_max)
+from mars_plugin.networks.inference import (CLASS_THRESHOLD, DEFAULT_SCALES, _scaled_size, crf_rgb, labels_from_probs,
+                                           multiscale_probs, multiscale_probs_dhr, multiscale_probs_max)
 from mars_plugin.networks.memory import MEMORY_FLAG, resolve_max_bytes
 from mars_plugin.commands.inputs import _check_out_dir, list_images
-from mars_plugin.runs.errors import ON_ERROR, JobError, JobSummary, one_line
-from mars_plugin.runs.size_batches import SizeBatches
-from mars_plugin.commands.cli_types import add_io_workers_argument
-from mars_plugin.runs.io_pipeline import IOPipeline, check_io_workers
 from mars_plugin.commands.predict_memory import memory_plan
+from mars_plugin.commands.predict_settings import PredictSettings, add_predict_arguments  # noqa: F401 -- kept here
+from mars_plugin.runs.errors import JobError, JobSummary, one_line
+from mars_plugin.runs.size_batches import SizeBatches
+from mars_plugin.runs.io_pipeline import IOPipeline, check_io_workers
 from mars_plugin.runs.distributed import _rank_world, resolve_device, share_error, sync_group
+from mars_plugin.runs.resume_ledger import ResumeLedger
 
 __all__ = [
     "predict_job",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike]
+#: one batch of images of one size: (stem, its inputs' identities, (H, W, 3) uint8 RGB) each
+Batch = List[Tuple[str, Dict[str, Any], torch.Tensor]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,6 +68,52 @@ def _preprocess_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
         return normalize
     return _default_preprocess
+
+
+def _fuse_of(model: Any) -> str:
+    """Where a network's own upstream fuses the scales (``predict_job``'s ``fuse_at=None``)."""
+    # DHR's apply_ms is a method of its network: that network fuses as DHR does (SEAM's: test.py)
+    from mars_plugin.networks.deeplabv2 import MSC
+
+    fuse_at = {"deeplabv3+dhr": "logits", "deeplabv1-wr38": "seam"}.get(
+        (getattr(model, "config", None) or {}).get("arch"), "input")
+    return "max-logits" if isinstance(model, MSC) else fuse_at  # deeplab-pytorch's MSC: the max of its logits
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A :func:`predict_job`'s settings as this process runs them: the record ``s``, with the
+    device, the memory budget, the I/O threads, the fusion and the network's input resolved."""
+
+    s: PredictSettings
+    device: torch.device
+    max_bytes: Optional[int]
+    io_workers: int
+    fuse_at: str
+    preprocess: Callable[[torch.Tensor], torch.Tensor]
+    num_classes: Optional[int]
+
+    @classmethod
+    def of(cls, model: Any, s: PredictSettings, preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]],
+           num_classes: Optional[int]) -> "_Job":
+        """``s`` resolved for ``model`` on this rank's device."""
+        device = resolve_device(s.device) if isinstance(s.device, str) else s.device
+        max_bytes = resolve_max_bytes(s.max_bytes, device)
+        io_workers = check_io_workers(s.io_workers, device)
+        return cls(s, device, max_bytes, io_workers, s.fuse_at or _fuse_of(model),
+                   preprocess or _preprocess_of(model), num_classes)
+
+    def identity(self, model: Any, settings: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+        """What shapes the labels (the folder's record, compared on resume); ``settings``: what
+        made ``model``."""
+        s, params = self.s, self.s.params
+        return {
+            "model": dict(settings or {"model": type(model).__name__}), "scales": list(s.scales), "flip": bool(s.flip),
+            "crf": "none" if params is None else s.crf, "crf_params": params,
+            "class_threshold": s.class_threshold if params is not None else None, "fp16": bool(s.fp16),
+            # recorded only where it is not the file's bytes, so folders written before the option resume
+            **({"crf_image": s.crf_image} if params is not None and s.crf_image != "file" else {}),
+            **({"fuse_at": self.fuse_at} if self.fuse_at != "input" else {})}
 
 
 def predict_job(
@@ -143,71 +192,36 @@ def predict_job(
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
     check_out_apart(out_dir, "--out", {images_flag: images_dir})
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    scales = check_scales(scales)
-    params = _crf_params(crf)
-    class_threshold = check_real_param(class_threshold, "class_threshold", 0.0, 1.0)
-    if crf_image not in CRF_IMAGES:
-        raise ValueError(f"crf_image must be one of {CRF_IMAGES}, got {crf_image!r}")
-    if fuse_at is None:  # DHR's apply_ms is a method of its network: that network fuses as DHR does (SEAM's: test.py)
-        from mars_plugin.networks.deeplabv2 import MSC
-
-        fuse_at = {"deeplabv3+dhr": "logits", "deeplabv1-wr38": "seam"}.get(
-            (getattr(model, "config", None) or {}).get("arch"), "input")
-        fuse_at = "max-logits" if isinstance(model, MSC) else fuse_at  # deeplab-pytorch's MSC: the max of its logits
-    if fuse_at not in ("input", "logits", "seam", "max-logits"):
-        raise ValueError(f"fuse_at must be 'input', 'logits', 'seam', 'max-logits' or None, got {fuse_at!r}")
-    batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
+    # the keywords checked as one record (mars predict passes the fields of the one it built: the
+    # same checks again, which a checked record passes unchanged)
+    s = PredictSettings(scales=scales, flip=flip, crf=crf, class_threshold=class_threshold, crf_image=crf_image,
+                        fuse_at=fuse_at, batch_size=batch_size, device=device, fp16=fp16, on_error=on_error,
+                        progress=progress, max_bytes=max_bytes, io_workers=io_workers)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
-    device = resolve_device(device) if isinstance(device, str) else device
-    max_bytes = resolve_max_bytes(max_bytes, device)
-    io_workers = check_io_workers(io_workers, device)
-    preprocess = preprocess or _preprocess_of(model)
-    images_dir, out_dir = Path(images_dir), Path(out_dir)
-    rank, world = _rank_world()
+    job = _Job.of(model, s, preprocess, num_classes)
+    return _predict_folder(model, job, Path(images_dir), Path(out_dir), settings, images_flag)
+
+
+def _predict_folder(model: nn.Module, job: _Job, images_dir: Path, out_dir: Path,
+                    settings: Optional[Mapping[str, Any]], images_flag: str) -> JobSummary:
+    """:func:`predict_job` once its arguments are checked: the record, the ranks' meeting points."""
     from mars_plugin.runs.run_record import FolderRecord
 
-    record = FolderRecord(out_dir, "predict", {
-        "model": dict(settings or {"model": type(model).__name__}), "scales": list(scales), "flip": bool(flip),
-        "crf": "none" if params is None else crf, "crf_params": params,
-        "class_threshold": class_threshold if params is not None else None, "fp16": bool(fp16),
-        # recorded only where it is not the file's bytes, so folders written before the option resume
-        **({"crf_image": crf_image} if params is not None and crf_image != "file" else {}),
-        **({"fuse_at": fuse_at} if fuse_at != "input" else {})}, rank=rank)
+    rank, world = _rank_world()
+    record = FolderRecord(out_dir, "predict", job.identity(model, settings), rank=rank)
     group = sync_group()  # before anything that can fail on one rank only: every rank reaches it
     try:
-        error: Optional[BaseException] = None
-        items: List[Tuple[str, Path]] = []
-        clashes: Dict[str, List[str]] = {}
-        try:
-            items, clashes = list_images(images_dir, images_flag)
-            if rank == 0:
-                _check_out_dir(out_dir, "--out")
-                record.open({s for s, _ in items} | set(clashes), (".png",))  # the label of any other id is stale
-        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
-            error = e
-        share_error(error, group)
+        items, clashes = _open_folder(images_dir, out_dir, images_flag, record, rank, group)
         everything = sorted({s for s, _ in items} | set(clashes))
-        from mars_plugin.commands.features import _check_same_work
-
-        _check_same_work(everything, images_dir, group)
-        if rank == 0:
-            record.write_settings()
-        record.load()
         mine = set(everything[rank::world])
         summary = JobSummary()
         record.tell(summary)
-        error = None
+        error: Optional[BaseException] = None
         try:
-            _predict_shard(model, [(s, p) for s, p in items if s in mine],
+            _predict_shard(model, job, [(s, p) for s, p in items if s in mine],
                            {s: n for s, n in clashes.items() if s in mine}, out_dir, summary, record,
-                           scales=scales, flip=flip, crf=crf, params=params, class_threshold=class_threshold,
-                           crf_image=crf_image, fuse_at=fuse_at, batch_size=batch_size, device=device, fp16=fp16,
-                           preprocess=preprocess,
-                           num_classes=num_classes, on_error=on_error, progress=progress and rank == 0,
-                           max_bytes=max_bytes, io_workers=io_workers,
+                           progress=job.s.progress and rank == 0,
                            desc="predict" if world == 1 else f"predict rank 0/{world}")
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
@@ -221,125 +235,146 @@ def predict_job(
             dist.destroy_process_group(group)
 
 
-def _predict_shard(model: nn.Module, items: List[Tuple[str, Path]], clashes: Dict[str, List[str]], out_dir: Path,
-                   summary: JobSummary, record: Any, *, scales: Tuple[float, ...], flip: bool, crf: Optional[str],
-                   params: Optional[Dict[str, float]], class_threshold: float, batch_size: int, device: torch.device,
-                   fp16: bool, preprocess: Callable[[torch.Tensor], torch.Tensor], num_classes: Optional[int],
-                   on_error: str, progress: bool, desc: str, max_bytes: Optional[int] = None,
-                   crf_image: str = "file", fuse_at: str = "input", io_workers: int = 0) -> None:
-    """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
-    from mars_plugin.runs.identities import file_id
+def _open_folder(images_dir: Path, out_dir: Path, images_flag: str, record: Any, rank: int, group: Any
+                 ) -> Tuple[List[Tuple[str, Path]], Dict[str, List[str]]]:
+    """The images (and the stems several images share), listed alike on every rank; the
+    folder's record opened (rank 0 writes its settings) and loaded."""
+    error: Optional[BaseException] = None
+    items: List[Tuple[str, Path]] = []
+    clashes: Dict[str, List[str]] = {}
+    try:
+        items, clashes = list_images(images_dir, images_flag)
+        if rank == 0:
+            _check_out_dir(out_dir, "--out")
+            record.open({s for s, _ in items} | set(clashes), (".png",))  # the label of any other id is stale
+    except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+        error = e
+    share_error(error, group)
+    from mars_plugin.commands.features import _check_same_work
 
+    _check_same_work(sorted({s for s, _ in items} | set(clashes)), images_dir, group)
+    if rank == 0:
+        record.write_settings()
+    record.load()
+    return items, clashes
+
+
+def _predict_shard(model: nn.Module, job: _Job, items: List[Tuple[str, Path]], clashes: Dict[str, List[str]],
+                   out_dir: Path, summary: JobSummary, record: Any, *, progress: bool, desc: str) -> None:
+    """:func:`predict_job`'s work on one rank's images, counted in ``summary``."""
     out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
     if isinstance(model, nn.Module):
-        model.to(device).eval()
+        model.to(job.device).eval()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(items) + len(clashes), desc=desc, unit="img")
-
-    def tick() -> None:
+    ledger = ResumeLedger(record, summary, job.s.on_error, None if bar is None else lambda: bar.update(1))
+    try:
+        todo, limits = _todo(model, job, items, clashes, out_dir, ledger)
+        _predict_todo(model, job, todo, limits, dict(items), out_dir, ledger)
+    finally:
         if bar is not None:
-            bar.update(1)
+            bar.close()
 
-    def fail(stem: str, why: str) -> None:
-        if on_error == "stop":
-            raise JobError(f"{stem}: {why}")
-        summary.failed.append((stem, why))
-        tick()
 
-    where = dict(items)
-    again = set()  # stems whose existing label is computed again (its image changed, or no record)
-    Batch = List[Tuple[str, Dict[str, Any], torch.Tensor]]
+def _todo(model: nn.Module, job: _Job, items: List[Tuple[str, Path]], clashes: Dict[str, List[str]], out_dir: Path,
+          ledger: ResumeLedger) -> Tuple[List[Tuple[str, Path, Dict[str, Any]]], Dict[Tuple[int, int], int]]:
+    """The images whose label must be made ((stem, path, inputs) each), and the most images of
+    each size a batch holds; the stems several images share, the labels kept and the images the
+    memory budget refuses are settled in ``ledger``."""
+    from mars_plugin.runs.identities import file_id
 
-    def labels_of(batch: Batch) -> torch.Tensor:
-        rgb = torch.stack([img for _, _, img in batch]).to(device)  # (B, H, W, 3) uint8
-        x = preprocess(rgb)
-        from mars_plugin.networks.deeplabv1 import seam_crf_bytes, seam_multiscale_probs
+    s = job.s
+    for stem, names in sorted(clashes.items()):
+        ledger.fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
+    # Before any work: every image to predict against the memory budget, from its header.
+    refused, limits = memory_plan(model, items, out_dir, ledger.record, job.max_bytes, scales=s.scales, flip=s.flip,
+                                  fp16=s.fp16, params=s.params, num_classes=job.num_classes, device=job.device)
+    if refused and s.on_error == "stop":
+        ledger.fail(*next(iter(refused.items())))
+    todo = []
+    for stem, path in items:
+        inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
+        if not ledger.needs(stem, out_dir / f"{stem}.png", inputs):
+            continue
+        if stem in refused:
+            ledger.fail(stem, refused[stem])
+            continue
+        todo.append((stem, path, inputs))
+    return todo, limits
 
-        fuse = {"logits": multiscale_probs_dhr, "seam": seam_multiscale_probs,
-                "max-logits": multiscale_probs_max}.get(fuse_at, multiscale_probs)
-        probs = fuse(model, x, scales, flip, fp16=fp16)
-        if num_classes is not None and probs.shape[1] != num_classes + 1:
-            raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {num_classes} + "
-                             "background")
-        seam_bytes = fuse_at == "seam" and crf_image == "denormalized"  # test.py's img_denorm, in float32
-        crf_bytes = seam_crf_bytes(x) if seam_bytes else crf_rgb(rgb, x, crf_image)
-        return labels_from_probs(probs, crf_bytes, crf, class_threshold, max_bytes=max_bytes).cpu()
 
-    def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
-        stem, _, img = item
-        fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
+def _read(job: _Job, path: Path) -> torch.Tensor:
+    """One image read, decoded and checked (in an ``--io-workers`` thread): (H, W, 3) uint8."""
+    rgb = read_image(path)
+    H, W = rgb.shape[:2]
+    for s in job.s.scales:
+        _scaled_size(H, W, s)
+    if job.s.params is not None and job.num_classes is not None:  # before any work: its CRF's memory
+        check_crf_image(job.s.params, H, W, job.num_classes + 1, max_bytes=job.max_bytes, name="--crf",
+                        budget_name=MEMORY_FLAG)
+    return torch.from_numpy(rgb)
 
+
+def _labels(model: nn.Module, job: _Job, batch: Batch) -> torch.Tensor:
+    """One batch's labels: the scales' (and flips') softmax fused, then the CRF; on the CPU."""
+    from mars_plugin.networks.deeplabv1 import seam_crf_bytes, seam_multiscale_probs
+
+    s = job.s
+    rgb = torch.stack([img for _, _, img in batch]).to(job.device)  # (B, H, W, 3) uint8
+    x = job.preprocess(rgb)
+    fuse = {"logits": multiscale_probs_dhr, "seam": seam_multiscale_probs,
+            "max-logits": multiscale_probs_max}.get(job.fuse_at, multiscale_probs)
+    probs = fuse(model, x, s.scales, s.flip, fp16=s.fp16)
+    if job.num_classes is not None and probs.shape[1] != job.num_classes + 1:
+        raise ValueError(f"the network gives {probs.shape[1]} classes, the checkpoint says {job.num_classes} + "
+                         "background")
+    seam_bytes = job.fuse_at == "seam" and s.crf_image == "denormalized"  # test.py's img_denorm, in float32
+    crf_bytes = seam_crf_bytes(x) if seam_bytes else crf_rgb(rgb, x, s.crf_image)
+    return labels_from_probs(probs, crf_bytes, s.crf, s.class_threshold, max_bytes=job.max_bytes).cpu()
+
+
+def _predict_todo(model: nn.Module, job: _Job, todo: List[Tuple[str, Path, Dict[str, Any]]],
+                  limits: Dict[Tuple[int, int], int], where: Dict[str, Path], out_dir: Path,
+                  ledger: ResumeLedger) -> None:
+    """The images read ahead and the labels written behind (``--io-workers`` threads,
+    :class:`~mars_plugin.runs.io_pipeline.IOPipeline`), predicted in batches of one size
+    (:class:`~mars_plugin.runs.size_batches.SizeBatches`); each label written is recorded."""
     def keep(written: Any) -> None:
         # the labels written, recorded in the order they were queued (a failed write, a full
         # disk, is not the image's fault: it stops)
         for (stem, inputs), digest in written:
-            record.add(stem, out_dir / f"{stem}.png", inputs, digest)
-            summary.done += 1
-            summary.redone += stem in again
-            tick()
+            ledger.written(stem, out_dir / f"{stem}.png", inputs, digest)
 
-    try:
-        for stem, names in sorted(clashes.items()):
-            fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        # Before any work: every image to predict against the memory budget, from its header.
-        refused, limits = memory_plan(model, items, out_dir, record, max_bytes, scales=scales, flip=flip, fp16=fp16,
-                                       params=params, num_classes=num_classes, device=device)
-        if refused and on_error == "stop":
-            fail(*next(iter(refused.items())))
-        todo = []
-        for stem, path in items:
-            inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
-            kept, exists = record.current(stem, out_dir / f"{stem}.png", inputs)
-            if kept:
-                summary.existing += 1
-                tick()
-                continue
-            if exists:
-                again.add(stem)
-            if stem in refused:
-                fail(stem, refused[stem])
-                continue
-            todo.append((stem, path, inputs))
+    def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
+        stem, _, img = item
+        ledger.fail(stem, f"{where[stem]}, {img.shape[1]}x{img.shape[0]} pixels: {one_line(e)}")
 
-        def load(job: Tuple[str, Path, Dict[str, Any]]) -> torch.Tensor:
-            # one image read, decoded and checked (in an --io-workers thread)
-            rgb = read_image(job[1])
-            H, W = rgb.shape[:2]
-            for s in scales:
-                _scaled_size(H, W, s)
-            if params is not None and num_classes is not None:  # before any work: its CRF's memory
-                check_crf_image(params, H, W, num_classes + 1, max_bytes=max_bytes, name="--crf",
-                                budget_name=MEMORY_FLAG)
-            return torch.from_numpy(rgb)
+    batch_size = job.s.batch_size
+    with IOPipeline(job.io_workers, ahead=2 * batch_size, behind=2 * batch_size) as io:
+        def write(batch: Batch, labels: torch.Tensor) -> None:
+            for (stem, inputs, _), y in zip(batch, labels):
+                io.write((stem, inputs), _write_labels, out_dir / f"{stem}.png", y)
+            keep(io.written())
 
-        with IOPipeline(io_workers, ahead=2 * batch_size, behind=2 * batch_size) as io:
-            def write(batch: Batch, labels: torch.Tensor) -> None:
-                for (stem, inputs, _), y in zip(batch, labels):
-                    io.write((stem, inputs), _write_labels, out_dir / f"{stem}.png", y)
-                keep(io.written())
-
-            batches = SizeBatches(batch_size, labels_of, write, failed)  # one size: one forward pass
-            try:
-                for (stem, _, inputs), fut in io.reads(load, todo):
-                    try:
-                        img = fut.result()
-                    except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
-                        fail(stem, one_line(e))
-                        continue
-                    key = tuple(img.shape[:2])
-                    batches.add(key, (stem, inputs, img), limits.get(key))
-                batches.flush()
-                keep(io.written(0))
-            except BaseException:  # the network failed or Ctrl-C: the labels already whole are recorded first
-                with contextlib.suppress(Exception):  # (a failure to record them must not hide the error)
-                    keep(io.settled())
-                raise
-    finally:
-        if bar is not None:
-            bar.close()
+        batches = SizeBatches(batch_size, lambda b: _labels(model, job, b), write, failed)  # one size: one pass
+        try:
+            for (stem, _, inputs), fut in io.reads(lambda t: _read(job, t[1]), todo):
+                try:
+                    img = fut.result()
+                except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+                    ledger.fail(stem, one_line(e))
+                    continue
+                key = tuple(img.shape[:2])
+                batches.add(key, (stem, inputs, img), limits.get(key))
+            batches.flush()
+            keep(io.written(0))
+        except BaseException:  # the network failed or Ctrl-C: the labels already whole are recorded first
+            with contextlib.suppress(Exception):  # (a failure to record them must not hide the error)
+                keep(io.settled())
+            raise
 
 
 def _write_labels(path: Path, labels: torch.Tensor) -> str:
@@ -375,6 +410,25 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
     """``mars predict``: check the flags, load ``--model``, run :func:`predict_job` into
     ``--out`` or DHR's ``<root>/WSS/<data>/<method>/<domain>/``. Returns the summary and the
     output folder."""
+    from mars_plugin.runs.identities import weight_file_id
+
+    _check_folder_flags(args)
+    model, meta = load_model(args.model, args.which)
+    num_classes = int(meta["model"]["num_classes"])
+    s = PredictSettings.from_args(args, meta)  # the flags given, over the checkpoint's recipe
+    if args.root is not None:
+        images_dir, out, flag = _dhr_folders(args, num_classes)
+    else:
+        images_dir, out, flag = Path(args.images), Path(args.out), "--images"
+    settings = {"file": weight_file_id(args.model), "which": meta["which"], "network": meta["model"],
+                **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}
+    summary = predict_job(model, images_dir, out, **s.keywords(), num_classes=num_classes, settings=settings,
+                          images_flag=flag)
+    return summary, out
+
+
+def _check_folder_flags(args: argparse.Namespace) -> None:
+    """One of ``--images DIR`` (with ``--out``) and ``--root`` (with ``--method`` or ``--out``)."""
     if (args.images is None) == (args.root is None):
         raise ValueError("give either --images DIR (a folder of images) or --root ROOT (DHR's tree, with --data "
                          "and --domain)" + (", not both" if args.images is not None else ""))
@@ -387,115 +441,34 @@ def run_predict(args: argparse.Namespace) -> Tuple[JobSummary, Path]:
     elif (args.out is None) == (args.method is None):
         raise ValueError("with --root give either --method NAME (writes <root>/WSS/<data>/<NAME>/<domain>/, where "
                          "DHR's train.py --wss NAME reads) or --out DIR" + (", not both" if args.out else ""))
-    model, meta = load_model(args.model, args.which)
-    num_classes = int(meta["model"]["num_classes"])
-    from mars_plugin.commands.predict_recipe import predict_settings
-
-    inference = predict_settings(args, meta)
-    flag = "--images"
-    if args.root is not None:
-        from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-        from mars_plugin.commands.reproduce import default_domain
-
-        data = args.data or "VOC2012"
-        domain = args.domain or default_domain(data, args.root)
-        try:
-            layout = DHRLayout(args.root, data)
-            images_dir = layout.image_dir(domain)
-        except ValueError as e:
-            raise ValueError(f"--data/--domain: {one_line(e)}") from None
-        if not images_dir.is_dir():
-            raise JobError(f"--root {args.root}: {images_dir} is not a folder; expected <root>/{data}/{domain}/image "
-                           "(DHR's layout)")
-        flag = "--root"
-        if args.method is not None:
-            try:
-                out = layout.wss_dir(args.method, domain)
-            except ValueError as e:
-                raise ValueError(f"--method {args.method!r}: {one_line(e)}") from None
-            # DHR trains on these with its dataset json's classes: the network must have as many.
-            try:
-                layout.class_names(num_classes)
-            except ValueError as e:
-                raise JobError(f"--model {args.model}: a network of {num_classes} classes for {data}: "
-                               f"{one_line(e)}") from None
-        else:
-            out = Path(args.out)
-    else:
-        images_dir, out = Path(args.images), Path(args.out)
-    from mars_plugin.runs.identities import weight_file_id
-
-    settings = {"file": weight_file_id(args.model), "which": meta["which"], "network": meta["model"],
-                **({"recipe": meta["recipe"]} if meta.get("recipe") is not None else {})}
-    s = predict_job(model, images_dir, out, **inference, batch_size=args.batch_size, device=args.device,
-                    fp16=args.fp16, num_classes=num_classes, on_error=args.on_error,
-                    progress=not args.no_progress, settings=settings, images_flag=flag,
-                    max_bytes="auto" if args.max_memory is None else int(args.max_memory * 2 ** 30),
-                    io_workers=args.io_workers)
-    return s, out
 
 
-def add_predict_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``mars predict`` (defaults shown by an ``ArgumentDefaultsHelpFormatter``)."""
-    from mars_plugin.commands import cli_types as T
-    _OWN_DEFAULT = "%(default).0s"  # no "(default: None)" where the help says what None means
+def _dhr_folders(args: argparse.Namespace, num_classes: int) -> Tuple[Path, Path, str]:
+    """``--root``: the images of ``<root>/<data>/<domain>/image/``, the output folder (``--out``
+    or, with ``--method``, DHR's WSS tree) and the flag naming the images."""
+    from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
+    from mars_plugin.commands.reproduce import default_domain
 
-    p.add_argument("--model", required=True, metavar="FILE",
-                   help="a checkpoint written by mars train (read with weights_only=True: nothing is unpickled)"
-                   + _OWN_DEFAULT)
-    p.add_argument("--which", choices=("student", "teacher"), default=None,
-                   help="the trained network or its EMA teacher (MARS runs only; --loss ce has none); default: "
-                        "the checkpoint's recipe's (dhr: the teacher, as DHR predicts with its EMA weights), "
-                        "the student for a checkpoint without a recipe" + _OWN_DEFAULT)
-    p.add_argument("--images", default=None, metavar="DIR",
-                   help="folder of RGB images <stem>.jpg/.png (or give --root)" + _OWN_DEFAULT)
-    p.add_argument("--root", default=None, metavar="ROOT",
-                   help="DHR's --root: predict <root>/<data>/<domain>/image/ (with --method: into DHR's WSS tree)"
-                   + _OWN_DEFAULT)
-    p.add_argument("--data", default=None,
-                   help="dataset folder under --root (DHR's --data); default VOC2012" + _OWN_DEFAULT)
-    p.add_argument("--domain", default=None,
-                   help="split folder under <data> (DHR's --domain); default train_aug for VOC2012, else train"
-                   + _OWN_DEFAULT)
-    p.add_argument("--method", default=None, metavar="NAME",
-                   help="with --root: write <root>/WSS/<data>/<NAME>/<domain>/<id>.png, where DHR's train.py --wss "
-                        "NAME reads its masks (MARS masks: --method MARS)" + _OWN_DEFAULT)
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="output folder of <stem>.png labels (P mode, VOC palette); with --root: instead of --method"
-                   + _OWN_DEFAULT)
-    recipe = " (default: the checkpoint's recipe's; without one, %s)"
-    p.add_argument("--scales", type=T.seg_scales, default=None, metavar="S,S,...",
-                   help="inference scales, comma-separated (RS+EPM's and DHR's evaluators: 1,0.5,1.5,2); the mean "
-                        "softmax over scales (and flips) is taken"
-                        + recipe % ",".join(f"{s:g}" for s in DEFAULT_SCALES))
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
-                   help="also predict each scale's mirror image and average it in" + recipe % "on")
-    p.add_argument("--crf", choices=CRF_CHOICES, default=None,
-                   help="dense CRF on the mean softmax and the RGB image: mars (RS+EPM's DeepLab setting, Gaussian "
-                        "1/3, bilateral 67/3/4, 10 iterations), psa (PSA/SEAM's 3/3, 80/13/10), or none (argmax)"
-                        + recipe % "mars")
-    p.add_argument("--crf-image", choices=CRF_IMAGES, default=None,
-                   help="the bytes the CRF compares: the image file's, or denormalized: the network's input turned "
-                        "back to bytes by truncation, as DHR's and RS+EPM's evaluators do (13-30%% of the values one "
-                        "below the file's)" + recipe % "file")
-    p.add_argument("--class-threshold", type=T.class_threshold, default=None, metavar="P",
-                   help="classes whose probability reaches this somewhere in an image are that image's CRF labels "
-                        "(RS+EPM/DHR: 0.05; 0: every class)" + recipe % CLASS_THRESHOLD)
-    p.add_argument("--batch-size", type=T.batch_size, default=4, metavar="N",
-                   help="images of one size per forward pass (each with its mirror); 16 suits a GPU")
-    p.add_argument("--device", default="cpu",
-                   help="where the network and the CRF run: cpu, cuda, cuda:1, or auto (under torchrun: GPU "
-                        "LOCAL_RANK)")
-    p.add_argument("--fp16", action="store_true",
-                   help="the network under half-precision autocast: bfloat16 (float16 on GPUs without it); softmax, "
-                        "mean and CRF stay float32")
-    p.add_argument(MEMORY_FLAG, type=T.max_memory, default=None, metavar="GIB",
-                   help="the memory budget in GiB: an image whose prediction (network over the scales and flips, "
-                        "CRF) needs more is refused by name before any work (default: 80%% of the device's memory: "
-                        "RAM on the CPU, the GPU's on cuda)" + _OWN_DEFAULT)
-    p.add_argument("--on-error", choices=ON_ERROR, default="stop",
-                   help="an unreadable image: stop at the first with one line naming it (exit 2), or skip it, go "
-                        "on, list every skipped file on stderr at the end and exit 1")
-    add_io_workers_argument(p)
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
+    data = args.data or "VOC2012"
+    domain = args.domain or default_domain(data, args.root)
+    try:
+        layout = DHRLayout(args.root, data)
+        images_dir = layout.image_dir(domain)
+    except ValueError as e:
+        raise ValueError(f"--data/--domain: {one_line(e)}") from None
+    if not images_dir.is_dir():
+        raise JobError(f"--root {args.root}: {images_dir} is not a folder; expected <root>/{data}/{domain}/image "
+                       "(DHR's layout)")
+    if args.method is None:
+        return images_dir, Path(args.out), "--root"
+    try:
+        out = layout.wss_dir(args.method, domain)
+    except ValueError as e:
+        raise ValueError(f"--method {args.method!r}: {one_line(e)}") from None
+    # DHR trains on these with its dataset json's classes: the network must have as many.
+    try:
+        layout.class_names(num_classes)
+    except ValueError as e:
+        raise JobError(f"--model {args.model}: a network of {num_classes} classes for {data}: "
+                       f"{one_line(e)}") from None
+    return images_dir, out, "--root"
