@@ -24,7 +24,6 @@ NOT_YET = {
     "debias",
     "demo",
     "evaluate",
-    "features",
     "predict",
     "report",
     "reproduce",
