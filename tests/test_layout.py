@@ -142,7 +142,6 @@ LONG_KERNELS = KERNELS | {"permutohedral_triton.py"}
 NOT_YET = {
     "adapters/uss/extractor.py:load_extractor",
     "adapters/uss/vit_weights.py:vit_from_state_dict",
-    "mars_plugin/commands/centroids.py:centroids_job",
     "mars_plugin/commands/debias.py:_debias_folder",
     "mars_plugin/commands/debias.py:debias_job",
     "mars_plugin/commands/demo.py:run_demo",

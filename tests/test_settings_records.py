@@ -20,7 +20,6 @@ from mars_plugin.commands.command_table import COMMANDS, flags_module
 _EVERY = {"help", "threads"}
 #: Commands whose record is not built yet (the list only shrinks).
 NOT_YET = {
-    "centroids",
     "debias",
     "demo",
     "evaluate",
