@@ -138,8 +138,8 @@ def centroids_job(
     try:
         if kept is not None:  # made from these inputs with these settings: keep it
             V = load_centroids(out, "--out")
-            return V, JobSummary(existing=V.num_images, failed=[tuple(f) for f in kept] if _rank_world()[0] == 0
-                                 else [])
+            failed = [tuple(f) for f in kept] if _rank_world()[0] == 0 else []  # rank 0's record lists them all
+            return V, JobSummary(existing=V.num_images, failed=failed)
         V, summary = _select(s, stems, Path(features_dir), Path(labels_dir), labels)
         _save(record, V, summary)
         return V, summary
