@@ -103,8 +103,12 @@ def _python_parameters():
     from mars_plugin.engines.crf_params import check_crf_params
     from mars_plugin.commands.reproduce_settings import ReproduceSettings
 
+    from mars_plugin.commands.command_table import COMMANDS, flags_module
+
+    # the jobs take their settings records' fields as keywords: the records' fields count too
+    records = tuple(r for r in (getattr(flags_module(n), "SETTINGS", None) for n in COMMANDS) if r is not None)
     names = set()
-    for fn in (centroids.centroids_job, debias.debias_job, evaluate.evaluate_job, report.report_job,
+    for fn in records + (centroids.centroids_job, debias.debias_job, evaluate.evaluate_job, report.report_job,
                features.features_job, extractor.load_extractor, reproduce.reproduce, demo.run_demo, select_centroids, check_crf_params,
                distributed.resolve_device, ReproduceSettings):
         names |= set(inspect.signature(fn).parameters)

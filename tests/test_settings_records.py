@@ -20,11 +20,9 @@ from mars_plugin.commands.command_table import COMMANDS, flags_module
 _EVERY = {"help", "threads"}
 #: Commands whose record is not built yet (the list only shrinks).
 NOT_YET = {
-    "centroids",
     "debias",
     "demo",
     "evaluate",
-    "features",
     "report",
     "reproduce",
     "sample",

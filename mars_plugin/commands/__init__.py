@@ -7,7 +7,7 @@ dispatches. The equations are in :mod:`mars_plugin.method`.
 The commands:
 
 * ``features.py`` -- ``mars features`` (the folder job around a USS extractor of
-  :mod:`mars_plugin.adapters.uss`); flags in ``features_settings.py``.
+  :mod:`mars_plugin.adapters.uss`); its settings record and flags in ``features_settings.py``.
 * ``centroids.py``, ``debias.py``, ``evaluate.py``, ``report.py`` -- ``mars centroids``,
   ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``; flags in
   ``centroids_settings.py``, ``debias_settings.py``, ``evaluate_settings.py``,

@@ -11,15 +11,15 @@ import argparse
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from mars_plugin._checks import check_ignore_byte, check_num_classes
-from mars_plugin.formats.files import FEATURE_EXTENSIONS, IGNORE_VALUE, find_features, read_features, read_label
+from mars_plugin.formats.files import FEATURE_EXTENSIONS, find_features, read_features, read_label
 from mars_plugin.runs.distributed import _dist_ready, _free, _rank_world, resolve_device, share_error, sync_group
-from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _fail, one_line
 from mars_plugin.method.selection import DebiasedCentroids, select_centroids
+from mars_plugin.commands.centroids_settings import CentroidsSettings
 from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
 from mars_plugin.commands.inputs import (
     _check_out_file,
@@ -31,13 +31,12 @@ from mars_plugin.commands.inputs import (
     check_any_valid,
     check_features,
     check_input_folder,
-    check_job_params,
     check_label_values,
     load_centroids,
     no_valid_pixel,
 )
 
-__all__ = ["centroids_job", "run_centroids_command"]
+__all__ = ["centroids_job", "CentroidsSettings", "run_centroids_command"]
 
 
 def _centroid_samples(
@@ -96,25 +95,19 @@ def centroids_job(
     out: os.PathLike,
     *,
     image_labels: Optional[os.PathLike] = None,
-    alpha: float = 0.4,
-    k_fg: int = 2,
-    k_bg: int = 2,
-    seed: int = 0,
-    batch_size: int = 64,
-    ignore_index: int = IGNORE_VALUE,
-    on_error: str = "stop",
-    progress: bool = True,
+    settings: Optional[CentroidsSettings] = None,
     fmt: Optional[LabelFormat] = None,
-    device: str = "cpu",
-    spill_dir: Optional[os.PathLike] = None,
-    spill_mb: float = 1024,
-    backend: str = "auto",
     stems: Optional[Sequence[str]] = None,
+    **keywords: Any,
 ) -> Tuple[DebiasedCentroids, JobSummary]:
     """Stream every (features, pseudo label) pair of two folders into :func:`select_centroids`
-    and save the result to ``out`` (a ``.pt`` file, written atomically). ``device`` runs the
-    K-means (``"auto"``: this rank's GPU when CUDA is available, else the CPU); ``spill_dir``,
-    ``spill_mb`` and ``backend`` are passed to :func:`select_centroids`.
+    and save the result to ``out`` (a ``.pt`` file, written atomically). ``settings``: a
+    :class:`~mars_plugin.commands.centroids_settings.CentroidsSettings` (its ``num_classes`` is
+    ``num_classes``), or its fields as ``keywords`` (``alpha``, ``k_fg``, ``k_bg``, ``seed``,
+    ``batch_size``, ``ignore_index``, ``on_error``, ``progress``, ``device``, ``spill_dir``,
+    ``spill_mb``, ``backend``). ``device`` runs the K-means (``"auto"``: this rank's GPU when
+    CUDA is available, else the CPU); ``spill_dir``, ``spill_mb`` and ``backend`` are passed to
+    :func:`select_centroids`.
 
     ``fmt`` (see :func:`label_format`) reads a WSSS repository's own folders and image-label
     file. Under torch.distributed (e.g. ``torchrun``), each rank reads its strided shard of the
@@ -131,91 +124,120 @@ def centroids_job(
     at a time per ``out`` (a lock, ``.<name>.lock`` beside it).
     """
     check_out_apart(out, "--out", {"--features": features_dir, "--labels": labels_dir, "--image-labels": image_labels})
-    _check_on_error(on_error)
-    num_classes = check_num_classes(num_classes)
-    ignore_index = check_ignore_byte(ignore_index, num_classes=num_classes)
-    p = check_job_params(alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size, spill_mb=spill_mb)
-    alpha, k_fg, k_bg, seed, batch_size, spill_mb = (p[k] for k in ("alpha", "k_fg", "k_bg", "seed", "batch_size",
-                                                                    "spill_mb"))
+    s = _settings(settings, num_classes, keywords)
     _check_out_file(out, "--out")
     fmt = fmt or LabelFormat()
     stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
     check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
-    check_any_valid(labels_dir, stems, "--labels", ignore_index)
-    labels = fmt.image_labels(image_labels, num_classes)
-    rank, world = _rank_world()
-    from mars_plugin.runs.run_record import CentroidsRecord, broadcast_object
+    check_any_valid(labels_dir, stems, "--labels", s.ignore_index)
+    labels = fmt.image_labels(image_labels, s.num_classes)
+    from mars_plugin.runs.run_record import CentroidsRecord
 
-    # The settings that shape the result; the folders are not among them: each file read is
-    # recorded by its identity (a moved or copied tree is the same run).
-    record = CentroidsRecord(out, {"num_classes": num_classes, "alpha": alpha, "k_fg": k_fg, "k_bg": k_bg,
-                                   "seed": seed, "ignore_index": ignore_index, "wsss": fmt.name})
+    record = CentroidsRecord(out, s.identity(fmt.name))
+    kept = _kept(record, stems, features_dir, labels_dir, labels, s.on_error)
+    try:
+        if kept is not None:  # made from these inputs with these settings: keep it
+            V = load_centroids(out, "--out")
+            failed = [tuple(f) for f in kept] if _rank_world()[0] == 0 else []  # rank 0's record lists them all
+            return V, JobSummary(existing=V.num_images, failed=failed)
+        V, summary = _select(s, stems, Path(features_dir), Path(labels_dir), labels)
+        _save(record, V, summary)
+        return V, summary
+    finally:
+        record.close()
+
+
+def _settings(settings: Optional[CentroidsSettings], num_classes: int, keywords: Dict[str, Any]) -> CentroidsSettings:
+    """:func:`centroids_job`'s record: ``settings``, or made (and checked) from ``keywords``."""
+    if settings is None:
+        return CentroidsSettings(num_classes=num_classes, **keywords)
+    if keywords:
+        raise ValueError("give settings=CentroidsSettings(...) or its fields as keywords, not both "
+                         f"(got {sorted(keywords)})")
+    if num_classes != settings.num_classes:
+        raise ValueError(f"num_classes is {num_classes!r} and settings.num_classes {settings.num_classes}: "
+                         "expected one class count")
+    return settings
+
+
+def _kept(record: Any, stems: Sequence[str], features_dir: os.PathLike, labels_dir: os.PathLike, labels: Any,
+          on_error: str) -> Optional[List[Any]]:
+    """Rank 0 opens ``out``'s record (the lock, the inputs' identities, other settings refused):
+    the skipped files recorded when ``out`` is current (keep it), else None, on every rank."""
+    from mars_plugin.runs.run_record import broadcast_object
+
     error, kept = None, None
     group = sync_group()  # the ranks meet here however late rank 0 comes (24 h, not torchrun's 30 min)
-    if rank == 0:
+    if _rank_world()[0] == 0:
         try:
             kept = record.open(stems, features_dir, labels_dir, labels, on_error)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
     try:
         share_error(error, group)  # a refusal on rank 0 (another run, other settings) stops every rank
-        kept = broadcast_object(kept, group)
+        return broadcast_object(kept, group)
     finally:
         _free(group)
-    try:
-        if kept is not None:  # made from these inputs with these settings: keep it
-            V = load_centroids(out, "--out")
-            return V, JobSummary(existing=V.num_images, failed=[tuple(f) for f in kept] if rank == 0 else [])
-        stems = stems[rank::world]
-        summary = JobSummary()
-        yielded: List[str] = []
-        samples = _centroid_samples(stems, Path(features_dir), Path(labels_dir), labels, num_classes, ignore_index,
-                                    on_error, summary, progress, yielded)
-        dev = resolve_device(device)
-        try:
-            V = select_centroids(
-                samples, num_classes, alpha=alpha, k_fg=k_fg, k_bg=k_bg, seed=seed, batch_size=batch_size,
-                ignore_index=ignore_index, device=dev, spill_dir=spill_dir, spill_mb=spill_mb,
-                backend=backend,
-            ).to("cpu")
-        except (ValueError, TypeError) as e:
-            if "samples" not in str(e):
-                raise
-            raise _translate_samples_error(e, yielded, summary) from None
-        failed = [list(f) for f in summary.failed]
-        if _dist_ready():  # the record lists every rank's skipped files
-            import torch.distributed as dist
 
-            got: List[Any] = [None] * world
-            dist.all_gather_object(got, failed)
-            failed = [f for g in got for f in g]
-        if rank == 0:
-            record.save(V, failed)
-        return V, summary
-    finally:
-        record.close()
+
+def _select(s: CentroidsSettings, stems: Sequence[str], features_dir: Path, labels_dir: Path,
+            labels: Any) -> Tuple[DebiasedCentroids, JobSummary]:
+    """Eq. 1-3 over this rank's strided shard of ``stems``: the centroids (on the CPU) and the
+    shard's summary; an error of :func:`select_centroids` names the file, not ``samples[i]``."""
+    rank, world = _rank_world()
+    summary = JobSummary()
+    yielded: List[str] = []
+    samples = _centroid_samples(stems[rank::world], features_dir, labels_dir, labels, s.num_classes, s.ignore_index,
+                                s.on_error, summary, s.progress, yielded)
+    dev = resolve_device(s.device)
+    try:
+        V = select_centroids(
+            samples, s.num_classes, alpha=s.alpha, k_fg=s.k_fg, k_bg=s.k_bg, seed=s.seed, batch_size=s.batch_size,
+            ignore_index=s.ignore_index, device=dev, spill_dir=s.spill_dir, spill_mb=s.spill_mb,
+            backend=s.backend,
+        ).to("cpu")
+    except (ValueError, TypeError) as e:
+        if "samples" not in str(e):
+            raise
+        raise _translate_samples_error(e, yielded, summary) from None
+    return V, summary
+
+
+def _save(record: Any, V: DebiasedCentroids, summary: JobSummary) -> None:
+    """Rank 0 saves ``V`` with its record, which lists every rank's skipped files."""
+    failed = [list(f) for f in summary.failed]
+    if _dist_ready():
+        import torch.distributed as dist
+
+        got: List[Any] = [None] * _rank_world()[1]
+        dist.all_gather_object(got, failed)
+        failed = [f for g in got for f in g]
+    if _rank_world()[0] == 0:
+        record.save(V, failed)
 
 
 def run_centroids_command(args: argparse.Namespace) -> JobSummary:
     """``mars centroids``: :func:`centroids_job` on the parsed flags, then its summary on stdout
     (what the numbers mean, then per class: candidate centroids kept of those found, and the cut
     distance)."""
-    progress = not args.no_progress
     fmt = label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
     # read before the work: a bad file fails fast
     names = _class_names(args.class_names) or _wsss_class_names(args)
-    V, s = centroids_job(
-        args.features, args.labels, args.num_classes, args.out, image_labels=args.image_labels,
-        alpha=args.alpha, k_fg=args.k_fg, k_bg=args.k_bg, seed=args.seed, batch_size=args.batch_size,
-        ignore_index=args.ignore_index, on_error=args.on_error, progress=progress, fmt=fmt,
-        device=args.device, spill_dir=args.spill_dir, spill_mb=args.spill_mb, backend=args.backend,
-    )
+    settings = CentroidsSettings.from_args(args)
+    V, s = centroids_job(args.features, args.labels, settings.num_classes, args.out, image_labels=args.image_labels,
+                         settings=settings, fmt=fmt)
     if s.existing and not s.done:  # resume: the record in --out says nothing changed
         print(f"centroids of {V.num_images} images -> {args.out}: kept, made from the same inputs with "
               "the same settings")
     else:
         print(f"centroids of {V.num_images} images -> {args.out}; {s.line('read')}")
-    alpha, k_fg = V.config.get("alpha", args.alpha), V.config.get("k_fg", args.k_fg)
+    _print_classes(V, settings, names)
+    return s
+
+
+def _print_classes(V: DebiasedCentroids, settings: CentroidsSettings, names: Optional[Sequence[str]]) -> None:
+    """What the two numbers and the cut distance are, then each class's."""
+    alpha, k_fg = V.config.get("alpha", settings.alpha), V.config.get("k_fg", settings.k_fg)
     # What the two numbers and the distance are (selection.py, Eq. 1-2), once, before the classes.
     print(f"per class: K of N candidate centroids kept (N: K-means centroids of the class, up to {k_fg} per "
           f"image that has it; K = ceil(alpha {alpha:g} x N), those farthest from the training set's "
@@ -227,4 +249,3 @@ def run_centroids_command(args: argparse.Namespace) -> JobSummary:
                   f"candidate centroids kept, cut distance {float(V.cut_distance[c]):.4f}")
         else:
             print(f"  {_class_label(names, c)}: never seen, no centroid")
-    return s

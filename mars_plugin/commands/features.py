@@ -21,37 +21,36 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from mars_plugin.commands import cli_types as T
-from mars_plugin._checks import MAX_BATCH_SIZE, MAX_STRIDE, check_int_param, check_scales
 from mars_plugin.formats.files import (FEATURE_EXTENSIONS, IMAGE_EXTENSIONS, check_stem, list_stems, read_image,
                                       write_features)
+from mars_plugin.commands.features_settings import (FILE_FORMATS, FeaturesSettings, _OWN_DEFAULT,  # noqa: F401
+                                                    add_features_arguments, scales_argument)
 from mars_plugin.commands.inputs import _label_like
-from mars_plugin.runs.errors import JobError, JobSummary, one_line
+from mars_plugin.runs.errors import ON_ERROR, JobError, JobSummary, one_line  # noqa: F401 -- ON_ERROR: kept importable here
+from mars_plugin.runs.resume_ledger import ResumeLedger
 from mars_plugin.runs.size_batches import SizeBatches
 from mars_plugin.runs.distributed import _dist_ready, _rank_world, resolve_device, share_error, sync_group
 from mars_plugin.runs.identities import array_digest, file_id
 
 from mars_plugin.adapters.uss.preprocess import check_output_size
-from mars_plugin.adapters.uss.extractor import USS_MODELS, load_extractor
 
 __all__ = [
     "features_job",
+    "FeaturesSettings",
     "add_features_arguments",
     "scales_argument",
     "run_features",
 ]
 
 PathLike = Union[str, os.PathLike]
-ON_ERROR = ("stop", "skip")
-#: ``file_format`` of :func:`features_job`: numpy arrays, or fp16 torch tensors as DHR writes them.
-FILE_FORMATS = ("npy", "pt")
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,16 +88,9 @@ def features_job(
     images_dir: PathLike,
     out_dir: PathLike,
     *,
-    batch_size: int = 8,
-    device: Union[str, torch.device] = "cpu",
-    fp16: bool = False,
-    output_size: Optional[Union[str, Tuple[int, int]]] = None,
-    stride: Optional[int] = None,
-    on_error: str = "stop",
-    progress: bool = True,
-    file_format: str = "npy",
+    settings: Union[None, FeaturesSettings, Mapping[str, Any]] = None,
     stems: Optional[Sequence[str]] = None,
-    settings: Optional[Dict[str, Any]] = None,
+    **keywords: Any,
 ) -> JobSummary:
     """Write ``<out_dir>/<stem>.npy`` (or ``.pt``), float16 (D, h, w), for every image of ``images_dir``
     (or for the images of ``stems`` only).
@@ -106,6 +98,8 @@ def features_job(
     Args:
         extractor: a :class:`FeatureExtractor` (an ``nn.Module`` is moved to ``device`` and put
             in eval mode).
+        settings: a :class:`~mars_plugin.commands.features_settings.FeaturesSettings`, or its
+            fields as ``keywords`` (below); a mapping here is the older spelling of its ``model``.
         batch_size: images per forward pass; only images of the same size share a batch (a few
             sizes are buffered at once, at most ``4 * batch_size`` images).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``... or ``"auto"``: GPU ``LOCAL_RANK`` (mod
@@ -123,9 +117,10 @@ def features_job(
             DHR's produce_uss_features.py:34 writes); both are read by every ``mars`` command.
         stems: only these images (e.g. those that have a pseudo label, when the image folder
             holds a whole split); a stem with no image in ``images_dir`` is a per-file failure.
-        settings: what made the extractor (its model files and options, as ``mars features``
-            records them), part of the folder's record; None: the extractor's ``describe()``
-            (a library extractor's weights are then not recorded: pass them here).
+        model: what made the extractor (its model files and options, as ``mars features``
+            records them), part of the folder's record; None: from ``uss`` and its files when
+            given, else the extractor's ``describe()`` (a library extractor's weights are then
+            not recorded: pass them here).
 
     Resume (:mod:`mars_plugin.runs.run_record`): ``out_dir/.mars-run.json`` records the settings
     (the model, ``fp16``, the output size, the format, the image folder; other settings are
@@ -151,74 +146,28 @@ def features_job(
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
     check_out_apart(out_dir, "--out", {"--images": images_dir})
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    if file_format not in FILE_FORMATS:
-        raise ValueError(f"file_format must be one of {FILE_FORMATS}, got {file_format!r}")
-    ext, other_ext = (".npy", ".pt") if file_format == "npy" else (".pt", ".npy")
-    batch_size = check_int_param(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
-    if stride is not None:
-        stride = check_int_param(stride, "stride", 1, MAX_STRIDE)
-    if stride is not None and output_size is not None:
-        raise ValueError("give either output_size or stride, not both")
-    if isinstance(output_size, str) and output_size != "image":
-        raise ValueError(f"output_size must be None, 'image' or an (h, w) pair, got {output_size!r}")
-    if output_size is not None and not isinstance(output_size, str):
-        check_output_size(output_size)
+    s = _settings(settings, keywords)
     if not callable(extractor):
         raise TypeError(f"extractor must be callable (a FeatureExtractor), got {type(extractor).__name__}")
     # "auto": GPU LOCAL_RANK (mod the GPU count) under torchrun, the one rule of every mars job.
-    device = resolve_device(device)
+    device = resolve_device(s.device)
     images_dir, out_dir = Path(images_dir), Path(out_dir)
-    wanted = None if stems is None else set(check_stem(s) for s in stems)
+    wanted = None if stems is None else set(check_stem(x) for x in stems)
     rank, world = _rank_world()
     from mars_plugin.runs.run_record import FolderRecord
 
-    if settings is None:
-        describe = getattr(extractor, "describe", None)
-        settings = {"extractor": describe() if callable(describe) else type(extractor).__name__}
-    # The settings that shape the embeddings; not the image folder: each image is recorded by
-    # its identity (a moved or copied tree is the same run), nor the format (npy or pt: the
-    # same values; a folder may mix them).
-    record = FolderRecord(out_dir, "features", {"fp16": bool(fp16), "output_size": output_size, "stride": stride,
-                                                "model": settings}, rank=rank)
+    record = FolderRecord(out_dir, "features", s.identity(extractor), rank=rank)
     # Created before anything that can fail on one rank only: every rank must reach it.
     group = sync_group()
     try:
-        # Phase 1: the work list, then this rank's share of it. A failure on any rank (an
-        # unreadable folder on one node, another run holding the lock, a folder of other
-        # settings on rank 0) is raised on every rank by share_error.
-        error: Optional[Exception] = None
-        try:
-            items, clashes, missing = _work_list(images_dir, wanted)
-            if rank == 0:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                # the features of an id with no image are stale; ``stems`` is a filter, see FolderRecord.open
-                record.open(list_stems(images_dir, IMAGE_EXTENSIONS), FEATURE_EXTENSIONS)
-        except Exception as e:  # noqa: BLE001 -- raised on every rank just below
-            error = e
-        share_error(error, group)
-        everything = sorted({s for s, _ in items} | set(clashes) | set(missing))
-        _check_same_work(everything, images_dir, group)
-        if rank == 0:
-            record.write_settings()
-        record.load()
-        # Rank r takes stems r, r + W, ... of the sorted list: no two ranks write the same file
-        # (files are per stem), and a resumed run, whose done files are mostly a prefix of that
-        # list, leaves every rank about the same share of the work left.
-        mine = set(everything[rank::world])
-        items = [(s, p) for s, p in items if s in mine]
-        clashes = {s: n for s, n in clashes.items() if s in mine}
-        missing = [s for s in missing if s in mine]
+        share = _my_share(images_dir, out_dir, wanted, record, group)
         summary = JobSummary()
         record.tell(summary)
-        error = None
+        error: Optional[Exception] = None
         try:
-            _features_shard(extractor, images_dir, out_dir, items, clashes, missing, summary, ext=ext,
-                            other_ext=other_ext, batch_size=batch_size, device=device, fp16=fp16,
-                            output_size=output_size, stride=stride, on_error=on_error,
-                            progress=progress and rank == 0,
-                            desc="features" if world == 1 else f"features rank 0/{world}", record=record)
+            _Embedder(extractor, s, device, out_dir, share).run(
+                record, summary, progress=s.progress and rank == 0,
+                desc="features" if world == 1 else f"features rank 0/{world}")
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         # Phase 2: every rank meets here, also one that failed (on_error="stop"), so that none
@@ -231,6 +180,63 @@ def features_job(
             import torch.distributed as dist
 
             dist.destroy_process_group(group)
+
+
+def _settings(settings: Union[None, FeaturesSettings, Mapping[str, Any]], keywords: Dict[str, Any]) -> FeaturesSettings:
+    """:func:`features_job`'s record: ``settings``, or made (and checked) from ``keywords``."""
+    if isinstance(settings, FeaturesSettings):
+        if keywords:
+            raise ValueError("give settings=FeaturesSettings(...) or its fields as keywords, not both "
+                             f"(got {sorted(keywords)})")
+        return settings
+    if settings is not None:  # the older spelling of model=: what made the extractor
+        if "model" in keywords:
+            raise ValueError("give the model's description as model=..., not also as settings=...")
+        keywords = {**keywords, "model": settings}
+    return FeaturesSettings(**keywords)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """One rank's share of the work: the images to embed, the stems whose image clashes with
+    another of the same stem, the stems asked for with no image."""
+
+    images_dir: Path
+    items: List[Tuple[str, Path]]
+    clashes: Dict[str, List[str]]
+    missing: List[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.items) + len(self.clashes) + len(self.missing)
+
+
+def _my_share(images_dir: Path, out_dir: Path, wanted: Optional[set], record: Any, group: Any) -> _Share:
+    """Phase 1: the work list (the same on every rank), then this rank's share of it. A failure
+    on any rank (an unreadable folder on one node, another run holding the lock, a folder of
+    other settings on rank 0) is raised on every rank by share_error."""
+    rank, world = _rank_world()
+    error: Optional[Exception] = None
+    try:
+        items, clashes, missing = _work_list(images_dir, wanted)
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            # the features of an id with no image are stale; ``stems`` is a filter, see FolderRecord.open
+            record.open(list_stems(images_dir, IMAGE_EXTENSIONS), FEATURE_EXTENSIONS)
+    except Exception as e:  # noqa: BLE001 -- raised on every rank just below
+        error = e
+    share_error(error, group)
+    everything = sorted({s for s, _ in items} | set(clashes) | set(missing))
+    _check_same_work(everything, images_dir, group)
+    if rank == 0:
+        record.write_settings()
+    record.load()
+    # Rank r takes stems r, r + W, ... of the sorted list: no two ranks write the same file
+    # (files are per stem), and a resumed run, whose done files are mostly a prefix of that
+    # list, leaves every rank about the same share of the work left.
+    mine = set(everything[rank::world])
+    return _Share(images_dir, [(s, p) for s, p in items if s in mine], {s: n for s, n in clashes.items() if s in mine},
+                  [s for s in missing if s in mine])
 
 
 def _work_list(
@@ -275,42 +281,79 @@ def _check_same_work(stems: List[str], images_dir: Path, group: Any) -> None:
                        "must read the same folder (on a shared file system, with no images being added)")
 
 
-def _features_shard(
-    extractor: Callable[..., torch.Tensor], images_dir: Path, out_dir: Path, items: List[Tuple[str, Path]],
-    clashes: Dict[str, List[str]], missing: List[str], summary: JobSummary, *, ext: str, other_ext: str,
-    batch_size: int, device: torch.device, fp16: bool, output_size: Any, stride: Optional[int], on_error: str,
-    progress: bool, desc: str, record: Any,
-) -> None:
-    """:func:`features_job`'s work on one rank's images, counted in ``summary``; ``record`` (a
-    :class:`~mars_plugin.runs.run_record.FolderRecord`) says which files are current and records
-    each file written."""
-    out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
-    if isinstance(extractor, nn.Module):
-        extractor.to(device).eval()
+#: one image on its way through a batch: (stem, its identity as read, the (3, H, W) uint8 tensor)
+_Item = Tuple[str, Dict[str, Any], torch.Tensor]
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(items) + len(clashes) + len(missing), desc=desc, unit="img")
+class _Embedder:
+    """:func:`features_job`'s work on one rank's images (``share``): each read, batched with
+    images of its size, embedded, checked and written; its ``ledger`` (a
+    :class:`~mars_plugin.runs.resume_ledger.ResumeLedger` over the folder's record and the
+    summary) says which files are current, records each file written and counts each file."""
 
-    def tick(n: int = 1) -> None:
-        if bar is not None:
-            bar.update(n)
+    def __init__(self, extractor: Callable[..., torch.Tensor], s: FeaturesSettings, device: torch.device,
+                 out_dir: Path, share: _Share) -> None:
+        self.extractor, self.s, self.device, self.out_dir, self.share = extractor, s, device, out_dir, share
+        self.ext, self.other_ext = s.extensions
+        self.where = {stem: path for stem, path in share.items}
 
-    def fail(stem: str, why: str) -> None:
-        if on_error == "stop":
-            raise JobError(f"{stem}: {why}")
-        summary.failed.append((stem, why))
-        tick()
+    def run(self, record: Any, summary: JobSummary, progress: bool, desc: str) -> None:
+        """Every file of the share, counted in ``summary``: the failures known before reading
+        first, then the images; ``record``: the folder's
+        :class:`~mars_plugin.runs.run_record.FolderRecord`."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)  # on every rank: exist_ok makes the race harmless
+        if isinstance(self.extractor, nn.Module):
+            self.extractor.to(self.device).eval()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-    where = {stem: path for stem, path in items}
+            bar = tqdm(total=self.share.size, desc=desc, unit="img")
+        self.ledger = ResumeLedger(record, summary, self.s.on_error, None if bar is None else bar.update)
+        fail, images_dir = self.ledger.fail, self.share.images_dir
+        try:
+            for stem in self.share.missing:
+                fail(stem, f"no image of this id in {images_dir} (looked for {', '.join(IMAGE_EXTENSIONS)})")
+            for stem, names in sorted(self.share.clashes.items()):
+                fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
+            batches = SizeBatches(self.s.batch_size, self.forward, self.write, self.failed)  # one size: one pass
+            for stem, path in self.share.items:
+                self.take(stem, path, batches)
+            batches.flush()
+        finally:
+            if bar is not None:
+                bar.close()
 
-    def forward(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]]) -> torch.Tensor:
-        images = torch.stack([img for _, _, img in batch]).to(device)
-        size = _target_size(output_size, stride, images.shape[-2], images.shape[-1])
-        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.float16, enabled=bool(fp16)):
-            feats = extractor(images, output_size=size) if size is not None else extractor(images)
+    def take(self, stem: str, path: Path, batches: SizeBatches) -> None:
+        """One image: settled at once (kept, or failed), or read into the batch of its size."""
+        fail, other = self.ledger.fail, self.out_dir / f"{stem}{self.other_ext}"
+        if other.is_file():
+            fail(stem, f"{other} already exists: a {stem}{self.ext} beside it would clash "
+                       "(two formats for one stem); remove one or pick that --format")
+            return
+        inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
+        if not self.ledger.needs(stem, self.out_dir / f"{stem}{self.ext}", inputs):
+            return
+        try:
+            rgb = read_image(path)
+        except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
+            fail(stem, one_line(e))
+            return
+        img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+        key = (int(img.shape[1]), int(img.shape[2]))
+        try:  # sizes the extractor refuses (too many tokens, a side below a pixel): this file's failure
+            getattr(self.extractor, "check_input_size", lambda h, w: None)(*key)
+        except ValueError as e:
+            fail(stem, f"{path}: {e}")
+            return
+        batches.add(key, (stem, inputs, img))
+
+    def forward(self, batch: List[_Item]) -> torch.Tensor:
+        """One forward pass over a batch of one image size; the maps' shape checked."""
+        images = torch.stack([img for _, _, img in batch]).to(self.device)
+        size = _target_size(self.s.output_size, self.s.stride, images.shape[-2], images.shape[-1])
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=torch.float16, enabled=bool(self.s.fp16)):
+            feats = self.extractor(images, output_size=size) if size is not None else self.extractor(images)
         if not isinstance(feats, torch.Tensor) or feats.ndim != 4 or feats.shape[0] != len(batch):
             got = f"shape {tuple(feats.shape)}" if isinstance(feats, torch.Tensor) else type(feats).__name__
             raise ValueError(f"the extractor must return (B, D, h, w) with B = {len(batch)}, got {got}")
@@ -318,169 +361,37 @@ def _features_shard(
             raise ValueError(f"the extractor returned {tuple(feats.shape[-2:])} maps, {size} were asked for")
         return feats
 
-    def failed(item: Tuple[str, Dict[str, Any], torch.Tensor], e: Exception) -> None:
+    def failed(self, item: _Item, e: Exception) -> None:
+        """A batch's forward pass failed: each of its images, alone, is that file's failure."""
         stem, _, img = item
-        fail(stem, f"{where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
+        self.ledger.fail(stem, f"{self.where[stem]}, {img.shape[2]}x{img.shape[1]} pixels: {one_line(e)}")
 
-    def write(batch: List[Tuple[str, Dict[str, Any], torch.Tensor]], feats: torch.Tensor) -> None:
+    def write(self, batch: List[_Item], feats: torch.Tensor) -> None:
+        """Each image's maps as float16, written atomically and recorded (non-finite: a failure)."""
         feats = feats.float().cpu()
         for (stem, inputs, _), f in zip(batch, feats):
             with np.errstate(over="ignore"):
                 arr = f.numpy().astype(np.float16)
             if not np.isfinite(arr).all():
-                fail(stem, "embeddings are not finite in float16 (NaN, or beyond +-65504)")
+                self.ledger.fail(stem, "embeddings are not finite in float16 (NaN, or beyond +-65504)")
                 continue
-            write_features(out_dir / f"{stem}{ext}", arr)
-            record.add(stem, out_dir / f"{stem}{ext}", inputs, array_digest(arr))
-            summary.done += 1
-            summary.redone += stem in again
-            tick()
-
-    try:
-        for stem in missing:
-            fail(stem, f"no image of this id in {images_dir} (looked for {', '.join(IMAGE_EXTENSIONS)})")
-        for stem, names in sorted(clashes.items()):
-            fail(stem, f"several images share this stem ({', '.join(names)}); rename all but one")
-        batches = SizeBatches(batch_size, forward, write, failed)  # one size: one forward pass
-        again = set()  # stems whose existing file is computed again (its image changed, or no record)
-        for stem, path in items:
-            if (out_dir / f"{stem}{other_ext}").is_file():
-                fail(stem, f"{out_dir / (stem + other_ext)} already exists: a {stem}{ext} beside it would clash "
-                           "(two formats for one stem); remove one or pick that --format")
-                continue
-            inputs = {"image": file_id(path)}  # before reading it: a change while it is read shows next time
-            kept, exists = record.current(stem, out_dir / f"{stem}{ext}", inputs)
-            if kept:
-                summary.existing += 1
-                tick()
-                continue
-            if exists:
-                again.add(stem)
-            try:
-                rgb = read_image(path)
-            except Exception as e:  # noqa: BLE001 -- any failure to read one image is that file's failure
-                fail(stem, one_line(e))
-                continue
-            img = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
-            key = (int(img.shape[1]), int(img.shape[2]))
-            try:  # sizes the extractor refuses (too many tokens, a side below a pixel): this file's failure
-                getattr(extractor, "check_input_size", lambda h, w: None)(*key)
-            except ValueError as e:
-                fail(stem, f"{path}: {e}")
-                continue
-            batches.add(key, (stem, inputs, img))
-        batches.flush()
-    finally:
-        if bar is not None:
-            bar.close()
+            out = self.out_dir / f"{stem}{self.ext}"
+            write_features(out, arr)
+            self.ledger.written(stem, out, inputs, array_digest(arr))
 
 
 # --------------------------------------------------------------------------------------------
-# command line: mars features
+# command line: mars features (its flags: features_settings)
 # --------------------------------------------------------------------------------------------
-
-
-def scales_argument(text: str) -> Tuple[float, ...]:
-    """--scales: comma-separated positive numbers, e.g. 2,1,1.5,0.5 (order kept)."""
-    try:
-        values = [float(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 2,1,1.5,0.5, got {text!r}") from None
-    try:
-        return check_scales(values)
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-
-
-# An empty "%(default)" field: ArgumentDefaultsHelpFormatter then leaves out its "(default: None)"
-# where the help text already says what None means.
-_OWN_DEFAULT = "%(default).0s"
-
-
-def add_features_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``mars features`` (use an ``ArgumentDefaultsHelpFormatter`` to show defaults)."""
-    parser.add_argument("--uss", choices=USS_MODELS, required=True,
-                        help="unsupervised segmentation model the checkpoint belongs to")
-    parser.add_argument("--checkpoint", default=None,
-                        help="STEGO Lightning .ckpt (cocostuff27_vit_base_5.ckpt, potsdam_test.ckpt, ...) or Leopart "
-                             ".ckpt (leopart_vits16.ckpt, leopart_vitb8.ckpt, or a Lightning checkpoint); or give "
-                             "--backbone and --heads" + _OWN_DEFAULT)
-    parser.add_argument("--backbone", default=None,
-                        help="STEGO or CAUSE as DHR stores them: the backbone file (DINO's dino_vitbase8_pretrain.pth; "
-                             "DINOv2 weights for CAUSE), with --heads; --uss dinov2: DINOv2's release file alone "
-                             "(dinov2_vitb14_pretrain.pth, ..._reg4_pretrain.pth)"
-                             + _OWN_DEFAULT)
-    parser.add_argument("--heads", default=None,
-                        help="STEGO or CAUSE as DHR stores them: the heads file (weights/STEGO_<dataset>.pt, 'cluster1' "
-                             "and 'cluster2'; weights/CAUSE_<dataset>.pt, 'decoder' and 'codebook'; or CAUSE's own release folder "
-                             "CAUSE/<dataset>/dinov2_vit_base_14/2048/ or its segment_tr.pth), with --backbone" + _OWN_DEFAULT)
-    parser.add_argument("--images", required=True, help="folder of RGB images <stem>.jpg/.jpeg/.png/.bmp")
-    parser.add_argument("--out", required=True, help="output folder of <stem>.npy float16 (D, h, w) embeddings")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu, cuda, cuda:N, or auto: GPU LOCAL_RANK under torchrun (each rank its own GPU), "
-                             "the GPU if any otherwise, else the CPU")
-    parser.add_argument("--batch-size", type=T.batch_size, default=8, help="images per forward pass (same-size images only)")
-    parser.add_argument("--fp16", action="store_true", help="run the network under float16 autocast (GPU)")
-    parser.add_argument("--res", type=T.res, default=None,
-                        help="STEGO: shorter image side fed to the ViT (default: 320, its evaluation); "
-                             "Leopart: square input side (default: 448, its evaluation); DINOv2: shorter side "
-                             "(default: native); 'native': the image's own "
-                             "resolution (DHR)" + _OWN_DEFAULT)
-    parser.add_argument("--interpolation", choices=("nearest", "bilinear"), default=None,
-                        help="input resize (default: nearest for STEGO, as its transform; bilinear for Leopart)"
-                             + _OWN_DEFAULT)
-    parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
-                        help="average the embeddings with those of the horizontally flipped image (default: yes for "
-                             "STEGO, as its evaluation; no for Leopart)" + _OWN_DEFAULT)
-    parser.add_argument("--scales", type=scales_argument, default=None,
-                        help="DHR's multi-scale inference at these comma-separated scales of the --res image, e.g. "
-                             "2,1,1.5,0.5 (the first sets the output grid; default: one scale)" + _OWN_DEFAULT)
-    parser.add_argument("--dhr", action="store_true",
-                        help="DHR's inference: --res native --scales 2,1,1.5,0.5 --flip --no-normalize (flags given "
-                             "explicitly win)")
-    parser.add_argument("--head", action="store_true",
-                        help="Leopart: use the 256-d projection-head embedding instead of the backbone tokens")
-    parser.add_argument("--prefix", default=None,
-                        help="Leopart: key prefix of the backbone in the checkpoint (default: 'model.', else the "
-                             "single prefix in front of 'cls_token')" + _OWN_DEFAULT)
-    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
-                        help="L2-normalise each pixel's embedding (default: yes for STEGO and the Leopart head, no "
-                             "for Leopart backbone tokens)" + _OWN_DEFAULT)
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--stride", type=T.stride, default=None,
-                      help="write maps of ceil(H/N) x ceil(W/N) for an H x W image (default: the ViT patch grid; "
-                           "the MARS core resizes features to each label anyway)" + _OWN_DEFAULT)
-    size.add_argument("--full-size", action="store_true",
-                      help="write maps of the image's own H x W (large files: D*H*W*2 bytes each)")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="allow unpickling a checkpoint that holds Python objects besides its weights (STEGO's "
-                             "and Lightning's .ckpt files do); only for files you trust")
-    parser.add_argument("--on-error", choices=ON_ERROR, default="stop",
-                        help="an unreadable image: stop with its name (exit 2), or report it, go on and exit 1")
-    parser.add_argument("--format", choices=FILE_FORMATS, default="npy", dest="file_format",
-                        help="write <stem>.npy arrays or <stem>.pt fp16 torch tensors (DHR's format)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def run_features(args: argparse.Namespace) -> JobSummary:
     """``mars features``: load the extractor, say what it is on stdout, run :func:`features_job`
     (under torchrun: this rank's share, see :func:`features_job`)."""
-    extractor = load_extractor(
-        args.uss, args.checkpoint, backbone=args.backbone, heads=args.heads, trust_pickle=args.trust_pickle,
-        res=args.res, flip_average=args.flip, head=args.head, normalize=args.normalize,
-        interpolation=args.interpolation, prefix=args.prefix, scales=args.scales, dhr=args.dhr,
-    )
+    settings = FeaturesSettings.from_args(args)
+    extractor = settings.load_extractor()
     if _rank_world()[0] == 0:  # once per launch, not once per rank
         print(f"{extractor.describe()} -> {args.out}", flush=True)
-    from mars_plugin.runs.identities import model_files_id
-
     # The folder's record: the model files (size and hash of their ends) and every option that
-    # shapes the embeddings, as given (None: the model's default).
-    settings = dict(model_files_id(args.uss, args.checkpoint, args.backbone, args.heads),
-                    **{k: getattr(args, k) for k in ("res", "flip", "scales", "dhr", "head", "normalize",
-                                                     "interpolation", "prefix")})
-    return features_job(
-        extractor, args.images, args.out, batch_size=args.batch_size, device=args.device, fp16=args.fp16,
-        output_size="image" if args.full_size else None, stride=args.stride, on_error=args.on_error,
-        progress=not args.no_progress, file_format=args.file_format, settings=settings,
-    )
+    # shapes the embeddings, as given (None: the model's default): FeaturesSettings.identity.
+    return features_job(extractor, args.images, args.out, settings=settings)
