@@ -29,7 +29,6 @@ NOT_YET = {
     "report",
     "reproduce",
     "sample",
-    "train",
 }
 #: what from_args needs beyond the flags (train: the class count, resolved from the files)
 _EXTRA = {"train": {"num_classes": 3}}
