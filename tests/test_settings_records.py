@@ -22,7 +22,6 @@ _EVERY = {"help", "threads"}
 NOT_YET = {
     "centroids",
     "debias",
-    "demo",
     "evaluate",
     "features",
     "predict",
