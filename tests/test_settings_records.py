@@ -27,7 +27,6 @@ NOT_YET = {
     "predict",
     "report",
     "reproduce",
-    "sample",
 }
 #: what from_args needs beyond the flags (train: the class count, resolved from the files)
 _EXTRA = {"train": {"num_classes": 3}}
