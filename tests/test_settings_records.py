@@ -26,7 +26,6 @@ NOT_YET = {
     "features",
     "predict",
     "report",
-    "reproduce",
 }
 #: what from_args needs beyond the flags (train: the class count, resolved from the files)
 _EXTRA = {"train": {"num_classes": 3}}
