@@ -263,12 +263,21 @@ def run_demo(
     write_world: bool = True,
     progress: bool = True,
     examples_per_class: int = 2,
+    settings: Optional[DemoSettings] = None,
 ) -> Dict[str, object]:
     """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics.
-    The keywords are :class:`~mars_plugin.commands.demo_settings.DemoSettings`' fields."""
-    settings = DemoSettings(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs,
-                            refine=refine, crf_params=crf_params, write_world=write_world, progress=progress,
-                            examples_per_class=examples_per_class)
+    The keywords are :class:`~mars_plugin.commands.demo_settings.DemoSettings`' fields, or give
+    the record as ``settings`` (``mars demo`` does) and leave them out."""
+    given = dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
+                 crf_params=crf_params, write_world=write_world, progress=progress,
+                 examples_per_class=examples_per_class)
+    if settings is None:
+        return _demo(DemoSettings(**given), out)
+    if not isinstance(settings, DemoSettings):
+        raise TypeError(f"settings must be a DemoSettings, got {type(settings).__name__}")
+    changed = sorted(k for k, v in given.items() if v != DemoSettings.__dataclass_fields__[k].default)
+    if changed:
+        raise ValueError(f"give settings=DemoSettings(...) or its fields as keywords, not both (got {changed})")
     return _demo(settings, out)
 
 
@@ -462,5 +471,5 @@ def _write_metrics(run: _Demo, columns: Mapping[str, Any]) -> Dict[str, object]:
 
 
 def run_demo_command(args: Any) -> None:
-    """``mars demo``: :class:`DemoSettings` from the parsed flags, then the demo's stages."""
-    _demo(DemoSettings.from_args(args), args.out)
+    """``mars demo``: :func:`run_demo` on :class:`DemoSettings` made from the parsed flags."""
+    run_demo(args.out, settings=DemoSettings.from_args(args))
