@@ -142,8 +142,6 @@ LONG_KERNELS = KERNELS | {"permutohedral_triton.py"}
 NOT_YET = {
     "mars_plugin/commands/debias.py:_debias_folder",
     "mars_plugin/commands/debias.py:debias_job",
-    "mars_plugin/commands/demo.py:run_demo",
-    "mars_plugin/commands/references.py:score_references",
     "mars_plugin/commands/report.py:report_job",
 }
 

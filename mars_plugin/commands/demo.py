@@ -16,17 +16,19 @@ the folder commands reproduce the table's columns (a) and (b) (see ``world/split
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin._checks import check_int_param, check_seed
+from mars_plugin.commands.demo_settings import (  # noqa: F401 -- the bounds, re-exported
+    MAX_DEMO_EPOCHS, MAX_DEMO_IMAGES, MAX_DEMO_SIZE, MIN_DEMO_SIZE, DemoSettings)
 from mars_plugin.method.complement import complement_labels
-from mars_plugin.engines.crf_params import check_crf_params
 from mars_plugin.method.debias import debias_labels
 from mars_plugin.method.ema import EMATeacher
 from mars_plugin.formats.files import atomic_write, write_label
@@ -49,11 +51,6 @@ WORLD_NOISE = dict(erode_rate=0.1, dilate_rate=0.5)
 
 # Images per debias_labels call: 64 of 64x64 pixels are one lattice of the dense CRF.
 DEBIAS_BATCH = 64
-#: Bounds of run_demo's (and ``mars demo``'s) sizes that keep the demo a demo: minutes on a CPU
-#: and a few GB at most (the world's features and the training images stay in memory).
-MAX_DEMO_IMAGES = 2000
-MIN_DEMO_SIZE, MAX_DEMO_SIZE = 16, 256
-MAX_DEMO_EPOCHS = 1000
 
 
 class TinySegNet(nn.Module):
@@ -266,145 +263,213 @@ def run_demo(
     write_world: bool = True,
     progress: bool = True,
     examples_per_class: int = 2,
+    settings: Optional[DemoSettings] = None,
 ) -> Dict[str, object]:
-    """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics."""
-    from mars_plugin.pictures import bar_charts, panel_grids
-    from mars_plugin.worlds.synthetic_scenes import make_world
-    from mars_plugin.worlds.synthetic import write_world as _write_world
+    """Run the demo, print the table, write pictures and ``metrics.json``; returns the metrics.
+    The keywords are :class:`~mars_plugin.commands.demo_settings.DemoSettings`' fields, or give
+    the record as ``settings`` (``mars demo`` does) and leave them out."""
+    given = dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
+                 crf_params=crf_params, write_world=write_world, progress=progress,
+                 examples_per_class=examples_per_class)
+    if settings is None:
+        return _demo(DemoSettings(**given), out)
+    if not isinstance(settings, DemoSettings):
+        raise TypeError(f"settings must be a DemoSettings, got {type(settings).__name__}")
+    changed = sorted(k for k, v in given.items() if v != DemoSettings.__dataclass_fields__[k].default)
+    if changed:
+        raise ValueError(f"give settings=DemoSettings(...) or its fields as keywords, not both (got {changed})")
+    return _demo(settings, out)
 
-    t_start = time.perf_counter()
-    # Checked before the previous run's files are cleared.
-    seed = check_seed(seed)
-    num_train = check_int_param(num_train, "num_train", 1, MAX_DEMO_IMAGES)
-    num_val = check_int_param(num_val, "num_val", 1, MAX_DEMO_IMAGES)
-    size = check_int_param(size, "size", MIN_DEMO_SIZE, MAX_DEMO_SIZE)
-    if size % 4:
-        raise ValueError(f"size must be a multiple of 4 (the features are 4x4-pixel cells), got {size}")
-    epochs = check_int_param(epochs, "epochs", 1, MAX_DEMO_EPOCHS)
-    if refine == "crf":
-        check_crf_params(crf_params)  # a bad --crf-params fails before any work, not after the world
+
+class _Clock:
+    """The seconds of each stage, printed as they end and kept for ``metrics.json``."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.timings: Dict[str, float] = {}
+
+    def lap(self, name: str, t0: float) -> None:
+        self.timings[name] = round(time.perf_counter() - t0, 2)
+        print(f"[mars demo] {name}: {self.timings[name]:.1f} s", flush=True)
+
+
+@dataclass
+class _Demo:
+    """One demo run: its settings, folder and manifest, and what the stages made so far."""
+
+    s: DemoSettings
+    out_dir: Path
+    manifest: _Manifest
+    clock: _Clock = field(default_factory=_Clock)
+    world: Any = None
+    train: Any = None
+    val: Any = None
+    centroids: Any = None
+    db_train: Optional[torch.Tensor] = None
+    db_val: Optional[torch.Tensor] = None
+
+
+def _demo(s: DemoSettings, out: Union[str, os.PathLike]) -> Dict[str, object]:
+    """The demo's stages on checked settings (:func:`run_demo` and ``mars demo``)."""
+    clock = _Clock()
     out_dir = Path(out)
     _clear_previous_run(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = _Manifest(out_dir)
-    timings: Dict[str, float] = {}
+    run = _Demo(s, out_dir, _Manifest(out_dir), clock)
+    _make_world(run)
+    _select(run)
+    _debias(run)
+    pred_plain, pred_mars = _train_both(run)
+    columns = _score(run, pred_plain, pred_mars)
+    _pictures(run, columns, pred_plain, pred_mars)
+    if s.write_world:
+        _write_world_folders(run)
+    return _write_metrics(run, columns)
 
-    def lap(name: str, t0: float) -> None:
-        timings[name] = round(time.perf_counter() - t0, 2)
-        print(f"[mars demo] {name}: {timings[name]:.1f} s", flush=True)
 
-    t0 = time.perf_counter()
-    world = make_world(num_train + num_val, size=size, seed=seed, **WORLD_NOISE)
+def _make_world(run: _Demo) -> None:
+    """The built-in world, split into the training and the held-out images."""
+    from mars_plugin.worlds.synthetic_scenes import make_world
+
+    s, t0 = run.s, time.perf_counter()
+    world = make_world(s.num_train + s.num_val, size=s.size, seed=s.seed, **WORLD_NOISE)
     # The features as world/*/features/*.npy store them (float16), so that the folder commands
     # on the written world compute exactly what the demo computed.
     world.features = world.features.half().float()
-    C = world.num_classes
-    names = list(world.class_names)
-    train = world.subset(list(range(num_train)))
-    val = world.subset(list(range(num_train, num_train + num_val)))
-    lap("world", t0)
+    run.world = world
+    run.train = world.subset(list(range(s.num_train)))
+    run.val = world.subset(list(range(s.num_train, s.num_train + s.num_val)))
+    run.clock.lap("world", t0)
 
-    t0 = time.perf_counter()
-    V = select_centroids(zip(train.features, train.pseudo), C, seed=seed, progress=progress, total=num_train)
-    manifest.add([out_dir / "centroids.pt"])
-    V.save(out_dir / "centroids.pt")
-    lap("select_centroids", t0)
 
+def _select(run: _Demo) -> None:
+    """``select_centroids`` on the training pseudo labels, saved as ``centroids.pt``."""
     t0 = time.perf_counter()
+    run.centroids = select_centroids(zip(run.train.features, run.train.pseudo), run.world.num_classes,
+                                     seed=run.s.seed, progress=run.s.progress, total=run.s.num_train)
+    run.manifest.add([run.out_dir / "centroids.pt"])
+    run.centroids.save(run.out_dir / "centroids.pt")
+    run.clock.lap("select_centroids", t0)
+
+
+def _debias(run: _Demo) -> None:
+    """``debias_labels`` on every image, :data:`DEBIAS_BATCH` at a time."""
+    s, world, t0 = run.s, run.world, time.perf_counter()
     debiased = []
     it = range(0, len(world.stems), DEBIAS_BATCH)
-    if progress:
+    if s.progress:
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc="debias_labels", unit="batch")
-    for s in it:
-        part = slice(s, s + DEBIAS_BATCH)
-        debiased.append(debias_labels(world.features[part], world.pseudo[part], V, world.image_classes[part],
-                                      image=world.images[part], refine=refine, crf_params=crf_params))
+    for start in it:
+        part = slice(start, start + DEBIAS_BATCH)
+        debiased.append(debias_labels(world.features[part], world.pseudo[part], run.centroids,
+                                      world.image_classes[part], image=world.images[part], refine=s.refine,
+                                      crf_params=s.crf_params))
     debiased_t = torch.cat(debiased)
-    lap("debias_labels", t0)
-    db_train, db_val = debiased_t[:num_train], debiased_t[num_train:]
+    run.clock.lap("debias_labels", t0)
+    run.db_train, run.db_val = debiased_t[:s.num_train], debiased_t[s.num_train:]
 
-    t0 = time.perf_counter()
-    plain = train_segmenter(train.images, train.pseudo, train.image_classes, C, mars=False, epochs=epochs,
-                            seed=seed, progress=progress, desc="train plain CE")
-    lap("train plain CE", t0)
-    t0 = time.perf_counter()
-    mars_net = train_segmenter(train.images, db_train, train.image_classes, C, mars=True, epochs=epochs,
-                               seed=seed, progress=progress, desc="train MARS")
-    lap("train MARS", t0)
 
-    pred_plain = predict(plain, val.images)
-    pred_mars = predict(mars_net, val.images)
+def _train_both(run: _Demo) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plain CE on the pseudo labels and MARS on the debiased ones; their held-out predictions."""
+    s, train, C = run.s, run.train, run.world.num_classes
+    t0 = time.perf_counter()
+    plain = train_segmenter(train.images, train.pseudo, train.image_classes, C, mars=False, epochs=s.epochs,
+                            seed=s.seed, progress=s.progress, desc="train plain CE")
+    run.clock.lap("train plain CE", t0)
+    t0 = time.perf_counter()
+    mars_net = train_segmenter(train.images, run.db_train, train.image_classes, C, mars=True, epochs=s.epochs,
+                               seed=s.seed, progress=s.progress, desc="train MARS")
+    run.clock.lap("train MARS", t0)
+    return predict(plain, run.val.images), predict(mars_net, run.val.images)
+
+
+def _score(run: _Demo, pred_plain: torch.Tensor, pred_mars: torch.Tensor) -> Dict[str, Dict[str, object]]:
+    """The four columns' scores on the held-out images, printed as one table."""
+    val, C, names = run.val, run.world.num_classes, list(run.world.class_names)
     columns = {
         "(a) WSSS pseudo": _scores(val.pseudo, val.gt, C),
-        "(b) debiased": _scores(db_val, val.gt, C),
+        "(b) debiased": _scores(run.db_val, val.gt, C),
         "(c) plain CE": _scores(pred_plain, val.gt, C),
         "(d) MARS": _scores(pred_mars, val.gt, C),
     }
     table = format_scores_table(names, columns)
-    print(f"\nPer-class IoU (%), FP, FN on {num_val} held-out images (problematic: "
-          f"{', '.join(names[c] for c in world.problematic)}):\n{table}\n")
+    print(f"\nPer-class IoU (%), FP, FN on {run.s.num_val} held-out images (problematic: "
+          f"{', '.join(names[c] for c in run.world.problematic)}):\n{table}\n")
+    return columns
 
-    # Pictures: bar chart of IoU, overlays of a few held-out images per class (each image once).
-    manifest.add([out_dir / "iou_per_class.png", out_dir / "overlays.png", out_dir / "metrics.json"])
+
+def _pictures(run: _Demo, columns: Mapping[str, Any], pred_plain: torch.Tensor, pred_mars: torch.Tensor) -> None:
+    """A bar chart of IoU and overlays of a few held-out images per class (each image once)."""
+    from mars_plugin.pictures import bar_charts, panel_grids
+
+    out_dir, names, world = run.out_dir, list(run.world.class_names), run.world
+    run.manifest.add([out_dir / "iou_per_class.png", out_dir / "overlays.png", out_dir / "metrics.json"])
     series = {k: [100 * v for v in s["iou"]] for k, s in columns.items()}
     bar_charts.save_iou_bar_chart(out_dir / "iou_per_class.png", names, series,
                                   title="Per-class IoU on held-out images: WSSS vs MARS", highlight=list(world.problematic),
                                   highlight_note="* problematic classes (biased objects in the pseudo labels)")
-    rows = _overlay_rows(names, val, db_val, pred_plain, pred_mars, examples_per_class)
+    rows = _overlay_rows(names, run.val, run.db_val, pred_plain, pred_mars, run.s.examples_per_class)
     panel_grids.save_overlay_grid(out_dir / "overlays.png", rows, legend=panel_grids.class_legend(names))
 
-    if write_world:
-        t0 = time.perf_counter()
-        world_dir = out_dir / "world"
-        parts = {"train": (train, db_train), "val": (val, db_val)}
-        manifest.add([world_dir / "split.json", world_dir / "classes.json"]
-                     + [p for k, (w, _) in parts.items() for p in _world_files(world_dir / k, w.stems)])
-        for k, (w, db) in parts.items():
-            paths = _write_world(w, world_dir / k, overwrite=True)
-            for i, stem in enumerate(w.stems):
-                write_label(world_dir / k / "debiased" / f"{stem}.png", db[i])
-        classes_text = (paths["classes"]).read_text(encoding="utf-8")
-        atomic_write(world_dir / "classes.json", lambda tmp: Path(tmp).write_text(classes_text, encoding="utf-8"))
-        split = {
-            "train": train.stems, "val": val.stems,
-            "columns": {
-                "(a) WSSS pseudo": "world/val/labels against world/val/gt",
-                "(b) debiased": "world/val/debiased (centroids of world/train) against world/val/gt",
-                "(c) plain CE, (d) MARS": "networks trained on world/train, predictions on world/val against world/val/gt",
-            },
-        }
-        atomic_write(world_dir / "split.json", lambda tmp: Path(tmp).write_text(json.dumps(split, indent=1) + "\n",
-                                                                                encoding="utf-8"))
-        lap("write world", t0)
 
-    gains = {names[c]: {k: columns[k]["iou"][c] for k in columns} for c in world.problematic}
+def _write_world_folders(run: _Demo) -> None:
+    """``world/train`` and ``world/val`` (with their debiased labels), ``classes.json``, ``split.json``."""
+    from mars_plugin.worlds.synthetic import write_world
+
+    t0 = time.perf_counter()
+    world_dir = run.out_dir / "world"
+    parts = {"train": (run.train, run.db_train), "val": (run.val, run.db_val)}
+    run.manifest.add([world_dir / "split.json", world_dir / "classes.json"]
+                     + [p for k, (w, _) in parts.items() for p in _world_files(world_dir / k, w.stems)])
+    for k, (w, db) in parts.items():
+        paths = write_world(w, world_dir / k, overwrite=True)
+        for i, stem in enumerate(w.stems):
+            write_label(world_dir / k / "debiased" / f"{stem}.png", db[i])
+    classes_text = (paths["classes"]).read_text(encoding="utf-8")
+    atomic_write(world_dir / "classes.json", lambda tmp: Path(tmp).write_text(classes_text, encoding="utf-8"))
+    split = {
+        "train": run.train.stems, "val": run.val.stems,
+        "columns": {
+            "(a) WSSS pseudo": "world/val/labels against world/val/gt",
+            "(b) debiased": "world/val/debiased (centroids of world/train) against world/val/gt",
+            "(c) plain CE, (d) MARS": "networks trained on world/train, predictions on world/val against world/val/gt",
+        },
+    }
+    atomic_write(world_dir / "split.json", lambda tmp: Path(tmp).write_text(json.dumps(split, indent=1) + "\n",
+                                                                            encoding="utf-8"))
+    run.clock.lap("write world", t0)
+
+
+def _write_metrics(run: _Demo, columns: Mapping[str, Any]) -> Dict[str, object]:
+    """``metrics.json`` (the settings, the scores, the centroids, the timings); says what was written."""
+    s, V, out_dir = run.s, run.centroids, run.out_dir
+    names, problematic = list(run.world.class_names), run.world.problematic
     metrics = {
-        "config": dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
-                       world_noise=dict(WORLD_NOISE),
-                       crf_params=check_crf_params(crf_params) if refine == "crf" else None,
+        "config": dict(seed=s.seed, num_train=s.num_train, num_val=s.num_val, size=s.size, epochs=s.epochs,
+                       refine=s.refine, world_noise=dict(WORLD_NOISE), crf_params=s.params,
                        alpha=V.config["alpha"], k_fg=V.config["k_fg"], k_bg=V.config["k_bg"]),
         "class_names": names,
-        "problematic": [names[c] for c in world.problematic],
+        "problematic": [names[c] for c in problematic],
         "scores": columns,
-        "problematic_iou": gains,
+        "problematic_iou": {names[c]: {k: columns[k]["iou"][c] for k in columns} for c in problematic},
         "centroids": {names[c]: {"candidates": int(V.num_candidates[c]), "selected": int(V.num_selected[c]),
-                                 "cut_distance": float(V.cut_distance[c])} for c in range(1, C + 1) if bool(V.valid[c])},
-        "timings_s": timings,
-        "world": ({"train": "world/train", "val": "world/val", "split": "world/split.json"} if write_world else None),
+                                 "cut_distance": float(V.cut_distance[c])}
+                      for c in range(1, run.world.num_classes + 1) if bool(V.valid[c])},
+        "timings_s": run.clock.timings,
+        "world": ({"train": "world/train", "val": "world/val", "split": "world/split.json"} if s.write_world else None),
     }
-    metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 2)
+    metrics["timings_s"]["total"] = round(time.perf_counter() - run.clock.start, 2)
     atomic_write(out_dir / "metrics.json", lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
     print(f"[mars demo] wrote {out_dir}/metrics.json, iou_per_class.png, overlays.png, centroids.pt"
           + (f", world/train and world/val (try: mars report --labels {out_dir}/world/train/labels --debiased "
              f"{out_dir}/world/train/debiased --images {out_dir}/world/train/images --out {out_dir}/report "
-             f"--class-names {out_dir}/world/classes.json)" if write_world else ""))
+             f"--class-names {out_dir}/world/classes.json)" if s.write_world else ""))
     print(f"[mars demo] total {metrics['timings_s']['total']:.1f} s")
     return metrics
 
 
 def run_demo_command(args: Any) -> None:
-    """``mars demo``: :func:`run_demo` on the parsed flags."""
-    run_demo(out=args.out, seed=args.seed, num_train=args.num_train, num_val=args.num_val, size=args.size,
-             epochs=args.epochs, refine=args.refine, crf_params=args.crf_params, write_world=not args.no_world)
+    """``mars demo``: :func:`run_demo` on :class:`DemoSettings` made from the parsed flags."""
+    run_demo(args.out, settings=DemoSettings.from_args(args))

@@ -143,18 +143,11 @@ def score_references(
     left_out: List[Tuple[str, str]] = []
     refs = dict(references)
     for name, why in check_references(refs, stems).items():
-        if on_error == "stop":
-            raise ValueError(f"reference {name}: {why}; use --on-error skip to leave it out")
-        left_out.append((name, why))
+        _leave_out(name, why, on_error, left_out)
         del refs[name]
     if not refs:
         return {}, {}, left_out
-    cms = {n: None for n in refs}
-    n = C + 1
-    inter = {k: np.zeros(n, np.int64) for k in refs}
-    union = {k: np.zeros(n, np.int64) for k in refs}
-    same = {k: 0 for k in refs}
-    valid = {k: 0 for k in refs}
+    tallies = {name: _Tally(C) for name in refs}
     it = stems
     if progress:
         from tqdm.auto import tqdm
@@ -167,41 +160,65 @@ def score_references(
             try:
                 theirs = _read_reference(refs[name] / f"{stem}.png", C, tuple(gt.shape))
             except (ValueError, OSError) as e:
-                why = str(e)
-                if on_error == "stop":
-                    raise ValueError(f"reference {name}: {why}; use --on-error skip to leave it out") from None
-                left_out.append((name, why))
-                for d in (refs, cms, inter, union, same, valid):
-                    del d[name]
+                _leave_out(name, str(e), on_error, left_out)
+                del refs[name], tallies[name]
                 continue
-            m = confusion_matrix(theirs, gt, C, ignore_index=IGNORE_VALUE)
-            cms[name] = m if cms[name] is None else cms[name] + m
-            keep = (gt != IGNORE_VALUE) & (ours != IGNORE_VALUE) & (theirs != IGNORE_VALUE)
-            o, t = ours[keep].long(), theirs[keep].long()
-            valid[name] += int(keep.sum())
-            same[name] += int((o == t).sum())  # 254 never equals a reference value (0..C)
-            o_cls = torch.bincount(o[o <= C], minlength=n).numpy()
-            t_cls = torch.bincount(t, minlength=n).numpy()
-            both = torch.bincount(o[o == t], minlength=n).numpy()
-            inter[name] += both
-            union[name] += o_cls + t_cls - both
-    scores: Dict[str, dict] = {}
-    agreement: Dict[str, dict] = {}
-    for name in refs:
-        s = segmentation_scores(cms[name])
-        s["confusion"] = cms[name].tolist()
-        s["num_images"] = len(stems)
-        scores[name] = s
+            tallies[name].add(theirs, gt, ours)
+    scores = {name: tally.scores(len(stems)) for name, tally in tallies.items()}
+    agreement = {name: tally.agreement() for name, tally in tallies.items()}
+    return scores, agreement, left_out
+
+
+def _leave_out(name: str, why: str, on_error: str, left_out: List[Tuple[str, str]]) -> None:
+    """A bad reference: one line naming it (``on_error="stop"``), or listed in ``left_out``."""
+    if on_error == "stop":
+        raise ValueError(f"reference {name}: {why}; use --on-error skip to leave it out") from None
+    left_out.append((name, why))
+
+
+class _Tally:
+    """One reference's counts over the images: its confusion against the ground truth and, over
+    the valid pixels, its agreement with ours (per class and in all)."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.C, n = num_classes, num_classes + 1
+        self.cm: Optional[torch.Tensor] = None
+        self.inter, self.union = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.same = self.valid = 0
+
+    def add(self, theirs: torch.Tensor, gt: torch.Tensor, ours: torch.Tensor) -> None:
+        """Count one image."""
+        C, n = self.C, self.C + 1
+        m = confusion_matrix(theirs, gt, C, ignore_index=IGNORE_VALUE)
+        self.cm = m if self.cm is None else self.cm + m
+        keep = (gt != IGNORE_VALUE) & (ours != IGNORE_VALUE) & (theirs != IGNORE_VALUE)
+        o, t = ours[keep].long(), theirs[keep].long()
+        self.valid += int(keep.sum())
+        self.same += int((o == t).sum())  # 254 never equals a reference value (0..C)
+        o_cls = torch.bincount(o[o <= C], minlength=n).numpy()
+        t_cls = torch.bincount(t, minlength=n).numpy()
+        both = torch.bincount(o[o == t], minlength=n).numpy()
+        self.inter += both
+        self.union += o_cls + t_cls - both
+
+    def scores(self, num_images: int) -> dict:
+        """The reference's scores against the ground truth (``scores.json``'s schema)."""
+        s = segmentation_scores(self.cm)
+        s["confusion"] = self.cm.tolist()
+        s["num_images"] = num_images
+        return s
+
+    def agreement(self) -> dict:
+        """Its agreement with our debiased labels (see the module docstring)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            iou = np.where(union[name] > 0, inter[name] / np.maximum(union[name], 1), np.nan)
-        has = union[name] > 0
-        agreement[name] = {
-            "pixel": same[name] / valid[name] if valid[name] else math.nan,
+            iou = np.where(self.union > 0, self.inter / np.maximum(self.union, 1), np.nan)
+        has = self.union > 0
+        return {
+            "pixel": self.same / self.valid if self.valid else math.nan,
             "iou": iou.tolist(),
             "miou": float(iou[has].mean()) if has.any() else math.nan,
-            "pixels": int(valid[name]),
+            "pixels": int(self.valid),
         }
-    return scores, agreement, left_out
 
 
 def reference_summary(name: str, score: dict, agree: Optional[dict]) -> str:

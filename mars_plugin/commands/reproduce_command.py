@@ -15,10 +15,10 @@ def run_reproduce_command(args: argparse.Namespace) -> CommandResult:
     """``mars reproduce``: the run (or ``--dry-run``'s plan: exit 1 on a mismatch), its mIoU line,
     and with ``--train`` the trained network's."""
     from mars_plugin.commands.reproduce import run_reproduce
-    from mars_plugin.commands.reproduce_settings import settings_from_args
+    from mars_plugin.commands.reproduce_settings import ReproduceSettings
 
     progress = not args.no_progress
-    res = run_reproduce(settings_from_args(args), dry_run=args.dry_run, progress=progress)
+    res = run_reproduce(ReproduceSettings.from_args(args), dry_run=args.dry_run, progress=progress)
     if args.dry_run:
         return CommandResult(status=1 if res["mismatches"] else 0)
     p, d = res["pseudo"], res["debiased"]

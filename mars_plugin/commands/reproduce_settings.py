@@ -1,5 +1,5 @@
 """The settings of one ``mars reproduce`` run: :class:`ReproduceSettings`, a frozen record that the
-command line builds (:func:`settings_from_args`), the Python API takes
+command line builds (:meth:`ReproduceSettings.from_args`), the Python API takes
 (:func:`~mars_plugin.commands.reproduce.run_reproduce`; :func:`~mars_plugin.commands.reproduce.reproduce`
 builds it from keywords) and ``reproduce.json`` stores (:meth:`ReproduceSettings.identity`).
 
@@ -136,6 +136,20 @@ class ReproduceSettings:
         return dict(uss=self.uss, checkpoint=self.checkpoint, backbone=self.backbone, heads=self.heads,
                     trust_pickle=self.trust_pickle, scales=self.scales, flip=self.flip)
 
+    @classmethod
+    def from_args(cls, args: Any) -> "ReproduceSettings":
+        """``mars reproduce``'s parsed flags (:mod:`mars_plugin.commands.cli_parser`) -> the record
+        (checked). ``--train``'s options the plan checks first are ``train`` (None without ``--train``)."""
+        plan = dict(val_domain=args.val_domain, weights=args.weights, arch=args.arch, backbone=args.train_backbone,
+                    masks=not args.no_masks)
+        return cls(
+            args.root, args.pseudo, args.out, uss=args.uss, checkpoint=args.checkpoint, backbone=args.backbone,
+            heads=args.heads, trust_pickle=args.trust_pickle, features_dir=args.features, data=args.data,
+            domain=args.domain, scales=args.scales, flip=not args.no_flip, alpha=args.alpha, k_fg=args.k_fg,
+            k_bg=args.k_bg, seed=args.seed, refine=args.refine, crf_params=args.crf_params, device=args.device,
+            fp16=args.fp16, batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
+            references=not args.no_references, on_error=args.on_error, train=plan if args.train else None)
+
 
 def _checked(s: ReproduceSettings) -> Dict[str, Any]:
     """Every field of ``s`` checked, in the order of the earlier ``reproduce()``'s checks (Eq. 1-3
@@ -190,16 +204,8 @@ def _train_plan(train: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
 
 
 def settings_from_args(args: Any) -> ReproduceSettings:
-    """The record of ``mars reproduce``'s parsed flags (:mod:`mars_plugin.commands.cli_parser`)."""
-    train = dict(val_domain=args.val_domain, weights=args.weights, arch=args.arch, backbone=args.train_backbone,
-                 masks=not args.no_masks) if args.train else None
-    return ReproduceSettings(
-        args.root, args.pseudo, args.out, uss=args.uss, checkpoint=args.checkpoint, backbone=args.backbone,
-        heads=args.heads, trust_pickle=args.trust_pickle, features_dir=args.features, data=args.data,
-        domain=args.domain, scales=args.scales, flip=not args.no_flip, alpha=args.alpha, k_fg=args.k_fg,
-        k_bg=args.k_bg, seed=args.seed, refine=args.refine, crf_params=args.crf_params, device=args.device,
-        fp16=args.fp16, batch_size=args.batch_size, workers=args.workers, num_examples=args.num_examples,
-        references=not args.no_references, on_error=args.on_error, train=train)
+    """The record of ``mars reproduce``'s parsed flags (:meth:`ReproduceSettings.from_args`)."""
+    return ReproduceSettings.from_args(args)
 
 
 @dataclass(frozen=True)
@@ -411,3 +417,26 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     tr.add_argument("--val-domain", default="validation",
                     help="the split scored after training (<root>/<data>/<val-domain>/{image,mask}; DHR: validation)")
     tr.add_argument("--no-masks", action="store_true", help="do not predict the training split (the MARS masks)")
+
+
+#: the record the flags build, and the Python function taking its fields as keywords
+#: (:func:`~mars_plugin.commands.reproduce.reproduce` builds it from them)
+SETTINGS = ReproduceSettings
+API = "mars_plugin.commands.reproduce:reproduce"
+_SECOND_STEP = "--train's second step only (train_after_reproduce's train_options, as mars train's flag)"
+#: flag dest -> Python keyword, where the names differ; --train and the --train options the plan
+#: checks first (TRAIN_PLAN_KEYS) make ``train=``, and also drive the second step
+#: (:func:`~mars_plugin.commands.reproduce_train.train_after_reproduce`: arch, backbone, weights,
+#: val_domain, masks)
+FLAG_KEYWORDS = {"pseudo": "pseudo_dir", "out": "out_dir", "features": "features_dir", "no_flip": "flip",
+                 "no_references": "references", "no_progress": "progress",
+                 "val_domain": "train", "weights": "train", "arch": "train", "train_backbone": "train",
+                 "no_masks": "train"}
+#: flags no keyword of reproduce() takes: mars train's options of the second step
+CLI_ONLY = {"iterations": _SECOND_STEP, "train_batch_size": _SECOND_STEP, "crop": _SECOND_STEP,
+            "min_size": _SECOND_STEP, "max_size": _SECOND_STEP, "lr": _SECOND_STEP, "loader_workers": _SECOND_STEP}
+#: keywords no flag sets
+PYTHON_ONLY = {
+    "feature_batch_size": "images per feature batch of a Python caller (the command's: 1, DHR's inference)",
+    "log": "where a Python caller's progress lines go (the command's: print)",
+}

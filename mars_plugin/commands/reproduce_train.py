@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -47,9 +48,6 @@ def train_after_reproduce(
     """Train, predict the validation split and score it, predict the training split (see the
     module docstring). Returns {"checkpoint", "val": scores or None, "masks": folder or None}."""
     from mars_plugin.adapters.wsss.dhr_layout import DHRLayout
-    from mars_plugin.commands.evaluate import evaluate_job
-    from mars_plugin.runs.distributed import _rank_world
-    from mars_plugin.commands.predict import predict_job
     from mars_plugin.commands.train import train
     from mars_plugin.commands.train_settings import TrainSettings
 
@@ -61,7 +59,6 @@ def train_after_reproduce(
     tags = {str(k): [int(c) for c in v] for k, v in json.loads(tags_path.read_text()).items()}
     # the options given override the recipe's fields (train_options' None: the recipe's)
     s = TrainSettings(num_classes=C, device=device, **{k: v for k, v in (train_options or {}).items() if v is not None})
-    rank, _ = _rank_world()
     log(f"[train] recipe {s.recipe}: {s.arch} {s.backbone}, {s.iterations_for(len(tags))} steps on {len(tags)} "
         f"debiased labels -> {out / 'train'}")
     # require_biased=False: these are debias's own labels; where it marked nothing (a tree whose
@@ -69,28 +66,57 @@ def train_after_reproduce(
     res = train(layout.image_dir(domain), debiased, out / "train", settings=s, image_labels=tags, class_names=names,
                 progress=progress, stems=sorted(tags), require_biased=False)
     ck = res["checkpoint"]
-    model, inference, settings = _predictor(ck)
+    pred = _Predictor(*_predictor(ck), device=device, batch_size=predict_batch_size, num_classes=C, progress=progress)
     result: Dict[str, Any] = {"checkpoint": ck, "val": None, "masks": None}
-    val_images, val_masks = layout.image_dir(val_domain), layout.mask_dir(val_domain)
-    if val_images.is_dir() and val_masks.is_dir():
-        log(f"[predict {val_domain}] multi-scale + flip + CRF -> {out / 'val_pred'}")
-        predict_job(model, val_images, out / "val_pred", **inference, batch_size=predict_batch_size, device=device,
-                    num_classes=C, progress=progress, settings=settings)
-        if rank == 0:
-            scores, _ = evaluate_job(out / "val_pred", val_masks, C, progress=False)
-            payload = dict(scores, class_names=names, checkpoint=str(ck), iterations=res["iterations"])
-            atomic_write(out / "scores_trained.json", lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2)))
-            result["val"] = scores
-            log(f"[evaluate {val_domain}] mIoU of the trained network {100 * scores['miou']:.1f} "
-                f"-> {out / 'scores_trained.json'}")
-    else:
-        log(f"[predict {val_domain}] skipped: no {val_images} and {val_masks}")
+    result["val"] = _score_val(pred, layout, val_domain, out, names, res, log)
     if masks:
         log(f"[masks {domain}] -> {out / 'masks'}")
-        predict_job(model, layout.image_dir(domain), out / "masks", **inference, batch_size=predict_batch_size,
-                    device=device, num_classes=C, progress=progress, settings=settings)
+        pred.write(layout.image_dir(domain), out / "masks")
         result["masks"] = out / "masks"
     return result
+
+
+@dataclass(frozen=True)
+class _Predictor:
+    """The trained network as ``mars predict --model`` runs it (:func:`_predictor`), on the device."""
+
+    model: Any
+    inference: Dict[str, Any]
+    settings: Dict[str, Any]
+    device: str
+    batch_size: int
+    num_classes: int
+    progress: bool
+
+    def write(self, images: os.PathLike, out: Path) -> None:
+        """Its labels of the folder ``images`` into ``out`` (resumable, file by file)."""
+        from mars_plugin.commands.predict import predict_job
+
+        predict_job(self.model, images, out, **self.inference, batch_size=self.batch_size, device=self.device,
+                    num_classes=self.num_classes, progress=self.progress, settings=self.settings)
+
+
+def _score_val(pred: _Predictor, layout: Any, val_domain: str, out: Path, names: List[str],
+               res: Mapping[str, Any], log: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+    """The validation split predicted and, on rank 0, scored into ``scores_trained.json`` (its
+    scores; None elsewhere, or without the split's images and masks)."""
+    from mars_plugin.commands.evaluate import evaluate_job
+    from mars_plugin.runs.distributed import _rank_world
+
+    val_images, val_masks = layout.image_dir(val_domain), layout.mask_dir(val_domain)
+    if not (val_images.is_dir() and val_masks.is_dir()):
+        log(f"[predict {val_domain}] skipped: no {val_images} and {val_masks}")
+        return None
+    log(f"[predict {val_domain}] multi-scale + flip + CRF -> {out / 'val_pred'}")
+    pred.write(val_images, out / "val_pred")
+    if _rank_world()[0] != 0:
+        return None
+    scores, _ = evaluate_job(out / "val_pred", val_masks, pred.num_classes, progress=False)
+    payload = dict(scores, class_names=names, checkpoint=str(res["checkpoint"]), iterations=res["iterations"])
+    atomic_write(out / "scores_trained.json", lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2)))
+    log(f"[evaluate {val_domain}] mIoU of the trained network {100 * scores['miou']:.1f} "
+        f"-> {out / 'scores_trained.json'}")
+    return scores
 
 
 def _predictor(ck: os.PathLike) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:

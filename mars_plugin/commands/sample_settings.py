@@ -1,11 +1,39 @@
-"""``mars sample``'s flags, declared next to its settings: ``HELP`` (its line in ``mars --help``),
-``DESCRIPTION`` (the head of ``mars sample --help``) and :func:`add_arguments`
-(:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)."""
+"""``mars sample``'s settings: one frozen record (:class:`SampleSettings`), checked once where it
+is made, built by the command line (:meth:`SampleSettings.from_args`) or by
+:func:`mars_plugin.commands.sample_trees.write_sample_tree` from its arguments; and the command's
+flags: ``HELP`` (its line in ``mars --help``), ``DESCRIPTION`` (the head of ``mars sample
+--help``) and :func:`add_arguments` (:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from mars_plugin.commands import cli_types as T
+
+__all__ = ["SampleSettings", "TREES"]
+
+#: The codebases whose layout a sample tree can have (:data:`mars_plugin.commands.sample_trees.LAYOUTS`).
+TREES = ("dhr", "dhr-coco", "irnet", "advcam", "seam", "rsepm")
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """What ``mars sample`` writes: the layout of ``tree`` (one of :data:`TREES`), ``num_images``
+    images of ``size`` pixels a side, the world and the random weights of ``seed``."""
+
+    tree: str
+    num_images: int = 8
+    size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tree not in TREES:
+            raise ValueError(f"--tree must be one of {', '.join(TREES)}, got {self.tree!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "SampleSettings":
+        """``mars sample``'s parsed flags -> the settings (checked)."""
+        return cls(tree=args.tree, num_images=args.num_images, size=args.size, seed=args.seed)
 
 HELP = (
     "write a small sample tree in a WSSS codebase's layout, with random-weight models, to try every command "
@@ -23,10 +51,13 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``mars sample``."""
-    from mars_plugin.commands.sample_trees import TREES
-
     p.add_argument("--tree", choices=TREES, required=True, help="whose layout")
     p.add_argument("--out", required=True, help="a new (or empty) folder for the tree")
     p.add_argument("--num-images", type=T.demo_images, default=8, help="images in the tree")
     p.add_argument("--size", type=T.demo_size, default=64, help="image side in pixels (16..256, a multiple of 4)")
     p.add_argument("--seed", type=T.seed, default=0, help="seed of the world and of the random weights")
+
+
+#: the record the flags build, and the Python function taking its fields as keywords
+SETTINGS = SampleSettings
+API = "mars_plugin.commands.sample_trees:write_sample_tree"

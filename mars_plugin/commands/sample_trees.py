@@ -27,12 +27,12 @@ from typing import Any, Dict, List, Tuple, Union
 import numpy as np
 import torch
 
+from mars_plugin.commands.sample_settings import TREES, SampleSettings
 from mars_plugin.formats.files import atomic_write, write_features, write_image, write_label
 
 __all__ = ["TREES", "LAYOUTS", "VOC_IDS", "COCO_IDS", "DHR_DATA", "class_ids", "image_ids", "write_sample_tree",
            "sample_commands", "describe", "CHEAP_TRAIN"]
 
-TREES = ("dhr", "dhr-coco", "irnet", "advcam", "seam", "rsepm")
 #: Where each tree keeps what (relative to ``--out``): images, ground truth, pseudo labels,
 #: image-level tags (a file or an xml folder), the synthetic world's features and the CAMs in
 #: the folder where the codebase writes them (IRNet step/make_cam.py ``result/cam``, AdvCAM
@@ -200,15 +200,19 @@ def _write_cams(tree: str, path: Path, ids: List[int], maps: np.ndarray) -> None
 
 def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: int = 8, size: int = 64,
                       seed: int = 0) -> Dict[str, Path]:
-    """Write the sample tree ``tree`` (one of :data:`TREES`) into ``out``, a new or empty folder.
+    """Write the sample tree ``tree`` (one of :data:`TREES`) into ``out``, a new or empty folder
+    (the arguments are :class:`~mars_plugin.commands.sample_settings.SampleSettings`' fields).
 
     Returns the paths of :data:`LAYOUTS` (absolute) plus ``root`` and ``weights``.
     """
+    return _write_tree(SampleSettings(tree=tree, num_images=num_images, size=size, seed=seed), out)
+
+
+def _write_tree(s: SampleSettings, out: Union[str, os.PathLike]) -> Dict[str, Path]:
+    """:func:`write_sample_tree` on checked settings (also ``mars sample``'s)."""
     import shutil
     import tempfile
 
-    if tree not in TREES:
-        raise ValueError(f"--tree must be one of {', '.join(TREES)}, got {tree!r}")
     final = Path(out)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise ValueError(f"--out {final}: exists and is not an empty folder; give a new one")
@@ -217,7 +221,7 @@ def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: in
     # leaves no half tree (which a second run would refuse as a used folder).
     root = Path(tempfile.mkdtemp(prefix=".tmp-sample-", dir=final.parent))
     try:
-        _write(tree, root, num_images, size, seed)
+        _write(s.tree, root, s.num_images, s.size, s.seed)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(root, 0o777 & ~umask)  # mkdtemp's folder is private (0700)
@@ -227,7 +231,7 @@ def write_sample_tree(tree: str, out: Union[str, os.PathLike], *, num_images: in
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
-    return {"root": final, "weights": final / "weights", **{k: final / v for k, v in LAYOUTS[tree].items()}}
+    return {"root": final, "weights": final / "weights", **{k: final / v for k, v in LAYOUTS[s.tree].items()}}
 
 
 def _write(tree: str, root: Path, num_images: int, size: int, seed: int) -> None:
@@ -360,6 +364,6 @@ def describe(tree: str, out: Union[str, os.PathLike]) -> Tuple[str, ...]:
 
 
 def run_sample_command(args: Any) -> None:
-    """``mars sample``: :func:`write_sample_tree` on the parsed flags, then the commands to try on it."""
-    write_sample_tree(args.tree, args.out, num_images=args.num_images, size=args.size, seed=args.seed)
+    """``mars sample``: :class:`SampleSettings` from the parsed flags, the tree, then the commands to try on it."""
+    _write_tree(SampleSettings.from_args(args), args.out)
     print("\n".join(describe(args.tree, args.out)))

@@ -489,9 +489,11 @@ def _set_bn_mode(model: nn.Module, bn: str) -> None:
                 m.eval()
 
 
-def run_train_command(args: Any) -> Dict[str, Any]:
+def run_train_command(args: Any) -> Any:
     """``mars train``'s arguments -> :class:`TrainSettings` -> :func:`train` (the inputs resolved
-    by :func:`~mars_plugin.commands.train_data.command_inputs`); rank 0 says what it trained."""
+    by :func:`~mars_plugin.commands.train_data.command_inputs`); rank 0 says what it trained.
+    Returns an empty :class:`~mars_plugin.commands.command_table.CommandResult` (exit 0): the
+    run has no job summary (train()'s dict is not one)."""
     from mars_plugin.runs.distributed import _rank_world
     from mars_plugin.commands.train_data import command_inputs
 
@@ -508,4 +510,6 @@ def run_train_command(args: Any) -> Dict[str, Any]:
         print(f"train ({args.loss}) -> {res['checkpoint']}: {res['iterations']} steps"
               + (f", resumed at {res['resumed_from']}" if res["resumed_from"] else "")
               + (f", last loss {res['loss']:.4f}" if res["loss"] is not None else ""))
-    return res
+    from mars_plugin.commands.command_table import CommandResult
+
+    return CommandResult()

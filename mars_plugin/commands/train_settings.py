@@ -439,3 +439,28 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=T.every, default=1000, help="checkpoint every N steps (and at the end)")
     p.add_argument("--log-every", type=T.every, default=10, help="a log.jsonl line every N steps")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+#: the record the flags build (``from_args(args, num_classes)``: the class count is resolved
+#: from the files by :func:`~mars_plugin.commands.train_data.command_inputs`), and the Python
+#: function taking it as ``settings=`` or its fields as keywords
+SETTINGS = TrainSettings
+API = "mars_plugin.commands.train:train"
+#: flag dest -> Python keyword, where the names differ
+FLAG_KEYWORDS = {"no_amp": "amp", "max_memory": "max_bytes", "no_progress": "progress"}
+#: flags no keyword takes
+CLI_ONLY = {
+    "root": "DHR's tree: command_inputs reads <root>/<data>/<domain> into images, image_labels and num_classes",
+    "data": "with --root: the dataset folder command_inputs reads (images, tags, class count)",
+    "domain": "with --root: the split folder command_inputs reads",
+}
+#: keywords no flag sets
+PYTHON_ONLY = {
+    "stems": "train on a caller's subset of the labels (mars reproduce --train)",
+    "notes": "lines a caller prints before step 1 (command_inputs' and mars reproduce's notes)",
+    "require_biased": "False where the labels are known to be mars debias's output (mars reproduce --train)",
+    "on_step": "a hook called after each step (progress, tests)",
+    "poly_power": "the recipe's poly exponent; a Python caller may override it",
+    "lr_mults": "the recipe's per-group lr multiples; a Python caller may override them",
+    "decay": "the recipe's per-group weight decay switches; a Python caller may override them",
+}
