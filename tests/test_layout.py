@@ -143,8 +143,6 @@ NOT_YET = {
     "adapters/uss/extractor.py:load_extractor",
     "adapters/uss/vit_weights.py:vit_from_state_dict",
     "mars_plugin/commands/centroids.py:centroids_job",
-    "mars_plugin/commands/debias.py:_debias_folder",
-    "mars_plugin/commands/debias.py:debias_job",
     "mars_plugin/commands/demo.py:run_demo",
     "mars_plugin/commands/features.py:_features_shard",
     "mars_plugin/commands/features.py:add_features_arguments",

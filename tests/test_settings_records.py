@@ -21,7 +21,6 @@ _EVERY = {"help", "threads"}
 #: Commands whose record is not built yet (the list only shrinks).
 NOT_YET = {
     "centroids",
-    "debias",
     "demo",
     "evaluate",
     "features",
