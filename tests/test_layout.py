@@ -151,7 +151,6 @@ NOT_YET = {
     "mars_plugin/commands/predict.py:add_predict_arguments",
     "mars_plugin/commands/predict.py:predict_job",
     "mars_plugin/commands/references.py:score_references",
-    "mars_plugin/commands/report.py:report_job",
     "mars_plugin/engines/kmeans.py:_kmeans_padded",
     "mars_plugin/engines/permutohedral.py:__init__",
     "mars_plugin/method/centroid_pixels.py:_pixels_by_group",

@@ -22,10 +22,8 @@ _EVERY = {"help", "threads"}
 NOT_YET = {
     "centroids",
     "demo",
-    "evaluate",
     "features",
     "predict",
-    "report",
     "reproduce",
     "sample",
     "train",
