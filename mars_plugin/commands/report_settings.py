@@ -41,10 +41,10 @@ class ReportSettings:
             put(name, value)
         if self.class_names is not None:
             put("class_names", tuple(check_class_names(self.class_names)))
-        put("ignore_index", check_ignore_byte(self.ignore_index, num_classes=self.max_class_given))
+        put("ignore_index", check_ignore_byte(self.ignore_index, num_classes=self.num_named_classes))
 
     @property
-    def max_class_given(self) -> Optional[int]:
+    def num_named_classes(self) -> Optional[int]:
         """C of ``class_names`` (None: not given)."""
         return None if self.class_names is None else len(self.class_names) - 1
 
