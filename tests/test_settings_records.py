@@ -18,12 +18,6 @@ from mars_plugin.commands.command_table import COMMANDS, flags_module
 
 #: the flags every command has that are not the command's settings (cli.main applies them)
 _EVERY = {"help", "threads"}
-#: Commands whose record is not built yet (the list only shrinks).
-NOT_YET = {
-    "debias",
-    "evaluate",
-    "report",
-}
 #: what from_args needs beyond the flags (train: the class count, resolved from the files)
 _EXTRA = {"train": {"num_classes": 3}}
 
@@ -35,12 +29,6 @@ class _Reads(argparse.Namespace):
         if not name.startswith("_"):
             object.__getattribute__(self, "__dict__").setdefault("_read", set()).add(name)
         return object.__getattribute__(self, name)
-
-
-def _built(name):
-    if name in NOT_YET:
-        pytest.skip(f"mars {name}: its settings record is not built yet")
-    return flags_module(name)
 
 
 def _subparser(name):
@@ -78,7 +66,7 @@ def _keywords(flags):
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_the_settings_record_is_a_frozen_dataclass(name):
-    cls = _built(name).SETTINGS
+    cls = flags_module(name).SETTINGS
     assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
     assert callable(getattr(cls, "from_args", None)), f"{name}: SETTINGS.from_args"
 
@@ -87,7 +75,7 @@ def test_the_settings_record_is_a_frozen_dataclass(name):
 def test_every_flag_sets_a_keyword(name):
     """Each flag is a keyword of the Python entry point (or a field of its record), under its own
     name or the one FLAG_KEYWORDS gives, or is declared CLI_ONLY with a reason."""
-    flags = _built(name)
+    flags = flags_module(name)
     rename, cli_only = getattr(flags, "FLAG_KEYWORDS", {}), getattr(flags, "CLI_ONLY", {})
     keywords = _keywords(flags)
     stray = sorted(d for d in _dests(name) if d not in cli_only and rename.get(d, d) not in keywords)
@@ -98,7 +86,7 @@ def test_every_flag_sets_a_keyword(name):
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_keyword_has_a_flag(name):
-    flags = _built(name)
+    flags = flags_module(name)
     rename, python_only = getattr(flags, "FLAG_KEYWORDS", {}), getattr(flags, "PYTHON_ONLY", {})
     set_by_flags = {rename.get(d, d) for d in _dests(name)}
     stray = sorted(k for k in _keywords(flags) if k not in set_by_flags and k not in python_only)
@@ -110,7 +98,7 @@ def test_every_keyword_has_a_flag(name):
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_from_args_reads_the_flags_of_its_fields(name):
     """The command line builds the record from the flags: every field a flag sets is read."""
-    flags = _built(name)
+    flags = flags_module(name)
     rename = getattr(flags, "FLAG_KEYWORDS", {})
     ns = build_parser().parse_args(_minimal_argv(name), namespace=_Reads())
     ns.__dict__["_read"] = set()

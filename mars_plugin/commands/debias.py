@@ -12,17 +12,15 @@ import argparse
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from mars_plugin._checks import check_ignore_byte
 from mars_plugin.engines.crf_memory import check_crf_image
-from mars_plugin.engines.crf_params import DEFAULT_MAX_BYTES, check_crf_backend, check_crf_params
 from mars_plugin.method.debias import _centroid_matrix, _mark, debiased_similarity, refine_mask
 from mars_plugin.formats.files import (
     FEATURE_EXTENSIONS,
-    IGNORE_VALUE,
     IMAGE_EXTENSIONS,
     classes_in_label,
     find_features,
@@ -36,9 +34,10 @@ from mars_plugin.formats.files import (
 )
 from mars_plugin.runs.distributed import _free, _rank_world, resolve_device, share_error, sync_group
 from mars_plugin.runs.io_pipeline import check_io_workers
-from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, one_line
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, one_line
 from mars_plugin.method.selection import DebiasedCentroids
-from mars_plugin.commands.label_formats import LabelFormat, _class_label, _class_names, _wsss_class_names, label_format
+from mars_plugin.commands.debias_settings import DebiasSettings
+from mars_plugin.commands.label_formats import _class_label, _class_names, _wsss_class_names
 from mars_plugin.commands.inputs import (
     _check_out_dir,
     _only,
@@ -48,7 +47,6 @@ from mars_plugin.commands.inputs import (
     check_features,
     check_images_folder,
     check_input_folder,
-    check_job_params,
     check_label_values,
     load_centroids,
     no_valid_pixel,
@@ -255,24 +253,18 @@ def debias_job(
     out_dir: os.PathLike,
     *,
     images_dir: Optional[os.PathLike] = None,
-    refine: str = "crf",
-    threshold: float = 0.5,
     image_labels: Optional[os.PathLike] = None,
-    workers: int = 1,
-    io_workers: Optional[int] = None,
-    batch_size: int = 8,
-    device: str = "cpu",
-    ignore_index: int = IGNORE_VALUE,
-    crf_params: Union[None, str, Mapping[str, Any]] = None,
-    crf_backend: str = "torch",
-    on_error: str = "stop",
-    progress: bool = True,
-    fmt: Optional[LabelFormat] = None,
+    settings: Optional[DebiasSettings] = None,
     stems: Optional[Sequence[str]] = None,
-    max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
+    **keywords: Any,
 ) -> JobSummary:
     """Write one debiased label PNG per pseudo label (biased pixels as 254, see
     :data:`mars_plugin.formats.files.BIASED_VALUE`).
+
+    ``settings``: a :class:`~mars_plugin.commands.debias_settings.DebiasSettings`, or its fields
+    as ``keywords`` (``refine``, ``threshold``, ``crf_params``, ``crf_backend``,
+    ``ignore_index``, ``fmt``, ``device``, ``batch_size``, ``workers``, ``io_workers``,
+    ``max_bytes``, ``on_error``, ``progress``).
 
     Images are debiased ``batch_size`` at a time on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
     ``auto``): Eq. 4 per image, then one dense-CRF call for the batch
@@ -296,52 +288,58 @@ def debias_job(
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
+    if settings is not None and keywords:
+        raise ValueError(f"give settings=DebiasSettings(...) or its fields as keywords, not both "
+                         f"(got {sorted(keywords)})")
+    s = settings if settings is not None else DebiasSettings(**keywords)
     check_out_apart(out_dir, "--out", {"--features": features_dir, "--labels": labels_dir, "--centroids": centroids,
                                        "--images": images_dir, "--image-labels": image_labels})
-    _check_on_error(on_error)
-    if refine not in ("crf", "threshold"):
-        raise ValueError(f"refine must be 'crf' or 'threshold', got {refine!r}")
-    if refine == "crf" and images_dir is None:
+    if s.refine == "crf" and images_dir is None:
         raise ValueError("refine='crf' needs images_dir (the RGB images); or use refine='threshold'")
-    p = check_job_params(threshold=threshold, workers=workers, batch_size=batch_size)
-    threshold, workers, batch_size = p["threshold"], p["workers"], p["batch_size"]
-    check_ignore_byte(ignore_index)
-    params = check_crf_params(crf_params)
-    check_crf_backend(crf_backend)
-    dev = resolve_device(device)
-    io_workers = check_io_workers(io_workers, dev, workers if workers > 1 else 0)
-    fmt = fmt or LabelFormat()
-    stems = _only(_stems(labels_dir, fmt.skip_suffixes), stems)
-    check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
-    if refine == "crf":
-        check_images_folder(images_dir, stems, labels_dir=labels_dir)
-    check_any_valid(labels_dir, stems, "--labels", ignore_index)
+    dev = resolve_device(s.device)
+    io_workers = check_io_workers(s.io_workers, dev, s.processes)
+    stems = _check_folders(s, features_dir, labels_dir, images_dir, stems)
     rank, world = _rank_world()
-    stems = stems[rank::world]
     V = load_centroids(centroids)
-    ignore_index = check_ignore_byte(ignore_index, num_classes=V.num_classes)
+    ignore_index = check_ignore_byte(s.ignore_index, num_classes=V.num_classes)
     _check_out_dir(out_dir, "--out")
     config = dict(
         centroids=V, centroids_path=os.fspath(centroids), features_dir=os.fspath(features_dir), labels_dir=os.fspath(labels_dir),
-        images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=refine,
-        threshold=threshold, ignore_index=ignore_index, crf_params=params, crf_backend=crf_backend,
-        image_labels=fmt.image_labels(image_labels, V.num_classes), mode=fmt.mode, device=str(dev), workers=workers,
-        max_bytes=max_bytes,
+        images_dir=None if images_dir is None else os.fspath(images_dir), out_dir=os.fspath(out_dir), refine=s.refine,
+        threshold=s.threshold, ignore_index=ignore_index, crf_params=s.params, crf_backend=s.crf_backend,
+        image_labels=s.fmt.image_labels(image_labels, V.num_classes), mode=s.fmt.mode, device=str(dev),
+        workers=s.workers, max_bytes=s.max_bytes,
     )
+    return _debias_ranks(s, config, stems[rank::world], rank, io_workers)
+
+
+def _check_folders(s: DebiasSettings, features_dir: os.PathLike, labels_dir: os.PathLike,
+                   images_dir: Optional[os.PathLike], stems: Optional[Sequence[str]]) -> List[str]:
+    """The labels to debias (all of ``labels_dir``'s, or ``stems`` of them), once their input
+    folders are checked: a mistyped folder is one line, not one failure per image."""
+    stems = _only(_stems(labels_dir, s.fmt.skip_suffixes), stems)
+    check_input_folder(features_dir, "--features", stems, FEATURE_EXTENSIONS, "feature")
+    if s.refine == "crf":
+        check_images_folder(images_dir, stems, labels_dir=labels_dir)
+    check_any_valid(labels_dir, stems, "--labels", s.ignore_index)
+    return stems
+
+
+def _debias_ranks(s: DebiasSettings, config: Dict[str, Any], stems: Sequence[str], rank: int,
+                  io_workers: int) -> JobSummary:
+    """:func:`debias_job` once its arguments are checked: the folder's record opened by rank 0,
+    this rank's ``stems`` debiased, and the ranks' meeting points (a failure anywhere is raised
+    everywhere)."""
     from mars_plugin.runs.run_record import FolderRecord
 
-    crf = refine == "crf"
-    # The settings that shape a label; the folders and the centroid file are not among them:
-    # each file read is recorded by its identity (a moved or copied tree is the same run).
-    record = FolderRecord(out_dir, "debias", {
-        "refine": refine, "threshold": None if crf else threshold, "crf_params": params if crf else None,
-        "crf_backend": crf_backend if crf else None, "ignore_index": ignore_index, "wsss": fmt.name,
-        "mode": fmt.mode}, rank=rank)
+    crf = s.refine == "crf"
+    record = FolderRecord(config["out_dir"], "debias", s.identity(), rank=rank)
     error = None
     group = sync_group()  # the ranks meet here however late rank 0 comes (24 h, not torchrun's 30 min)
     if rank == 0:
         try:
-            record.open(_input_ids(labels_dir, features_dir, images_dir if crf else None, fmt.skip_suffixes), (".png",))
+            record.open(_input_ids(config["labels_dir"], config["features_dir"], config["images_dir"] if crf else None,
+                                   s.fmt.skip_suffixes), (".png",))
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
     try:
@@ -352,8 +350,7 @@ def debias_job(
     try:
         summary, error = None, None
         try:
-            summary = _debias_folder(record, config, stems, batch_size, workers, on_error, progress, rank,
-                                     io_workers)
+            summary = _debias_folder(record, config, stems, s, rank, io_workers)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         # Every rank meets again at the end, also one whose shard failed (a bad file, a dead
@@ -375,25 +372,53 @@ def _input_ids(labels_dir: os.PathLike, features_dir: os.PathLike, images_dir: O
     return ids if images_dir is None else ids & set(list_stems(images_dir, IMAGE_EXTENSIONS))
 
 
-def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_size: int, workers: int,
-                   on_error: str, progress: bool, rank: int, io_workers: int = 0) -> JobSummary:
+def _debias_folder(record: Any, config: Dict[str, Any], stems: Sequence[str], s: DebiasSettings, rank: int,
+                   io_workers: int = 0) -> JobSummary:
     """:func:`debias_job` once the folder's record is open: which labels are current, then the
-    others, each recorded as it is written."""
-    from mars_plugin.runs.identities import centroids_digest, file_id
-    from mars_plugin.runs.run_record import OutputIds
+    others, each recorded as it is written (in this process, also with ``--workers``
+    processes: the ledger stays here)."""
+    from mars_plugin.runs.resume_ledger import ResumeLedger
 
     summary = JobSummary()
     record.tell(summary)
     if rank == 0:
         record.write_settings()
     record.load()
+    # debias counts its progress itself (over the labels to make): no tick per file here
+    ledger = ResumeLedger(record, summary, s.on_error, tick=None)
+    inputs = _label_inputs(config, stems)
+    todo = [stem for stem in stems if ledger.needs(stem, _out_path(config, stem), inputs[stem])]
+    batches = [todo[i:i + s.batch_size] for i in range(0, len(todo), s.batch_size)]
+
+    def consume(results: Iterable[_Result]) -> None:
+        for result in _progress(results, len(todo), "debias", s.progress):
+            _settle(ledger, config, inputs, result)
+
+    if s.workers == 1:
+        from contextlib import closing
+
+        _debias_init(config)
+        with closing(_debias_stream(batches, io_workers)) as results:  # closed (its threads stopped) on any error
+            consume(results)
+    else:
+        _debias_in_processes(config, batches, s.workers, consume, summary)
+    return summary
+
+
+def _out_path(config: Dict[str, Any], stem: str) -> Path:
+    return stem_path(config["out_dir"], stem, ".png")
+
+
+def _label_inputs(config: Dict[str, Any], stems: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """What each label is made from (its features, pseudo label, image, tags and the centroids'
+    content), taken before anything is read: a file changed while the run reads it is then seen
+    as changed next time."""
+    from mars_plugin.runs.identities import centroids_digest, file_id
+    from mars_plugin.runs.run_record import OutputIds
+
     features_dir, labels_dir, images_dir = config["features_dir"], config["labels_dir"], config["images_dir"]
-    out_dir, refine = config["out_dir"], config["refine"]
-    # What each label is made from, taken before anything is read (a file changed while the run
-    # reads it is then seen as changed next time).
     feature_id, tags = OutputIds(features_dir), config["image_labels"]
     v_id = centroids_digest(config["centroids"].state_dict())
-    todo, inputs, again = [], {}, set()
 
     def found(find, *args):
         try:
@@ -401,43 +426,32 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
         except (ValueError, OSError):  # missing or clashing: the read names it
             return None
 
-    for stem in stems:
-        inputs[stem] = {"features": feature_id(found(find_features, features_dir, stem)),
-                        "label": file_id(Path(labels_dir) / f"{stem}.png"),
-                        "image": file_id(found(find_image, images_dir, stem)) if refine == "crf" else None,
-                        "tags": None if tags is None else tags.get(stem), "centroids": v_id}
-        kept, exists = record.current(stem, stem_path(out_dir, stem, ".png"), inputs[stem])
-        if kept:
-            summary.existing += 1
-        else:
-            todo.append(stem)
-            if exists:
-                again.add(stem)
-    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+    return {stem: {"features": feature_id(found(find_features, features_dir, stem)),
+                   "label": file_id(Path(labels_dir) / f"{stem}.png"),
+                   "image": file_id(found(find_image, images_dir, stem)) if config["refine"] == "crf" else None,
+                   "tags": None if tags is None else tags.get(stem), "centroids": v_id}
+            for stem in stems}
 
-    def consume(results) -> None:
-        for stem, status, err, counts, content in _progress(results, len(todo), "debias", progress):
-            if status == "done":
-                record.add(stem, stem_path(out_dir, stem, ".png"), inputs[stem], content)
-                summary.done += 1
-                summary.redone += stem in again
-                if err is not None:
-                    summary.warnings.append((stem, err))
-                for c, (n, r) in counts.items():
-                    summary.pixels[c] = summary.pixels.get(c, 0) + n
-                    summary.removed[c] = summary.removed.get(c, 0) + r
-            else:
-                if on_error == "stop":
-                    raise JobError(f"{stem}: {err}")
-                summary.failed.append((stem, err or ""))
 
-    if workers == 1:
-        from contextlib import closing
+def _settle(ledger: Any, config: Dict[str, Any], inputs: Dict[str, Dict[str, Any]], result: _Result) -> None:
+    """One label's result: written (recorded, its warning and per-class counts kept) or failed
+    (``on_error``: the run stops naming it, or it is listed)."""
+    stem, status, err, counts, content = result
+    if status != "done":
+        ledger.fail(stem, err or "")
+        return
+    summary = ledger.summary
+    ledger.written(stem, _out_path(config, stem), inputs[stem], content)
+    if err is not None:
+        summary.warnings.append((stem, err))
+    for c, (n, r) in counts.items():
+        summary.pixels[c] = summary.pixels.get(c, 0) + n
+        summary.removed[c] = summary.removed.get(c, 0) + r
 
-        _debias_init(config)
-        with closing(_debias_stream(batches, io_workers)) as results:  # closed (its threads stopped) on any error
-            consume(results)
-        return summary
+
+def _debias_in_processes(config: Dict[str, Any], batches: List[List[str]], workers: int,
+                         consume: Callable[[Iterable[_Result]], None], summary: JobSummary) -> None:
+    """``batches`` in ``workers`` spawned processes, their results consumed here in order."""
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
@@ -455,23 +469,15 @@ def _debias_folder(record, config: Dict[str, Any], stems: Sequence[str], batch_s
     finally:
         # Do not wait for batches nobody will read (an error stops the run).
         pool.shutdown(wait=True, cancel_futures=True)
-    return summary
 
 
 def run_debias_command(args: argparse.Namespace) -> JobSummary:
     """``mars debias``: :func:`debias_job` on the parsed flags, then its summary on stdout (per
     class: the pseudo-label pixels marked biased, of the images this run wrote)."""
-    progress = not args.no_progress
-    fmt = label_format(args.wsss, dataset=args.dataset, trust_pickle=args.trust_pickle)
     names = _class_names(args.class_names) or _wsss_class_names(args)
-    s = debias_job(
-        args.features, args.labels, args.centroids, args.out, images_dir=args.images, refine=args.refine,
-        threshold=args.threshold, image_labels=args.image_labels, workers=args.workers, io_workers=args.io_workers,
-        batch_size=args.batch_size, device=args.device, crf_params=args.crf_params,
-        crf_backend=args.crf_backend, ignore_index=args.ignore_index, on_error=args.on_error,
-        progress=progress, fmt=fmt,
-        max_bytes=DEFAULT_MAX_BYTES if args.max_memory is None else int(args.max_memory * 2 ** 30),
-    )
+    settings = DebiasSettings.from_args(args)
+    s = debias_job(args.features, args.labels, args.centroids, args.out, images_dir=args.images,
+                   image_labels=args.image_labels, settings=settings)
     print(f"debiased labels -> {args.out}: {s.line()}")
     if s.pixels:
         print("pseudo-label pixels marked biased, per class (images written by this run):")

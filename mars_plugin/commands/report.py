@@ -5,15 +5,15 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from mars_plugin._checks import check_class_names, check_ignore_byte
-from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, find_image, read_image, read_label
-from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _check_on_error, _fail, one_line
+from mars_plugin.formats.files import BIASED_VALUE, find_image, read_image, read_label
+from mars_plugin.runs.errors import FILE_ERRORS, JobError, JobSummary, _fail, one_line
 from mars_plugin.commands.inputs import (
     _check_out_dir,
     check_out_apart,
@@ -21,11 +21,10 @@ from mars_plugin.commands.inputs import (
     _stems,
     check_images_folder,
     check_input_folder,
-    check_job_params,
     check_label_values,
 )
 from mars_plugin.commands.debias import _removed_per_class
-from mars_plugin.commands.label_formats import _class_names
+from mars_plugin.commands.report_settings import ReportSettings
 
 __all__ = ["report_job", "run_report_command"]
 
@@ -49,14 +48,14 @@ def report_job(
     images_dir: os.PathLike,
     out_dir: os.PathLike,
     *,
-    class_names: Optional[Sequence[str]] = None,
-    num_examples: int = 8,
-    per_class: int = 2,
-    ignore_index: int = IGNORE_VALUE,
-    on_error: str = "stop",
-    progress: bool = True,
+    settings: Optional[ReportSettings] = None,
+    **keywords: Any,
 ) -> Tuple[Dict[str, object], JobSummary]:
     """Which classes were biased: per-class share of pseudo-label pixels marked biased.
+
+    ``settings``: a :class:`~mars_plugin.commands.report_settings.ReportSettings`, or its fields
+    as ``keywords`` (``class_names``, ``num_examples``, ``per_class``, ``ignore_index``,
+    ``on_error``, ``progress``).
 
     Writes into ``out_dir``:
 
@@ -79,63 +78,133 @@ def report_job(
     into ``out_dir`` (a lock, :class:`~mars_plugin.runs.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
     """
+    if settings is not None and keywords:
+        raise ValueError(f"give settings=ReportSettings(...) or its fields as keywords, not both "
+                         f"(got {sorted(keywords)})")
+    s = settings if settings is not None else ReportSettings(**keywords)
     check_out_apart(out_dir, "--out", {"--labels": labels_dir, "--debiased": debiased_dir, "--images": images_dir})
-    _check_on_error(on_error)
-    p = check_job_params(num_examples=num_examples, per_class=per_class)
-    num_examples, per_class = p["num_examples"], p["per_class"]
-    if class_names is not None:
-        class_names = check_class_names(class_names)
-    ignore_index = check_ignore_byte(ignore_index, num_classes=None if class_names is None else len(class_names) - 1)
+    folders = _Folders(Path(labels_dir), Path(debiased_dir), Path(images_dir))
     stems = _stems(debiased_dir, flag="--debiased")
     check_input_folder(labels_dir, "--labels", stems, (".png",), "pseudo-label", of="debiased labels")
     check_images_folder(images_dir, stems, labels_dir=labels_dir, of="debiased labels")
-    summary = JobSummary()
-    total: Dict[int, int] = {}
-    removed: Dict[int, int] = {}
-    per_image: List[Tuple[float, str]] = []
-    max_class = BIASED_VALUE - 1 if class_names is None else len(class_names) - 1
-    flag = "the labels' range" if class_names is None else f"--class-names ({len(class_names)} names)"
-    per_class_images: Dict[int, List[Tuple[float, int, int, str]]] = {}  # c -> (share, removed, pixels, stem)
-    for stem in _progress(stems, len(stems), "report", progress):
-        try:
-            y_path = Path(labels_dir) / f"{stem}.png"
-            y = read_label(y_path, biased_value=None)
-            check_label_values(y, y_path, max_class, ignore_index, flag=flag)
-            d = read_label(Path(debiased_dir) / f"{stem}.png")
-            if y.shape != d.shape:
-                raise ValueError(f"pseudo label {tuple(y.shape)} and debiased label {tuple(d.shape)} differ in size")
-            _probe_image(find_image(images_dir, stem), tuple(y.shape))
-        except FILE_ERRORS as e:
-            _fail(stem, e, on_error, summary)
-            continue
-        counts = _removed_per_class(y, d, ignore_index)  # the same count as debias prints
+    tally = _tally(s, folders, stems)
+    if not tally.total:
+        raise JobError(f"--labels {labels_dir}: no foreground pixel in any pseudo label read ({tally.summary.done}): "
+                       "nothing to report")
+    ranked = _rank(s, tally)
+    out = Path(out_dir)
+    _check_out_dir(out, "--out")
+    return _write_report(s, folders, tally, ranked, out), tally.summary
+
+
+@dataclass(frozen=True)
+class _Folders:
+    """The folders :func:`report_job` reads: pseudo labels, debiased labels, images."""
+
+    labels: Path
+    debiased: Path
+    images: Path
+
+
+@dataclass
+class _Tally:
+    """What the labels read add up to: per class its pseudo-label pixels (``total``) and of them
+    marked biased (``removed``); per image its share of foreground pixels removed
+    (``per_image``: (share, stem)); per class the images where some were removed
+    (``per_class_images``: c -> (share, removed, pixels, stem)); the job's ``summary``."""
+
+    summary: JobSummary = field(default_factory=JobSummary)
+    total: Dict[int, int] = field(default_factory=dict)
+    removed: Dict[int, int] = field(default_factory=dict)
+    per_image: List[Tuple[float, str]] = field(default_factory=list)
+    per_class_images: Dict[int, List[Tuple[float, int, int, str]]] = field(default_factory=dict)
+
+    def add(self, stem: str, counts: Dict[int, Tuple[int, int]]) -> None:
+        """One image's {class: (pixels, removed)}."""
         for c, (t_c, r_c) in counts.items():
-            total[c] = total.get(c, 0) + t_c
-            removed[c] = removed.get(c, 0) + r_c
+            self.total[c] = self.total.get(c, 0) + t_c
+            self.removed[c] = self.removed.get(c, 0) + r_c
             if r_c:
-                per_class_images.setdefault(c, []).append((r_c / t_c, r_c, t_c, stem))
+                self.per_class_images.setdefault(c, []).append((r_c / t_c, r_c, t_c, stem))
         fg_pixels = sum(t for t, _ in counts.values())
         if fg_pixels:
-            per_image.append((sum(r for _, r in counts.values()) / fg_pixels, stem))
-        summary.done += 1
-    if not total:
-        raise JobError(f"--labels {labels_dir}: no foreground pixel in any pseudo label read ({summary.done}): "
-                       "nothing to report")
+            self.per_image.append((sum(r for _, r in counts.values()) / fg_pixels, stem))
+        self.summary.done += 1
+
+
+def _tally(s: ReportSettings, folders: _Folders, stems: Sequence[str]) -> _Tally:
+    """Every pair of labels read and counted (a bad file fails alone, ``on_error``)."""
+    tally = _Tally()
+    max_class = BIASED_VALUE - 1 if s.class_names is None else len(s.class_names) - 1
+    flag = "the labels' range" if s.class_names is None else f"--class-names ({len(s.class_names)} names)"
+    for stem in _progress(stems, len(stems), "report", s.progress):
+        try:
+            y_path = folders.labels / f"{stem}.png"
+            y = read_label(y_path, biased_value=None)
+            check_label_values(y, y_path, max_class, s.ignore_index, flag=flag)
+            d = read_label(folders.debiased / f"{stem}.png")
+            if y.shape != d.shape:
+                raise ValueError(f"pseudo label {tuple(y.shape)} and debiased label {tuple(d.shape)} differ in size")
+            _probe_image(find_image(folders.images, stem), tuple(y.shape))
+        except FILE_ERRORS as e:
+            _fail(stem, e, s.on_error, tally.summary)
+            continue
+        tally.add(stem, _removed_per_class(y, d, s.ignore_index))  # the same count as debias prints
+    return tally
+
+
+@dataclass(frozen=True)
+class _Ranking:
+    """The classes ranked by their share removed (``share[c]``; ``nan`` for the background and
+    a class never labelled), the ``examples`` (most changed images) and each class's
+    ``class_examples``, with the ``class_names`` of classes 0..``num_classes``."""
+
+    class_names: Sequence[str]
+    num_classes: int
+    share: List[float]
+    ranking: List[int]
+    examples: List[Tuple[float, str]]
+    class_examples: Dict[int, List[Tuple[float, int, int, str]]]
+
+
+def _rank(s: ReportSettings, tally: _Tally) -> _Ranking:
+    """The tally ranked (the names checked against the classes the labels reach)."""
+    total, removed = tally.total, tally.removed
     num_classes = max(total)
+    class_names = s.class_names
     if class_names is None:
         class_names = ["background"] + [f"class {c}" for c in range(1, num_classes + 1)]
     if len(class_names) < num_classes + 1:
         raise ValueError(f"--class-names has {len(class_names)} names but labels reach class {num_classes}")
     share = [float("nan")] + [removed.get(c, 0) / total[c] if c in total else float("nan") for c in range(1, num_classes + 1)]
     ranking = sorted((c for c in range(1, num_classes + 1) if c in total), key=lambda c: -share[c])
-    per_image.sort(key=lambda t: (-t[0], t[1]))
-    examples = per_image[:num_examples]
-    class_examples = {c: sorted(per_class_images.get(c, []), key=lambda t: (-t[0], -t[1], t[3]))[:per_class]
+    per_image = sorted(tally.per_image, key=lambda t: (-t[0], t[1]))
+    class_examples = {c: sorted(tally.per_class_images.get(c, []), key=lambda t: (-t[0], -t[1], t[3]))[:s.per_class]
                       for c in ranking}
-    all_fg = sum(total.values())
+    return _Ranking(class_names, num_classes, share, ranking, per_image[:s.num_examples], class_examples)
 
-    out = Path(out_dir)
-    _check_out_dir(out, "--out")
+
+def _report_dict(tally: _Tally, r: _Ranking) -> Dict[str, object]:
+    """``report.json``'s content."""
+    total, removed, names = tally.total, tally.removed, r.class_names
+    all_fg = sum(total.values())
+    return {
+        "share_definition": SHARE_DEFINITION,
+        "classes": {names[c]: {"id": c, "pixels": total.get(c, 0), "removed": removed.get(c, 0),
+                               "share_removed": r.share[c], "pixel_share": total.get(c, 0) / all_fg}
+                    for c in range(1, r.num_classes + 1) if c in total},
+        "ranking": [names[c] for c in r.ranking],
+        "most_changed": [{"stem": s, "share_removed": f} for f, s in r.examples],
+        "per_class_examples": {names[c]: [{"stem": s, "share_removed": f, "removed": n, "pixels": t}
+                                          for f, n, t, s in r.class_examples[c]] for c in r.ranking},
+        "num_images": tally.summary.done,
+    }
+
+
+def _write_report(s: ReportSettings, folders: _Folders, tally: _Tally, ranked: _Ranking,
+                  out: Path) -> Dict[str, object]:
+    """The chart, the overlays and ``report.json`` written into ``out``, under its lock; returns
+    the report."""
     from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
     # One run at a time writes here; holding the lock, the .tmp-* files a killed run left are
@@ -153,19 +222,8 @@ def report_job(
         return tmp
 
     try:
-        _report_outputs(stage, class_names, num_classes, share, total, ranking, examples, class_examples,
-                        images_dir, labels_dir, debiased_dir, on_error, summary)
-        report = {
-            "share_definition": SHARE_DEFINITION,
-            "classes": {class_names[c]: {"id": c, "pixels": total.get(c, 0), "removed": removed.get(c, 0),
-                                         "share_removed": share[c], "pixel_share": total.get(c, 0) / all_fg}
-                        for c in range(1, num_classes + 1) if c in total},
-            "ranking": [class_names[c] for c in ranking],
-            "most_changed": [{"stem": s, "share_removed": f} for f, s in examples],
-            "per_class_examples": {class_names[c]: [{"stem": s, "share_removed": f, "removed": r, "pixels": t}
-                                                    for f, r, t, s in class_examples[c]] for c in ranking},
-            "num_images": summary.done,
-        }
+        _report_outputs(stage, ranked, tally, folders, s.on_error)
+        report = _report_dict(tally, ranked)
         Path(stage("report.json")).write_text(json.dumps(report, indent=2))
         umask = os.umask(0)
         os.umask(umask)
@@ -177,7 +235,7 @@ def report_job(
             if os.path.exists(tmp):
                 os.unlink(tmp)
         lock.release()
-    return report, summary
+    return report
 
 
 def _probe_image(path: Path, shape: Tuple[int, int]) -> None:
@@ -222,10 +280,14 @@ def _fit_panel(img: np.ndarray, y: torch.Tensor, d: torch.Tensor) -> Tuple[np.nd
     return small, nearest(y), nearest(d)
 
 
-def _report_outputs(stage, class_names, num_classes, share, total, ranking, examples, class_examples,
-                    images_dir, labels_dir, debiased_dir, on_error, summary) -> None:
+def _report_outputs(stage: Callable[[str], str], r: _Ranking, tally: _Tally, folders: _Folders,
+                    on_error: str) -> None:
     """The chart and the overlays of :func:`report_job`, each written to ``stage(name)``."""
     from mars_plugin.pictures import bar_charts, label_images, panel_grids
+
+    class_names, num_classes, share, ranking = r.class_names, r.num_classes, r.share, r.ranking
+    examples, class_examples, total, summary = r.examples, r.class_examples, tally.total, tally.summary
+    images_dir, labels_dir, debiased_dir = folders.images, folders.labels, folders.debiased
     bar_charts.save_iou_bar_chart(
         stage("biased_share.png"), list(class_names[1 : num_classes + 1]),
         {"pixels marked biased (% of the class's pseudo-label pixels)": [100 * s for s in share[1:]]},
@@ -277,11 +339,7 @@ def _report_outputs(stage, class_names, num_classes, share, total, ranking, exam
 
 def run_report_command(args: argparse.Namespace) -> JobSummary:
     """``mars report``: :func:`report_job` on the parsed flags, then the classes ranked on stdout."""
-    progress = not args.no_progress
-    report, s = report_job(
-        args.labels, args.debiased, args.images, args.out, class_names=_class_names(args.class_names),
-        num_examples=args.num_examples, per_class=args.per_class, ignore_index=args.ignore_index, on_error=args.on_error, progress=progress,
-    )
+    report, s = report_job(args.labels, args.debiased, args.images, args.out, settings=ReportSettings.from_args(args))
     print("classes ranked by the share of their pseudo-label pixels marked biased (all images summed):")
     width = max((len(n) for n in report["ranking"]), default=0)
     for name in report["ranking"]:

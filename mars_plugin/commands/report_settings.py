@@ -1,12 +1,59 @@
-"""``mars report``'s flags, declared next to its settings: ``HELP`` (its line in ``mars --help``),
-``DESCRIPTION`` (the head of ``mars report --help``) and :func:`add_arguments`
-(:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)."""
+"""``mars report``'s settings: one frozen record (:class:`ReportSettings`), checked once where it
+is made, built by the command line (:meth:`ReportSettings.from_args`) and taken by
+:func:`mars_plugin.commands.report.report_job`; and the command's flags, declared next to it:
+``HELP`` (its line in ``mars --help``), ``DESCRIPTION`` (the head of ``mars report --help``) and
+:func:`add_arguments` (:mod:`mars_plugin.commands.cli_parser` adds ``--threads``)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
+from mars_plugin._checks import check_class_names, check_ignore_byte
 from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.cli_flags import add_common_arguments
+from mars_plugin.commands.inputs import check_job_params
+from mars_plugin.commands.label_formats import _class_names
+from mars_plugin.formats.files import IGNORE_VALUE
+from mars_plugin.runs.errors import _check_on_error
+
+__all__ = ["ReportSettings", "add_arguments"]
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What ``mars report`` shows: ``class_names`` (background first; None: "class c"),
+    ``num_examples`` most-changed images, ``per_class`` images of each class; ``ignore_index``:
+    the labels' ignore byte; ``on_error``: a bad file stops the run or is skipped;
+    ``progress``: a progress bar."""
+
+    class_names: Optional[Sequence[str]] = None
+    num_examples: int = 8
+    per_class: int = 2
+    ignore_index: int = IGNORE_VALUE
+    on_error: str = "stop"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 -- frozen: normalised once here
+        _check_on_error(self.on_error)
+        for name, value in check_job_params(num_examples=self.num_examples, per_class=self.per_class).items():
+            put(name, value)
+        if self.class_names is not None:
+            put("class_names", tuple(check_class_names(self.class_names)))
+        put("ignore_index", check_ignore_byte(self.ignore_index, num_classes=self.num_named_classes))
+
+    @property
+    def num_named_classes(self) -> Optional[int]:
+        """C of ``class_names`` (None: not given)."""
+        return None if self.class_names is None else len(self.class_names) - 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ReportSettings":
+        """``mars report``'s parsed flags -> the settings (checked); ``--class-names`` is read."""
+        return cls(class_names=_class_names(args.class_names), num_examples=args.num_examples,
+                   per_class=args.per_class, ignore_index=args.ignore_index, on_error=args.on_error,
+                   progress=not args.no_progress)
 
 HELP = "which classes were biased: chart and overlays"
 DESCRIPTION = (
@@ -28,3 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for each class, its N images with the largest share of that class's pixels removed "
                         "(per_class.png; 0: none)")
     add_common_arguments(p)
+
+
+#: the record the flags build, and the Python function taking its fields as keywords
+SETTINGS = ReportSettings
+API = "mars_plugin.commands.report:report_job"
+#: flag dest -> Python keyword, where the names differ (--class-names: the file, read into the names)
+FLAG_KEYWORDS = {"labels": "labels_dir", "debiased": "debiased_dir", "images": "images_dir", "out": "out_dir",
+                 "no_progress": "progress"}
