@@ -573,59 +573,10 @@ class CompiledLattice:
                  normalise: bool = True) -> None:
         features = np.ascontiguousarray(features, dtype=np.float32)
         N, d = features.shape
-        d1 = d + 1
         sizes = [int(s) for s in sizes]
-        starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(sizes)
-        pad = np.array([s % _SIMD_BLOCK != 0 for s in sizes], dtype=np.bool_)
-        lead = 1 if len(sizes) > 1 else 0
-        vert = np.empty((N, d1), dtype=np.int32)
-        bary = np.empty((N, d1), dtype=np.float32)
-        # The torch path's float32 constants: scale factors sqrt(2/3) (d+1) / sqrt((i+1)(i+2))
-        # rounded from double, and 1 / (d+1) last.
-        inv_std_dev = float(np.float32(math.sqrt(2.0 / 3.0) * d1))
-        scale = np.array([1.0 / math.sqrt((i + 2) * (i + 1)) * inv_std_dev for i in range(d)] + [1.0 / d1],
-                         dtype=np.float32)
-        pad_images = np.nonzero(pad)[0].astype(np.int64)
-        Np = N + pad_images.shape[0]
-        q = np.empty((Np, d), dtype=np.int32)
-        rank = np.empty((Np, d1), dtype=np.int8)
-        _lift_points(features, starts, pad, scale, q, rank, bary)
-        # The packed code of a vertex: (image, q' - lo) in mixed radix, times d+1, plus r; q'
-        # runs over q - 1 .. q and its neighbours one further: margins of 2 below, 1 above.
-        lo = q.min(0).astype(np.int64) - 2
-        radix = [int(x) for x in q.max(0).astype(np.int64) - lo + 2]
-        strides = [1] * (d + 1)
-        for i in range(d - 2, -1, -1):
-            strides[i] = strides[i + 1] * radix[i + 1]
-        strides[d] = strides[0] * radix[0]
-        # About one lattice point per pixel on photographs (up to d+1 on noise): the table
-        # (2-4 slots per pixel) and the codes (one per pixel) at first, both doubled while
-        # filling, so that memory follows the lattice.
-        bits = max(4, int(math.ceil(math.log2(2 * (N + d1)))))
-        if strides[d] * len(sizes) * d1 < _MAX_CODE:
-            strides = np.array(strides, dtype=np.int64)
-            M, codes, slots, bits = _insert_codes(q, rank, starts, pad_images, lo, strides, vert,
-                                                  np.empty(N + d1, dtype=np.int64), bits)
-            M = int(M)
-            if max_points is not None and M > max_points:
-                raise LatticeTooLarge(M, max_points, N)
-            n1 = np.full((d1, M + 1), M, dtype=np.int32)
-            n2 = np.full((d1, M + 1), M, dtype=np.int32)
-            _neighbours_codes(codes, M, strides, slots, bits, n1, n2, 0, M)
-            del codes, slots
-        else:  # very fine kernels on large images: the keys compared as rows
-            del q, rank
-            slots = np.full(1 << bits, -1, dtype=np.int32)
-            keys = np.empty((N + d1, lead + d), dtype=np.int32)
-            M, slots, keys = _build_points_rows(features, starts, pad, scale, keys, slots, vert, bary)
-            M = int(M)
-            if max_points is not None and M > max_points:
-                raise LatticeTooLarge(M, max_points, N)
-            n1 = np.empty((d1, M + 1), dtype=np.int32)
-            n2 = np.empty((d1, M + 1), dtype=np.int32)
-            _build_neighbours_rows(keys[:M], M, lead, slots, n1, n2)
-            del keys, slots
+        vert = np.empty((N, d + 1), dtype=np.int32)
+        bary = np.empty((N, d + 1), dtype=np.float32)
+        M, n1, n2 = _build_lattice(features, sizes, vert, bary, max_points)
         self.num_points, self.dim, self.num_lattice_points = N, d, M
         self.vert, self.n1, self.n2 = vert, n1, n2
         alpha = _f32(1.0 / (1.0 + 2.0 ** -d))
@@ -749,3 +700,75 @@ def mean_field(neg_u: np.ndarray, units: Sequence[Unit], compats: Tuple[float, f
         for unit in units[whole:]:
             _solve_split(neg_u, q, unit, compats, iterations, pool, threads)
     return q
+
+
+def _build_lattice(features: np.ndarray, sizes: List[int], vert: np.ndarray, bary: np.ndarray,
+                   max_points: Optional[int]) -> Tuple[int, np.ndarray, np.ndarray]:
+    """Lift the (N, d) points (filling ``vert`` and ``bary``) and number their lattice points:
+    (M, n1, n2), the two neighbour tables along each of the d+1 axes."""
+    N, d = features.shape
+    d1 = d + 1
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(sizes)
+    pad = np.array([s % _SIMD_BLOCK != 0 for s in sizes], dtype=np.bool_)
+    # The torch path's float32 constants: scale factors sqrt(2/3) (d+1) / sqrt((i+1)(i+2))
+    # rounded from double, and 1 / (d+1) last.
+    inv_std_dev = float(np.float32(math.sqrt(2.0 / 3.0) * d1))
+    scale = np.array([1.0 / math.sqrt((i + 2) * (i + 1)) * inv_std_dev for i in range(d)] + [1.0 / d1],
+                     dtype=np.float32)
+    pad_images = np.nonzero(pad)[0].astype(np.int64)
+    Np = N + pad_images.shape[0]
+    q = np.empty((Np, d), dtype=np.int32)
+    rank = np.empty((Np, d1), dtype=np.int8)
+    _lift_points(features, starts, pad, scale, q, rank, bary)
+    # The packed code of a vertex: (image, q' - lo) in mixed radix, times d+1, plus r; q'
+    # runs over q - 1 .. q and its neighbours one further: margins of 2 below, 1 above.
+    lo = q.min(0).astype(np.int64) - 2
+    radix = [int(x) for x in q.max(0).astype(np.int64) - lo + 2]
+    strides = [1] * (d + 1)
+    for i in range(d - 2, -1, -1):
+        strides[i] = strides[i + 1] * radix[i + 1]
+    strides[d] = strides[0] * radix[0]
+    # About one lattice point per pixel on photographs (up to d+1 on noise): the table
+    # (2-4 slots per pixel) and the codes (one per pixel) at first, both doubled while
+    # filling, so that memory follows the lattice.
+    bits = max(4, int(math.ceil(math.log2(2 * (N + d1)))))
+    if strides[d] * len(sizes) * d1 < _MAX_CODE:
+        return _number_by_codes(q, rank, starts, pad_images, lo, np.array(strides, dtype=np.int64), vert, bits,
+                                max_points)
+    del q, rank  # very fine kernels on large images: the keys compared as rows
+    return _number_by_rows(features, starts, pad, scale, vert, bary, bits, max_points)
+
+
+def _number_by_codes(q: np.ndarray, rank: np.ndarray, starts: np.ndarray, pad_images: np.ndarray, lo: np.ndarray,
+                     strides: np.ndarray, vert: np.ndarray, bits: int,
+                     max_points: Optional[int]) -> Tuple[int, np.ndarray, np.ndarray]:
+    """The lattice points numbered by their packed codes in a hash table (the usual case)."""
+    N, d1 = vert.shape
+    M, codes, slots, bits = _insert_codes(q, rank, starts, pad_images, lo, strides, vert,
+                                          np.empty(N + d1, dtype=np.int64), bits)
+    M = int(M)
+    if max_points is not None and M > max_points:
+        raise LatticeTooLarge(M, max_points, N)
+    n1 = np.full((d1, M + 1), M, dtype=np.int32)
+    n2 = np.full((d1, M + 1), M, dtype=np.int32)
+    _neighbours_codes(codes, M, strides, slots, bits, n1, n2, 0, M)
+    return M, n1, n2
+
+
+def _number_by_rows(features: np.ndarray, starts: np.ndarray, pad: np.ndarray, scale: np.ndarray,
+                    vert: np.ndarray, bary: np.ndarray, bits: int,
+                    max_points: Optional[int]) -> Tuple[int, np.ndarray, np.ndarray]:
+    """The lattice points numbered by their keys compared as rows (no packed code fits)."""
+    N, d1 = vert.shape
+    lead = 1 if len(starts) > 2 else 0  # the image index leads the key when there are several
+    slots = np.full(1 << bits, -1, dtype=np.int32)
+    keys = np.empty((N + d1, lead + d1 - 1), dtype=np.int32)
+    M, slots, keys = _build_points_rows(features, starts, pad, scale, keys, slots, vert, bary)
+    M = int(M)
+    if max_points is not None and M > max_points:
+        raise LatticeTooLarge(M, max_points, N)
+    n1 = np.empty((d1, M + 1), dtype=np.int32)
+    n2 = np.empty((d1, M + 1), dtype=np.int32)
+    _build_neighbours_rows(keys[:M], M, lead, slots, n1, n2)
+    return M, n1, n2
