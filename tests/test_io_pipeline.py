@@ -254,6 +254,12 @@ def test_debias_interrupted_with_io_workers_leaves_whole_files_and_resumes(world
     def masks(items):
         calls.append(len(items))
         if len(calls) == 2:
+            # The first batch's writes are queued behind this compute; on a loaded machine they
+            # may not have begun, and the pipeline cancels writes not begun: let them land first,
+            # so that the interrupt meets whole files that must be recorded.
+            deadline = time.monotonic() + 60
+            while len(list((tmp_path / "out").glob("*.png"))) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise KeyboardInterrupt
         return real_masks(items)
 
