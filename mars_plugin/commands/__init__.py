@@ -9,7 +9,7 @@ The commands:
 * ``features.py`` -- ``mars features`` (the folder job around a USS extractor of
   :mod:`mars_plugin.adapters.uss`); its settings record and flags in ``features_settings.py``.
 * ``centroids.py``, ``debias.py``, ``evaluate.py``, ``report.py`` -- ``mars centroids``,
-  ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``; flags in
+  ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``; their settings records and flags in
   ``centroids_settings.py``, ``debias_settings.py``, ``evaluate_settings.py``,
   ``report_settings.py``.
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
@@ -25,12 +25,12 @@ The commands:
   ``reproduce_plan.py`` (the plan both ``--dry-run`` and the run check first) with
   ``reproduce_checks.py`` (its checks of every input), ``reproduce_report.py`` (``report.md``),
   ``reproduce_train.py`` (``--train``) and ``references.py`` (the yardstick's WSS folders).
-* ``demo.py`` -- ``mars demo`` (flags: ``demo_settings.py``; its figures and the report's are in
+* ``demo.py`` -- ``mars demo`` (settings and flags: ``demo_settings.py``; its figures and the report's are in
   :mod:`mars_plugin.pictures`).
 * ``crf_job.py`` -- ``mars crf``: the dense CRF over a folder of a codebase's CAMs (its
   adapter's ``load_cams`` and ``crf_input``) or of probability maps, batched on the device;
   ``crf_settings.py``: its settings record and flags.
-* ``sample_trees.py`` -- ``mars sample`` (flags: ``sample_settings.py``): small trees in each
+* ``sample_trees.py`` -- ``mars sample`` (settings and flags: ``sample_settings.py``): small trees in each
   codebase's layout (random-weight model files), for trying every command without downloads.
 
 What they share here: ``command_table.py`` (the commands), ``cli_parser.py`` (the parser),
