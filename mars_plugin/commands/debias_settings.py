@@ -98,6 +98,7 @@ class DebiasSettings:
                    max_bytes=DEFAULT_MAX_BYTES if args.max_memory is None else int(args.max_memory * 2 ** 30),
                    on_error=args.on_error, progress=not args.no_progress)
 
+
 HELP = "write debiased labels (Eq. 4-5) for a folder"
 DESCRIPTION = (
     "One P-mode PNG (VOC palette) per pseudo label; biased pixels are written as 254, ignore stays 255. "

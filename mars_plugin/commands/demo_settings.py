@@ -64,6 +64,7 @@ class DemoSettings:
                    epochs=args.epochs, refine=args.refine, crf_params=args.crf_params,
                    write_world=not args.no_world)
 
+
 HELP = "run the whole method on the built-in biased world and show what it removed"
 DESCRIPTION = (
     "Generate the built-in biased world, select centroids, debias (CRF), train a small segmentation network "

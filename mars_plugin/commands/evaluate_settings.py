@@ -41,6 +41,7 @@ class EvaluateSettings:
         return cls(num_classes=args.num_classes, ignore_index=args.ignore_index, on_error=args.on_error,
                    progress=not args.no_progress)
 
+
 HELP = "IoU, FP, FN per class (SEAM's formulas)"
 DESCRIPTION = (
     "Confusion matrix over the whole set on pixels where gt < 255; FP = (P-TP)/(T+P-TP), FN = "

@@ -55,6 +55,7 @@ class ReportSettings:
                    per_class=args.per_class, ignore_index=args.ignore_index, on_error=args.on_error,
                    progress=not args.no_progress)
 
+
 HELP = "which classes were biased: chart and overlays"
 DESCRIPTION = (
     "Per-class share of pseudo-label pixels marked biased, ranked, as a bar chart, and a grid of overlays of "

@@ -35,6 +35,7 @@ class SampleSettings:
         """``mars sample``'s parsed flags -> the settings (checked)."""
         return cls(tree=args.tree, num_images=args.num_images, size=args.size, seed=args.seed)
 
+
 HELP = (
     "write a small sample tree in a WSSS codebase's layout, with random-weight models, to try every command "
     "offline"
