@@ -537,3 +537,22 @@ def test_the_next_run_removes_the_tmp_files_a_killed_run_left(cmd_inputs, holder
     for f in folders:
         left = sorted(q.name for q in f.iterdir() if q.name.startswith(".tmp") or q.name.endswith(".tmp"))
         assert left == sorted(FOREIGN), (f, left)
+
+
+def test_features_model_given_as_settings_mapping_is_the_model_keyword(syn, tmp_path):
+    """features_job's older spelling (settings={...}, the model's description) records what
+    model={...} records; a FeaturesSettings record with keywords beside it, or both spellings, are
+    refused by name."""
+    from mars_plugin.commands.features_settings import FeaturesSettings
+
+    _, p, _ = _copy_world(syn, tmp_path)
+    model = {"uss": "pool", "files": {"weights": "w0"}}
+    features_job(_pool, p["images"], tmp_path / "new", progress=False, model=model)
+    features_job(_pool, p["images"], tmp_path / "old", progress=False, settings=model)
+    assert (tmp_path / "new" / ".mars-run.json").read_bytes() == (tmp_path / "old" / ".mars-run.json").read_bytes()
+    s = features_job(_pool, p["images"], tmp_path / "old", progress=False, model=model)
+    assert s.existing == 8 and s.done == 0  # the same run: resumed, nothing made again
+    with pytest.raises(ValueError, match="not also as settings="):
+        features_job(_pool, p["images"], tmp_path / "x", settings=model, model=model)
+    with pytest.raises(ValueError, match="not both"):
+        features_job(_pool, p["images"], tmp_path / "x", settings=FeaturesSettings(), progress=False)

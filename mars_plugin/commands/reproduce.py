@@ -285,7 +285,7 @@ class _Run:
             js = features_job(extractor, self.image_dir, self.inputs.feats, batch_size=s.feature_batch_size,
                               device=s.device, fp16=s.fp16, on_error=s.on_error,
                               progress=self.progress and self.rank == 0, file_format="pt", stems=self.work,
-                              settings=self.inputs.feature_settings)
+                              model=self.inputs.feature_settings)
             self._summary(js, "features")
             return {"written": js.done, "existing": js.existing, "failed": [list(f) for f in js.failed]}
 
