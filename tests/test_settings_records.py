@@ -122,3 +122,11 @@ def test_a_flag_left_unread_is_caught():
     ns2.__dict__["_read"] = set()
     getattr(ns2, "write")
     assert "batch_size" not in ns2.__dict__["_read"]
+
+
+def test_an_unknown_command_is_refused_by_name():
+    from mars_plugin.commands.command_table import command
+
+    with pytest.raises(ValueError, match=r"command must be one of \('demo', .*\), got 'nope'"):
+        command("nope")
+    assert command("crf").sharded == "crf" and flags_module("crf").SETTINGS.__name__ == "CrfSettings"
