@@ -23,7 +23,6 @@ from mars_plugin.runs.errors import _check_on_error
 __all__ = ["CentroidsSettings", "add_arguments"]
 
 
-
 @dataclass(frozen=True)
 class CentroidsSettings:
     """What ``mars centroids`` does: Eq. 1-3 for ``num_classes`` C foreground classes (``alpha``:

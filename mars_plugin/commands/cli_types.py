@@ -183,7 +183,7 @@ def res(text: str) -> Union[int, str]:
 
 
 def _demo_limits():
-    from mars_plugin.commands.demo import MAX_DEMO_EPOCHS, MAX_DEMO_IMAGES, MAX_DEMO_SIZE, MIN_DEMO_SIZE
+    from mars_plugin.commands.demo_settings import MAX_DEMO_EPOCHS, MAX_DEMO_IMAGES, MAX_DEMO_SIZE, MIN_DEMO_SIZE
 
     return MAX_DEMO_IMAGES, MIN_DEMO_SIZE, MAX_DEMO_SIZE, MAX_DEMO_EPOCHS
 

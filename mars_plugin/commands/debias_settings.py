@@ -7,7 +7,6 @@ line in ``mars --help``), ``DESCRIPTION`` (the head of ``mars debias --help``) a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
 
@@ -82,10 +81,6 @@ class DebiasSettings:
         return {"refine": self.refine, "threshold": None if crf else self.threshold,
                 "crf_params": self.params if crf else None, "crf_backend": self.crf_backend if crf else None,
                 "ignore_index": self.ignore_index, "wsss": self.fmt.name, "mode": self.fmt.mode}
-
-    def replace(self, **changes: Any) -> "DebiasSettings":
-        keep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return DebiasSettings(**{**keep, **changes})
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DebiasSettings":

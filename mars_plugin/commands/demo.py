@@ -26,8 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mars_plugin.commands.demo_settings import (  # noqa: F401 -- the bounds, re-exported
-    MAX_DEMO_EPOCHS, MAX_DEMO_IMAGES, MAX_DEMO_SIZE, MIN_DEMO_SIZE, DemoSettings)
+from mars_plugin.commands.demo_settings import DemoSettings
 from mars_plugin.method.complement import complement_labels
 from mars_plugin.method.debias import debias_labels
 from mars_plugin.method.ema import EMATeacher

@@ -24,8 +24,7 @@ from mars_plugin.adapters.uss.multiscale import DHR_SCALES
 from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.cli_flags import add_selection_arguments, crf_params_argument
 
-__all__ = ["ReproduceSettings", "ReproduceInputs", "TRAIN_PLAN_KEYS", "default_domain", "prepare",
-           "settings_from_args"]
+__all__ = ["ReproduceSettings", "ReproduceInputs", "TRAIN_PLAN_KEYS", "default_domain", "prepare"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -201,11 +200,6 @@ def _train_plan(train: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
     if unknown:
         raise ValueError(f"train has the unknown key {unknown[0]!r}; expected some of {list(TRAIN_PLAN_KEYS)}")
     return dict(train)
-
-
-def settings_from_args(args: Any) -> ReproduceSettings:
-    """The record of ``mars reproduce``'s parsed flags (:meth:`ReproduceSettings.from_args`)."""
-    return ReproduceSettings.from_args(args)
 
 
 @dataclass(frozen=True)
