@@ -1,12 +1,16 @@
-"""Stale outputs (issue 30, class 9): the output of an input that is gone leaves ``--out``.
+"""Stale outputs (issue 30, class 9; issue 41, class 5): the output of an input that is gone
+leaves ``--out``, and nothing computed is ever lost.
 
-Families, for each folder job (``mars features``, ``mars predict``, ``mars debias``): an input
-removed between two runs takes its output with it, the others are kept (not computed again), the
-summary names what was removed, and a second rerun changes nothing; a file the user put into
-``--out`` and a recorded output the user changed since are kept and named in a warning; a run on
-a part of the inputs (``stems``) removes nothing of the rest; under two torch.distributed ranks
-rank 0 alone removes. Tiny inputs: :func:`mars_plugin.worlds.synthetic.write_world` (32 px), a
-plain callable extractor, a random two-layer network.
+Families, for each folder job (``mars features``, ``mars predict``, ``mars debias``, ``mars
+crf``): an input removed between two runs takes its output with it into this run's own
+subfolder ``.mars-stale/<UTC time>-<run id>/``, the others are kept (not computed again), the
+summary names what was moved and where, and a second rerun changes nothing; an input of the same
+stem that goes away a second time keeps both stale outputs, each in its run's subfolder (issue
+41, class 5); a file the user put into ``--out`` and a recorded output the user changed since
+are kept and named in a warning; a run on a part of the inputs (``stems``) removes nothing of
+the rest; under two torch.distributed ranks rank 0 alone removes. Tiny inputs:
+:func:`mars_plugin.worlds.synthetic.write_world` (32 px), a plain callable extractor, a random
+two-layer network, random probability maps for ``mars crf --probs``.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.multiprocessing as tmp
 import torch.nn.functional as F
 
 from mars_plugin.commands.centroids import centroids_job
+from mars_plugin.commands.crf_job import crf_job
 from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.features import features_job
 from mars_plugin.commands.predict import predict_job
@@ -73,6 +78,13 @@ class Job:
         self.V = tmp_path / "V.pt"
         self.out = tmp_path / "out"
         self.ext = ".npy" if kind == "features" else ".png"
+        if kind == "crf":  # (3, H, W) probability maps, one per image
+            self.p["probs"] = tmp_path / "world" / "probs"
+            self.p["probs"].mkdir()
+            rng = np.random.default_rng(0)
+            for stem in self.stems:
+                q = rng.dirichlet(np.ones(3), size=(SIZE, SIZE)).transpose(2, 0, 1).astype(np.float32)
+                np.save(self.p["probs"] / f"{stem}.npy", q)
 
     def run(self, **more):
         kw = dict(self.kw, **more)
@@ -81,13 +93,19 @@ class Job:
         if self.kind == "predict":
             return predict_job(Net(), self.p["images"], self.out, crf="none", scales=(1.0,), flip=False,
                                progress=False, **kw)
+        if self.kind == "crf":
+            return crf_job(self.p["images"], self.out, probs_dir=self.p["probs"], progress=False, **kw)
         return debias_job(self.p["features"], self.p["labels"], self.V, self.out, refine="threshold",
                           progress=False, **kw)
 
+    def input_of(self, stem: str) -> Path:
+        """The input that makes ``stem`` an id of this job."""
+        folder = {"features": "images", "predict": "images", "debias": "labels", "crf": "probs"}[self.kind]
+        return self.p[folder] / f"{stem}{'.npy' if self.kind == 'crf' else '.png'}"
+
     def remove(self, stem: str) -> None:
         """Remove the input that makes ``stem`` an id of this job."""
-        folder = {"features": "images", "predict": "images", "debias": "labels"}[self.kind]
-        (self.p[folder] / f"{stem}.png").unlink()
+        self.input_of(stem).unlink()
 
     def outputs(self):
         """{name: mtime_ns} of the folder's outputs (the record left out)."""
@@ -98,7 +116,13 @@ class Job:
                       for line in p.read_text().splitlines())
 
 
-KINDS = ["features", "predict", "debias"]
+def aside(out: Path):
+    """{subfolder: sorted file names} of ``out/.mars-stale/`` (the run's records left out)."""
+    return {d.name: sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
+            for d in sorted((out / STALE_DIR).iterdir())} if (out / STALE_DIR).is_dir() else {}
+
+
+KINDS = ["features", "predict", "debias", "crf"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -111,7 +135,9 @@ def test_the_output_of_a_removed_input_is_removed_and_the_others_kept(syn, tmp_p
     s = job.run()
     name = gone + job.ext
     assert (s.done, s.existing, s.stale, s.notes) == (0, N - 1, [name], [])
-    assert f"1 stale moved to .mars-stale/ (their inputs are gone: {name})" in s.line()
+    (sub, names), = aside(job.out).items()
+    assert names == [name] and s.aside == f".mars-stale/{sub}/"
+    assert f"1 stale moved to .mars-stale/{sub}/ (their inputs are gone: {name})" in s.line()
     assert job.outputs() == {k: v for k, v in before.items() if k != name}  # the others untouched
     assert gone not in job.journal_ids() and len(job.journal_ids()) == N - 1
     # idempotent: nothing more to remove, nothing written
@@ -134,7 +160,7 @@ def test_a_file_the_user_put_in_out_is_kept_and_named(syn, tmp_path, kind):
         assert s.notes == [f"--out {job.out} holds 1 file(s) with no input (zz_mine{job.ext}): not made by this "
                            "command or changed since, so kept; move them"]
         assert f"warning: {s.notes[0]}" in s.warning_lines()
-    assert not (job.out / f"{gone}{job.ext}").exists() and (job.out / STALE_DIR / f"{gone}{job.ext}").is_file()
+    assert not (job.out / f"{gone}{job.ext}").exists() and list(aside(job.out).values()) == [[f"{gone}{job.ext}"]]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -196,7 +222,85 @@ def test_debias_a_removed_feature_file_removes_the_label(syn, tmp_path):
     (job.p["features"] / f"{gone}.npy").unlink()
     s = job.run()
     assert s.stale == [f"{gone}.png"] and [stem for stem, _ in s.failed] == [gone]
-    assert not (job.out / f"{gone}.png").exists() and (job.out / STALE_DIR / f"{gone}.png").is_file()
+    assert not (job.out / f"{gone}.png").exists() and list(aside(job.out).values()) == [[f"{gone}.png"]]
+
+
+# ------------------------------------------------------- issue 41, class 5: nothing computed is lost
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_input_gone_twice_keeps_both_stale_outputs(syn, tmp_path, kind):
+    """An input of one stem goes away, comes back (other content: another output), goes away
+    again: the two stale outputs, each as it was in --out, in two subfolders of .mars-stale/,
+    and each run's summary names its own (before issue 41 the second overwrote the first)."""
+    job = Job(kind, syn, tmp_path)
+    job.run()
+    gone = job.stems[2]
+    name = gone + job.ext
+    first = (job.out / name).read_bytes()
+    kept = job.input_of(gone).read_bytes()
+    job.remove(gone)
+    s1 = job.run()
+    other = job.input_of(job.stems[0]).read_bytes()  # comes back as another input: another output
+    job.input_of(gone).write_bytes(other)
+    assert job.run().done == 1
+    second = (job.out / name).read_bytes()
+    job.remove(gone)
+    s2 = job.run()
+    subs = aside(job.out)
+    assert list(subs.values()) == [[name], [name]]
+    one, two = (job.out / STALE_DIR / sub / name for sub in subs)
+    assert (one.read_bytes(), two.read_bytes()) == (first, second)
+    assert {s1.aside, s2.aside} == {f".mars-stale/{sub}/" for sub in subs} and s1.aside < s2.aside
+    assert f"1 stale moved to {s2.aside} (their inputs are gone: {name})" in s2.line()
+    assert kept != other or kind == "crf"  # (the maps are random: other anyway)
+
+
+def test_two_runs_of_one_second_get_two_subfolders(tmp_path, monkeypatch):
+    """The subfolder is the UTC time and a random run id: two runs of one instant (the clock
+    held still here) never share one, nor does a collision of the random ids."""
+    import mars_plugin.runs.output_aside as oa
+
+    monkeypatch.setattr(oa.time, "time_ns", lambda: 7 * 10**9 + 123456789)
+    ids = iter(["aaaaaa", "aaaaaa", "bbbbbb"])  # the second run draws the first one's id once
+    monkeypatch.setattr(oa.secrets, "token_hex", lambda n: next(ids))
+    for run in range(2):
+        (tmp_path / "a.png").write_bytes(b"run %d" % run)
+        oa.OutputAside(tmp_path, "--out x").move("a.png")
+    subs = sorted((tmp_path / STALE_DIR).iterdir())
+    assert [d.name for d in subs] == ["19700101T000007.123456Z-aaaaaa", "19700101T000007.123456Z-bbbbbb"]
+    assert [(d / "a.png").read_bytes() for d in subs] == [b"run 0", b"run 1"]
+
+
+def test_a_move_never_overwrites(tmp_path):
+    """A name already in the run's subfolder is refused, naming it; both files stay."""
+    from mars_plugin.runs.errors import JobError
+    from mars_plugin.runs.output_aside import OutputAside
+
+    (tmp_path / "a.png").write_bytes(b"first")
+    out = OutputAside(tmp_path, "--out x")
+    out.move("a.png")
+    (tmp_path / "a.png").write_bytes(b"second")
+    with pytest.raises(JobError, match=r"--out x: cannot move a\.png to \.mars-stale/.*already holds a a\.png"):
+        out.move("a.png")
+    assert (out.path / "a.png").read_bytes() == b"first" and (tmp_path / "a.png").read_bytes() == b"second"
+
+
+def test_mars_crf_prints_where_the_stale_output_went(syn, tmp_path, capsys):
+    from mars_plugin.cli import main
+
+    job = Job("crf", syn, tmp_path)
+    argv = ["crf", "--probs", str(job.p["probs"]), "--images", str(job.p["images"]), "--out", str(job.out),
+            "--no-progress"]
+    assert main(argv) == 0
+    job.remove(job.stems[0])
+    capsys.readouterr()
+    assert main(argv) == 0
+    (sub, names), = aside(job.out).items()
+    assert names == [f"{job.stems[0]}.png"]
+    assert capsys.readouterr().out.strip().endswith(
+        f"0 written, {N - 1} already done, 0 skipped, 1 stale moved to .mars-stale/{sub}/ (their inputs are gone: "
+        f"{job.stems[0]}.png)")
 
 
 @pytest.mark.slow
@@ -214,8 +318,9 @@ def test_mars_predict_prints_the_removed_and_the_kept(syn, tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0
     out, err = capsys.readouterr()
+    (sub, _), = aside(job.out).items()
     assert out.strip() == (f"predictions -> {job.out}: 0 written, {N - 1} already done, 0 skipped, 1 stale moved to "
-                           f".mars-stale/ (their inputs are gone: {job.stems[0]}.png)")
+                           f".mars-stale/{sub}/ (their inputs are gone: {job.stems[0]}.png)")
     assert err == (f"warning: --out {job.out} holds 1 file(s) with no input (notes.png): not made by this command "
                    "or changed since, so kept; move them\n")
 

@@ -81,7 +81,8 @@ from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.evaluate import evaluate_job
 from mars_plugin.commands.label_formats import LabelFormat
 from mars_plugin.commands.report import report_job
-from mars_plugin.runs.errors import JobError, JobSummary, one_line
+from mars_plugin.runs.errors import JobError, JobSummary, few, one_line
+from mars_plugin.runs.output_aside import OutputAside
 from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 from mars_plugin.runs.run_record import broadcast_object
 from mars_plugin.commands.reproduce_settings import ReproduceInputs, ReproduceSettings, default_domain, prepare
@@ -306,14 +307,19 @@ class _Run:
         self._stage("centroids", run)
 
     def debias(self) -> None:
-        """Eq. 4-5 into ``<out>/debiased``; the label of an id whose pseudo label is gone is
-        removed (no result of this run)."""
+        """Eq. 4-5 into ``<out>/debiased``; the label of an id this run leaves out (its pseudo
+        label gone, its tags unreadable) is moved to ``debiased/.mars-stale/<UTC time>-<run id>/``
+        (no result of this run, but not lost)."""
         s, debiased = self.s, self.debiased
 
         def run() -> Dict[str, Any]:
             if self.rank == 0:
+                aside = OutputAside(debiased, f"{debiased}")
                 for gone in sorted(set(list_stems(debiased, (".png",))) - set(self.work)) if debiased.is_dir() else ():
-                    (debiased / f"{gone}.png").unlink()
+                    aside.move(f"{gone}.png")
+                if aside.moved:
+                    self.log(f"  debias: {len(aside.moved)} label(s) of ids left out moved to {aside.where} "
+                             f"({few(aside.moved)})")
             js = debias_job(self.inputs.feats, s.pseudo_dir, self.centroids_path, debiased, images_dir=self.image_dir,
                             refine=s.refine, image_labels=self.image_labels, workers=s.workers,
                             batch_size=s.batch_size, device=s.device, crf_params=s.crf_params, on_error=s.on_error,

@@ -31,9 +31,14 @@ class JobSummary:
     redone: int = 0
     #: files that were used but add nothing (a label with no valid pixel), with the reason
     warnings: List[Tuple[str, str]] = field(default_factory=list)
-    #: outputs of inputs that are gone, removed by this run (file names; see
+    #: outputs of inputs that are gone, moved aside by this run (file names; see
     #: :meth:`mars_plugin.runs.run_record.FolderRecord.open`)
     stale: List[str] = field(default_factory=list)
+    #: outputs of the earlier run that ``--restart`` moved aside (file names)
+    earlier: List[str] = field(default_factory=list)
+    #: where this run moved them, relative to the output folder (``.mars-stale/<UTC time>-<run id>/``:
+    #: :class:`mars_plugin.runs.output_aside.OutputAside`); "" when nothing moved
+    aside: str = ""
     #: one-line warnings about the output folder (files of no input that this run keeps)
     notes: List[str] = field(default_factory=list)
 
@@ -46,7 +51,9 @@ class JobSummary:
             s += f", {self.existing} already done"
         s += f", {len(self.failed)} skipped"
         if self.stale:
-            s += f", {len(self.stale)} stale moved to .mars-stale/ (their inputs are gone: {few(self.stale)})"
+            s += f", {len(self.stale)} stale moved to {self.aside} (their inputs are gone: {few(self.stale)})"
+        if self.earlier:
+            s += f", {len(self.earlier)} of the earlier run moved to {self.aside} (--restart: {few(self.earlier)})"
         return s
 
     def skipped_lines(self) -> List[str]:

@@ -46,24 +46,29 @@ label file)                              changed, or all of them when the centro
 the centroids' content                   every debiased label recomputed
 a ground-truth mask, a reference         reproduce: evaluate and report only
 folder or one of its masks
-an input removed: an image (features,    its output moved to ``.mars-stale/``, when the
-predict, debias with the CRF), a pseudo  journal recorded it and it is as recorded (size,
-label or a feature file (debias)         mtime); any other file of no input kept and named
+an input removed: an image (features,    its output moved to ``.mars-stale/<run>/``, when
+predict, crf, debias with the CRF), a    the journal recorded it and it is as recorded
+pseudo label or a feature file (debias)  (size, mtime); any other file of no input kept and
+                                         named
+``--restart`` (crf)                      the earlier run's record, journals and every
+                                         output moved to ``.mars-stale/<run>/`` first
 nothing                                  every output kept (``already done``)
 ======================================  ====================================================
 
 ``mars reproduce`` reruns a stage whose recorded inputs differ and every stage after it (the
 report always); each job it calls then keeps the outputs whose own inputs did not change. A
-debiased label of an id whose pseudo label is gone is moved aside (by ``mars debias``, below), or
-removed (by ``mars reproduce`` for an id it leaves out, e.g. one whose tags are unreadable).
+debiased label of an id whose pseudo label is gone is moved aside (by ``mars debias``, below),
+and so is one of an id ``mars reproduce`` leaves out (e.g. one whose tags are unreadable).
 
-**Stale outputs.** ``mars features``, ``mars predict`` and ``mars debias`` give
-:meth:`FolderRecord.open` the ids whose inputs exist now (every image of ``--images``; for
-debias the ids with a pseudo label, a feature file and, with the CRF, an image). Holding the
-lock, before any rank writes, rank 0 moves into ``--out/.mars-stale/`` (out of every command's
-sight, but not lost: an ``--out`` reused with another input folder keeps the first one's work)
-each output of another id that a journal line
-describes as it is (the command wrote it and nobody changed it since), drops the journal lines
+**Stale outputs.** ``mars features``, ``mars predict``, ``mars crf`` and ``mars debias`` give
+:meth:`FolderRecord.open` the ids whose inputs exist now (every image of ``--images``; for crf
+every file of ``--cams``/``--probs``; for debias the ids with a pseudo label, a feature file and,
+with the CRF, an image). Holding the
+lock, before any rank writes, rank 0 moves into ``--out/.mars-stale/<UTC time>-<run id>/``
+(:mod:`mars_plugin.runs.output_aside`: out of every command's sight, but not lost, one subfolder
+per run, so that an input gone a second time never overwrites the first one's output; an
+``--out`` reused with another input folder keeps the first one's work) each output of another
+id that a journal line describes as it is (the command wrote it and nobody changed it since), drops the journal lines
 of such ids, and names every other file of no input in a warning: a file put there by the user,
 or changed since it was written, is never moved. The ids are those of the input folders, not
 of a run's ``stems``: a run on some ids is a filter and never removes an output whose input
@@ -79,6 +84,7 @@ from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Seq
 
 from mars_plugin.runs.errors import JobError, JobSummary, few, one_line
 from mars_plugin.runs.identities import _stat_key, file_id, json_digest, roles_digest
+from mars_plugin.runs.output_aside import STALE_DIR, OutputAside
 from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 
 __all__ = [
@@ -96,8 +102,6 @@ PathLike = Union[str, os.PathLike]
 
 #: The settings record of a per-file job's output folder.
 RECORD_NAME = ".mars-run.json"
-#: Where a folder job moves the outputs of inputs that are gone (:meth:`FolderRecord.open`).
-STALE_DIR = ".mars-stale"
 #: The journal of the files one rank wrote into the folder.
 JOURNAL_NAME = ".mars-run.files.{rank}.jsonl"
 
@@ -225,16 +229,28 @@ class FolderRecord:
         self.lock = RunLock(self.folder / LOCK_NAME, self.what, f"mars {command}")
         self._entries: Dict[Tuple[str, int, int], Dict[str, Any]] = {}
         self._journal = None
-        #: outputs :meth:`open` moved to STALE_DIR (their inputs are gone), and files of no input it kept
+        #: where :meth:`open` moves outputs aside (this run's subfolder of STALE_DIR)
+        self.aside = OutputAside(self.folder, self.what)
+        #: outputs :meth:`open` moved aside: of inputs that are gone, of the earlier run (restart);
+        #: and the files of no input it kept
         self.stale: List[str] = []
+        self.earlier: List[str] = []
         self.strays: List[str] = []
 
-    def open(self, ids: Optional[Collection[str]] = None, extensions: Sequence[str] = ()) -> None:
+    def open(self, ids: Optional[Collection[str]] = None, extensions: Sequence[str] = (), *,
+             restart: Optional[Sequence[str]] = None) -> None:
         """Rank 0: take the lock, refuse other settings, remove stale temporary files and, given
-        ``ids`` (every id whose inputs exist now) and the outputs' ``extensions``, the stale
-        outputs (:meth:`_remove_stale`), before any rank appends to a journal."""
+        ``ids`` (every id whose inputs exist now) and the outputs' ``extensions``, move aside the
+        stale outputs (:meth:`_remove_stale`), before any rank appends to a journal.
+
+        ``restart`` (``--restart``): the extensions of every output the command can write (all
+        its ``--write`` kinds); first, holding the lock, the earlier run's record, journals and
+        every file of those extensions are moved aside (:meth:`_move_earlier_run`), so that its
+        settings are no longer compared and none of its files sits beside the new run's."""
         self.lock.acquire()
         try:
+            if restart is not None:
+                self._move_earlier_run(restart)
             path = self.folder / RECORD_NAME
             if path.is_file():
                 try:
@@ -278,12 +294,7 @@ class FolderRecord:
             if key is not None and key in recorded:
                 # Moved aside, not deleted: an --out reused with another input folder would
                 # otherwise lose hours of features; out of the folder, no command reads it.
-                try:
-                    (self.folder / STALE_DIR).mkdir(exist_ok=True)
-                    os.replace(p, self.folder / STALE_DIR / p.name)
-                except OSError as e:
-                    raise JobError(f"{self.what}: cannot move {p.name}, the output of an input that is gone, "
-                                   f"to {STALE_DIR}/ ({one_line(e)})") from None
+                self.aside.move(p.name)
                 self.stale.append(p.name)
             else:
                 self.strays.append(p.name)
@@ -297,10 +308,28 @@ class FolderRecord:
                 text = "".join(line + "\n" for line in keep)
                 atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
+    def _move_earlier_run(self, extensions: Sequence[str]) -> None:
+        """``--restart``: the earlier run's record, journals and every file of ``extensions``
+        (recorded or not: a file of a killed run's last moment, or of an older restart) moved
+        aside, together, so that the subfolder describes its files as the folder did."""
+        if not self.folder.is_dir():
+            return
+        exts = tuple(x.lower() for x in extensions)
+        records = {RECORD_NAME, *(j.name for j in _journals(self.folder))}
+        for p in sorted(self.folder.iterdir()):
+            if p.is_file() and (p.name in records or (
+                    not p.name.startswith(".") and p.suffix.lower() in exts)):
+                self.aside.move(p.name)
+                if not p.name.startswith("."):
+                    self.earlier.append(p.name)
+
     def tell(self, summary: JobSummary) -> None:
         """Add what :meth:`open` found in the folder to ``summary`` (rank 0's; the others' is
-        empty): the stale outputs moved aside, a warning naming the files it kept."""
+        empty): the outputs moved aside and where, a warning naming the files it kept."""
         summary.stale += self.stale
+        summary.earlier += self.earlier
+        if self.aside.path is not None:
+            summary.aside = self.aside.where
         if self.strays:
             summary.notes.append(f"{self.what} holds {len(self.strays)} file(s) with no input ({few(self.strays)}): "
                                  f"not made by this command or changed since, so kept; move them")
