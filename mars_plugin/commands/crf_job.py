@@ -32,6 +32,8 @@ __all__ = ["crf_job", "run_crf_command", "CAM_EXTENSIONS"]
 
 #: The CAM file of each codebase (its ``load_cams``).
 CAM_EXTENSIONS = {"irnet": ".npy", "advcam": ".npy", "seam": ".npy", "rsepm": ".pkl", "dhr": ".pt"}
+#: The outputs of ``--write labels`` and ``--write probs`` (a restart moves both kinds aside).
+OUTPUT_EXTENSIONS = (".png", ".npy")
 
 
 # ------------------------------------------------------------------------ one file (workers)
@@ -200,7 +202,9 @@ def crf_job(images_dir: os.PathLike, out_dir: os.PathLike, *, cams_dir: Optional
     CRF call on ``settings.device``; ``settings.workers`` processes read, prepare and write the
     files. Resumable (:mod:`mars_plugin.runs.run_record`): ``.mars-run.json`` holds
     :meth:`~mars_plugin.commands.crf_settings.CrfSettings.identity` (other settings are refused,
-    unless ``restart``) and each file is kept while its input and image are unchanged. Under
+    unless ``restart``, which first moves the earlier run's record and every ``.png``/``.npy``
+    into ``out_dir/.mars-stale/<UTC time>-<run id>/``) and each file is kept while its input
+    and image are unchanged; the output of an input that is gone is moved there too. Under
     torchrun each rank takes ``rank, rank + W, ...`` of the sorted stems.
     """
     from mars_plugin.commands.inputs import check_out_apart
@@ -237,13 +241,10 @@ def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, 
             files, images, bad = _inputs(src, images_dir, s.wsss, flag)
             if rank == 0:
                 _check_out_dir(out_dir, "--out")
-                if s.restart:  # under the folder's lock: never the record of a run still going
-                    record.lock.acquire()
-                    try:
-                        _forget(out_dir)
-                    finally:
-                        record.lock.release()
-                record.open(set(files), (ext,))
+                # --restart: under the folder's lock (never the record of a run still going), the
+                # earlier run's record and its outputs of either --write move aside: none of its
+                # labels stays beside the new run's probabilities for mars evaluate to score
+                record.open(set(files), (ext,), restart=OUTPUT_EXTENSIONS if s.restart else None)
         except Exception as e:  # noqa: BLE001 -- raised on every rank just below
             error = e
         share_error(error, group)
@@ -265,16 +266,6 @@ def _run(s: CrfSettings, src: Path, flag: str, images_dir: Path, out_dir: Path, 
     finally:
         record.close()
         _free(group)
-
-
-def _forget(out_dir: Path) -> None:
-    """``--restart``: the folder's record and journals go, so every file is computed again (and
-    other settings are taken); the files stay until each is overwritten."""
-    from mars_plugin.runs.run_record import JOURNAL_NAME, RECORD_NAME
-
-    for p in [out_dir / RECORD_NAME, *out_dir.glob(JOURNAL_NAME.format(rank="*"))]:
-        if p.is_file():
-            p.unlink()
 
 
 def _shard(s: CrfSettings, stems: List[str], files: Dict[str, Path], images: Dict[str, Path], bad: Dict[str, str],

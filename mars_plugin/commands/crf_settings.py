@@ -14,6 +14,7 @@ from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param
 from mars_plugin.commands.cli_types import MAX_WORKERS
 from mars_plugin.engines.crf_params import CRF_PRESET_NAMES, check_crf_params
 from mars_plugin.runs.errors import ON_ERROR
+from mars_plugin.runs.output_aside import STALE_DIR
 from mars_plugin.commands.cli_types import add_io_workers_argument
 from mars_plugin.runs.io_pipeline import check_io_workers
 from mars_plugin.commands.label_formats import WSSS_ADAPTERS
@@ -170,7 +171,8 @@ def add_crf_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-memory", type=T.max_memory, default=None, metavar="GIB",
                    help="the CRF's memory budget per batch in GiB (default: the CRF's own, 6 GiB)" + own)
     p.add_argument("--restart", action="store_true",
-                   help="forget --out's record (another run's settings too) and compute every file again")
+                   help="compute every file again (other settings too): the earlier run's record and outputs "
+                        f"move to --out/{STALE_DIR}/<UTC time>-<run id>/ first")
     p.add_argument("--on-error", choices=ON_ERROR, default="stop",
                    help="a bad input file: stop at the first with one line naming it (exit 2), or skip it, go on, "
                         "list every skipped file on stderr at the end and exit 1")

@@ -47,6 +47,7 @@ from mars_plugin.networks import deeplab_pytorch as dlpt  # the deeplab-pytorch 
 from mars_plugin.networks.recipes import poly_factor
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, save_checkpoint
 from mars_plugin.networks.seg_data import SampleError, StepSampler, TrainFolder
+from mars_plugin.runs.output_aside import OutputAside
 
 __all__ = ["train", "TrainSettings", "TRAIN_DEFAULTS", "CHECKPOINT_NAME", "LOG_NAME", "poly_lr"]
 
@@ -108,8 +109,8 @@ def train(
             default: the classes of each label (a class whose pixels were all marked biased is
             then not offered: ``mars reproduce`` writes ``image_labels.json``).
         stems: train on these images only (default: every label in ``labels``).
-        restart: train from step 0, removing a checkpoint and log in ``out`` (once the files
-            passed their check).
+        restart: train from step 0, moving the checkpoint, log and ``train.json`` in ``out``
+            into ``out/.mars-stale/<UTC time>-<run id>/`` (once the files passed their check).
         require_biased: with ``loss="mars"``, refuse labels without a single biased pixel (254), the
             sign of pseudo labels given for debiased ones; False where the labels are known to be
             ``mars debias``'s output (``mars reproduce --train``), which may mark nothing biased.
@@ -119,7 +120,8 @@ def train(
             one was due): progress hooks, tests.
 
     Returns:
-        {"checkpoint": path, "iterations": done, "resumed_from": step, "loss": last logged loss}
+        {"checkpoint": path, "iterations": done, "resumed_from": step, "loss": last logged loss,
+        "aside": the earlier run's files ``restart`` moved, "aside_dir": where in ``out`` or None}
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
@@ -143,10 +145,11 @@ def train(
         start = _resume(run, ck)
         if run.rank == 0:
             trim_log(out / LOG_NAME, start)
+        res = {"checkpoint": run.ck_path, "resumed_from": start, "aside": list(run.aside.moved),
+               "aside_dir": run.aside.where if run.aside.moved else None}
         if start >= run.iterations:
-            return {"checkpoint": run.ck_path, "iterations": start, "resumed_from": start, "loss": None}
-        last_loss = _loop(run, ds, start, progress=progress, on_step=on_step)
-        return {"checkpoint": run.ck_path, "iterations": run.iterations, "resumed_from": start, "loss": last_loss}
+            return {**res, "iterations": start, "loss": None}
+        return {**res, "iterations": run.iterations, "loss": _loop(run, ds, start, progress=progress, on_step=on_step)}
 
 
 def _settings(num_classes: Optional[int], settings: Optional[TrainSettings], fields: Mapping[str, Any]) -> TrainSettings:
@@ -177,6 +180,7 @@ class _Run:
     iterations: int
     data_json: Optional[str] = None
     identity: Dict[str, Any] = field(default_factory=dict)
+    aside: Any = None  # the OutputAside of --restart (rank 0 moves the earlier run's files into it)
     model: Any = None
     net: Any = None
     hook: Any = None
@@ -229,9 +233,10 @@ def _open_data(run: _Run, ds: TrainFolder, files: Any, image_labels: Optional[Ma
     s = run.s
     record = data_record(files, image_labels) if run.rank == 0 else None
     ck, err, group = None, None, sync_group()
+    run.aside = OutputAside(run.out, f"--out {run.out}")
     if run.rank == 0:
         try:
-            ck = open_run(run.out, identity, record, restart=restart, check=lambda: check_train_files(
+            ck = open_run(run.out, identity, record, restart=restart, aside=run.aside, check=lambda: check_train_files(
                 ds, s.num_classes, s.loss, workers=s.workers, progress=progress, require_biased=require_biased))
         except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
             err = e
@@ -496,10 +501,9 @@ def run_train_command(args: Any) -> Any:
     run has no job summary (train()'s dict is not one)."""
     from mars_plugin.runs.distributed import _rank_world
     from mars_plugin.commands.train_data import command_inputs
-
-    images, num_classes, names, image_labels, notes = command_inputs(args)
     from mars_plugin.runs.errors import JobError
 
+    images, num_classes, names, image_labels, notes = command_inputs(args)
     settings = TrainSettings.from_args(args, num_classes)
     try:
         res = train(images, args.labels, args.out, settings=settings, image_labels=image_labels, class_names=names,
@@ -509,7 +513,8 @@ def run_train_command(args: Any) -> Any:
     if _rank_world()[0] == 0:
         print(f"train ({args.loss}) -> {res['checkpoint']}: {res['iterations']} steps"
               + (f", resumed at {res['resumed_from']}" if res["resumed_from"] else "")
-              + (f", last loss {res['loss']:.4f}" if res["loss"] is not None else ""))
+              + (f", last loss {res['loss']:.4f}" if res["loss"] is not None else "")
+              + (f"; the earlier run's {', '.join(res['aside'])} moved to {res['aside_dir']}" if res["aside"] else ""))
     from mars_plugin.commands.command_table import CommandResult
 
     return CommandResult()

@@ -14,7 +14,8 @@ The other resumable commands record every input's identity and compare it on the
   rename and can never disagree; ``train.json`` gets its digests (:func:`data_summary`).
 * :func:`open_run` (rank 0, before the network is built): a checkpoint in ``--out`` of other
   settings or other data is refused with one line naming what changed (:func:`data_diff`: the
-  first differing ids), unless ``restart`` (``--restart``) asks to train again from step 0. A
+  first differing ids), unless ``restart`` (``--restart``) asks to train again from step 0 (the
+  earlier run's files move to ``--out/.mars-stale/<UTC time>-<run id>/``). A
   moved folder whose files kept their identities (``mv``, ``cp -a``) is the same data.
 * :func:`check_train_files`: every file the run will read, read once before step 1 (the
   same :meth:`~mars_plugin.networks.seg_data.TrainFolder.read` the steps use): decodable, label
@@ -42,6 +43,7 @@ from mars_plugin._checks import MAX_NUM_CLASSES
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, list_stems
 from mars_plugin.runs.errors import JobError, one_line
 from mars_plugin.runs.identities import file_id, json_digest, roles_digest
+from mars_plugin.runs.output_aside import OutputAside
 from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 # The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
 # and files are compared by data_diff, which names them): the settings record's.
@@ -54,6 +56,8 @@ __all__ = ["CHECKPOINT_NAME", "LOG_NAME", "SETTINGS_NAME", "TrainFiles", "list_t
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "log.jsonl"
 SETTINGS_NAME = "train.json"
+#: What a run leaves in ``--out``, moved aside together by ``--restart`` (:func:`open_run`).
+EARLIER_RUN_NAMES = (CHECKPOINT_NAME, LOG_NAME, SETTINGS_NAME)
 
 
 #: How many ids a refusal names.
@@ -214,15 +218,18 @@ def _recorded_data(ck: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def open_run(out: Path, settings: Mapping[str, Any], record: Mapping[str, Any], *, restart: bool,
-             check: Callable[[], None]) -> Optional[Dict[str, Any]]:
+             check: Callable[[], None], aside: Optional[OutputAside] = None) -> Optional[Dict[str, Any]]:
     """Rank 0, holding ``out``'s lock, before the network is built: the checkpoint to resume
     (on the CPU), or None to train from step 0.
 
     A checkpoint of other settings or other data is a JobError naming what differs (the
     checkpoint, the log and ``train.json`` are left as they are). Without a checkpoint, or with
-    ``restart``, ``check()`` (:func:`check_train_files`) runs first; then ``restart`` removes the
-    old checkpoint and log. ``train.json`` (the settings and :func:`data_summary`) is written
-    last, so that it never names data the checkpoint did not see."""
+    ``restart``, ``check()`` (:func:`check_train_files`) runs first; then ``restart`` moves the
+    earlier run's checkpoint, log and ``train.json`` into ``aside`` (default: a new one of
+    ``out``), ``out/.mars-stale/<UTC time>-<run id>/``: none of them is deleted, and a restart
+    killed before its first checkpoint leaves none of the earlier run's beside its own.
+    ``train.json`` (the settings and :func:`data_summary`) is written last, so that it never
+    names data the checkpoint did not see."""
     from mars_plugin.networks.seg_checkpoint import load_checkpoint
 
     ck_path = out / CHECKPOINT_NAME
@@ -247,8 +254,10 @@ def open_run(out: Path, settings: Mapping[str, Any], record: Mapping[str, Any], 
     else:
         check()
         if restart:
-            for name in (CHECKPOINT_NAME, LOG_NAME):
-                (out / name).unlink(missing_ok=True)
+            aside = aside if aside is not None else OutputAside(out, f"--out {out}")
+            for name in EARLIER_RUN_NAMES:
+                if os.path.lexists(out / name):
+                    aside.move(name)
     text = json.dumps({**settings, "data": data_summary(record)}, indent=2)
     atomic_write(out / SETTINGS_NAME, lambda tmp: Path(tmp).write_text(text))
     return ck

@@ -35,6 +35,7 @@ from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.cli_flags import crf_params_argument
 from mars_plugin.networks.recipes import (DEFAULT_RECIPE, RECIPE_NAMES, Recipe, get_recipe, iterations_for_epochs,
                                           recipe_to_dict)
+from mars_plugin.runs.output_aside import STALE_DIR
 
 __all__ = ["TrainSettings", "RUN_KEYS", "RECIPE_FIELDS", "TRAIN_DEFAULTS", "missing_piece"]
 
@@ -357,8 +358,9 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="the run's folder: checkpoint.pt, log.jsonl, train.json; a run there "
                                                  "of the same settings and data resumes, of other ones is refused")
     p.add_argument("--restart", action="store_true",
-                   help="train from step 0 in --out: remove its checkpoint.pt and log.jsonl (once the data passed "
-                        "its check), where a run of other settings or data would be refused")
+                   help="train from step 0 in --out: its checkpoint.pt, log.jsonl and train.json move to "
+                        f"--out/{STALE_DIR}/<UTC time>-<run id>/ (once the data passed its check), where a run of "
+                        "other settings or data would be refused")
     p.add_argument("--root", default=None, help="DHR's tree: images and xml tags from <root>/<data>/<domain>")
     p.add_argument("--data", default="VOC2012", help="with --root: dataset folder (VOC2012, COCO2014)")
     p.add_argument("--domain", default="train_aug", help="with --root: split folder")

@@ -7,6 +7,8 @@
 * ``resume_ledger.py`` -- a folder job's resume bookkeeping: each output kept, made again or
   made, and recorded.
 * ``run_lock.py`` -- one run at a time per output folder.
+* ``output_aside.py`` -- an output taken out of its folder (an input gone, ``--restart``): moved into
+  ``.mars-stale/<UTC time>-<run id>/``, never deleted, never overwriting.
 * ``distributed.py`` -- torchrun: rank, device, the ranks' meeting points.
 * ``size_batches.py`` -- images of one size in one forward pass.
 * ``io_pipeline.py`` -- ``--io-workers``: the files read ahead and written behind in threads while
