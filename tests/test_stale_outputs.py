@@ -118,7 +118,7 @@ class Job:
 
 def aside(out: Path):
     """{subfolder: sorted file names} of ``out/.mars-stale/`` (the run's records left out)."""
-    return {d.name: sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
+    return {d.name: sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else None
             for d in sorted((out / STALE_DIR).iterdir())} if (out / STALE_DIR).is_dir() else {}
 
 
