@@ -304,6 +304,29 @@ def test_mars_crf_prints_where_the_stale_output_went(syn, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_reproduce_moves_the_label_of_an_id_it_leaves_out_aside(tmp_path):
+    """mars reproduce's debiased label of an id whose pseudo label is gone goes to
+    debiased/.mars-stale/<run>/, bytes unchanged, and the log says where (it was deleted)."""
+    from mars_plugin.commands.reproduce import reproduce
+    from test_reproduce import DATA, make_tree
+
+    world, root, pseudo, feats = make_tree(tmp_path, n=6, size=32)
+    out, logs = tmp_path / "out", []
+    reproduce(root, pseudo, out, data=DATA, features_dir=feats, progress=False, log=logs.append)
+    gone = world.stems[2]
+    label = (out / "debiased" / f"{gone}.png").read_bytes()
+    (pseudo / f"{gone}.png").unlink()
+    logs.clear()
+    reproduce(root, pseudo, out, data=DATA, features_dir=feats, progress=False, log=logs.append)
+    assert not (out / "debiased" / f"{gone}.png").exists()
+    subs = aside(out / "debiased")
+    assert list(subs.values()) == [[f"{gone}.png"]]
+    sub = next(iter(subs))
+    assert (out / "debiased" / STALE_DIR / sub / f"{gone}.png").read_bytes() == label
+    assert f"  debias: 1 label(s) of ids left out moved to .mars-stale/{sub}/ ({gone}.png)" in logs
+
+
+@pytest.mark.slow
 def test_mars_predict_prints_the_removed_and_the_kept(syn, tmp_path, capsys):
     from mars_plugin.cli import main
     from test_predict import _checkpoint

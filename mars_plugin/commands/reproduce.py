@@ -314,7 +314,7 @@ class _Run:
 
         def run() -> Dict[str, Any]:
             if self.rank == 0:
-                aside = OutputAside(debiased, f"{debiased}")
+                aside = OutputAside(debiased, f"--out {debiased.parent} (debiased/)")
                 for gone in sorted(set(list_stems(debiased, (".png",))) - set(self.work)) if debiased.is_dir() else ():
                     aside.move(f"{gone}.png")
                 if aside.moved:
