@@ -293,3 +293,33 @@ def test_real_arrays_of_a_trusted_pickle_are_bounded_all_together(tmp_path):
     assert str(e.value) == (f"{p}: seed: its tensors and arrays declare 160,016 bytes (up to this one), above the "
                             "100,000 bytes this read allows (--max-memory)")
     assert rsepm.load_cams(p, trust_pickle=True)["cam"].shape[1:] == (200, 100)
+
+
+def test_mars_crf_reads_each_maps_file_under_its_max_memory(tmp_path, capsys):
+    """Real DHR maps of 480 KB (within their 30x20 image's bound) under --max-memory 0.0001 GiB."""
+    from mars_plugin import cli
+    from mars_plugin.formats.files import write_image
+
+    (tmp_path / "cams").mkdir()
+    torch.save({"keys": torch.tensor([0, 15]), "masks": torch.rand(2, 200, 300)}, tmp_path / "cams" / "a.pt")
+    write_image(tmp_path / "images" / "a.jpg", np.zeros((20, 30, 3), np.uint8))
+    rc = cli.main(["crf", "--cams", str(tmp_path / "cams"), "--wsss", "dhr", "--images", str(tmp_path / "images"),
+                   "--out", str(tmp_path / "out"), "--no-progress", "--max-memory", "0.0001"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert re.fullmatch(rf"mars crf: error: a: {re.escape(str(tmp_path / 'cams' / 'a.pt'))}: its zip records declare "
+                        r"[\d,]+ bytes uncompressed \(a/data/\d: 480,000\), above the 107,374 bytes this read allows "
+                        r"\(--max-memory\)", err[0]), err[0]
+
+
+def test_every_command_reads_under_its_max_memory():
+    """The command line runs each command inside a read_limit of its --max-memory (a command
+    without the flag: the default bound)."""
+    from types import SimpleNamespace
+
+    from mars_plugin.cli import _run_bounded
+
+    spec = SimpleNamespace(run=lambda args: B.current_limit())
+    assert _run_bounded(spec, SimpleNamespace(max_memory=0.5)) == (1 << 29, "--max-memory")
+    assert _run_bounded(spec, SimpleNamespace(max_memory=None))[0] == B.DEFAULT_MAX_READ_BYTES
+    assert _run_bounded(spec, SimpleNamespace())[0] == B.DEFAULT_MAX_READ_BYTES
