@@ -323,3 +323,40 @@ def test_every_command_reads_under_its_max_memory():
     assert _run_bounded(spec, SimpleNamespace(max_memory=0.5)) == (1 << 29, "--max-memory")
     assert _run_bounded(spec, SimpleNamespace(max_memory=None))[0] == B.DEFAULT_MAX_READ_BYTES
     assert _run_bounded(spec, SimpleNamespace())[0] == B.DEFAULT_MAX_READ_BYTES
+
+
+def _legacy_torch_file(path, numel):
+    """torch's legacy (non-zip) format, whose pickle declares each storage's size before the
+    values: one storage of ``numel`` float32 declared, 3 stored."""
+    b = io.BytesIO()
+    torch.save(torch.zeros(3), b, _use_new_zipfile_serialization=False)
+    data = b.getvalue()
+    i = data.index(b"cpuq\x04K\x03") + len(b"cpuq\x04")  # the storage's numel, a one-byte int
+    path.write_bytes(data[:i] + b"\x8a\x06" + numel.to_bytes(6, "little") + data[i + 2:])
+
+
+def test_an_allocation_that_fails_names_the_file(tmp_path):
+    p = tmp_path / "legacy.pt"
+    _legacy_torch_file(p, 10 ** 12)  # 4 TB: no allocator gives it
+    with pytest.raises(B.ReadRefused) as e:
+        B.torch_load(p)
+    _one_line(str(e.value), p)
+    assert "reading it needs more memory than this process can have" in str(e.value)
+
+
+def test_mars_crf_names_the_file_of_a_failed_allocation(tmp_path, monkeypatch):
+    """An allocation that fails after the read (numpy's message names a shape, not a file)."""
+    from mars_plugin.adapters.wsss import dhr
+    from mars_plugin.commands.crf_job import _prepare
+    from mars_plugin.formats.files import write_image
+
+    def no_memory(*a, **k):
+        raise MemoryError("Unable to allocate 6.71 GiB for an array with shape (2, 30000, 30000)")
+
+    monkeypatch.setattr(dhr, "crf_input", no_memory)
+    torch.save({"keys": torch.tensor([0, 15]), "masks": torch.rand(2, 4, 6)}, tmp_path / "a.pt")
+    write_image(tmp_path / "a.png", np.zeros((4, 6, 3), np.uint8))
+    cfg = {"wsss": "dhr", "trust_pickle": False, "write": "labels", "probs_dtype": "float16", "num_labels": 21,
+           "dataset": "voc", "max_bytes": None}
+    _, item, err = _prepare(("a", str(tmp_path / "a.pt"), str(tmp_path / "a.png"), cfg))
+    assert item is None and err.startswith(f"{tmp_path / 'a.pt'}: Unable to allocate 6.71 GiB"), err
