@@ -226,7 +226,8 @@ def _crf_cli(tmp_path, limit_bytes):
 
     write_image(images / "a.jpg", np.zeros((20, 30, 3), np.uint8))
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
-            "from mars_plugin.cli import main; sys.exit(main(sys.argv[1:]))").format(limit_bytes)
+            "from mars_plugin.cli import main; rc = main(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)").format(limit_bytes)
     argv = ["crf", "--cams", str(cams), "--wsss", "dhr", "--images", str(images), "--out", str(tmp_path / "out"),
             "--no-progress"]
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=600,
@@ -243,6 +244,8 @@ def test_mars_crf_refuses_the_issues_dhr_file_in_one_line_within_a_few_gb(tmp_pa
                         r"shape \(2, 30000, 30000\) \(3,600,000,000 bytes\) over a storage of 2 bytes, with strides "
                         r"\(0, 0, 0\) whose values overlap .*", lines[0]), lines[0]
     assert not (tmp_path / "out" / "a.png").exists()
+    peak_kib = int(r.stdout.split()[-1])
+    assert peak_kib < 1 << 20, peak_kib  # under 1 GiB at its peak (about 0.3 GiB: torch itself)
 
 
 # ------------------------------------------------------------------- one door: the sources
