@@ -13,7 +13,6 @@ import io
 import os
 import pickle
 import re
-import resource
 import subprocess
 import sys
 import tokenize
