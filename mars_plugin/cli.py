@@ -201,6 +201,18 @@ def _check_out_apart(args) -> None:
     check_out_apart(getattr(args, flag[2:]), flag, reads)
 
 
+def _run_bounded(spec: Any, args: Any) -> Any:
+    """``spec.run(args)`` with every file this thread reads bounded by the run's ``--max-memory``
+    where the command has one (:func:`mars_plugin.formats.bounded_load.read_limit`: no tensor or
+    array a file declares may exceed it). Readers in worker processes get it from their command
+    (``mars crf`` passes it on)."""
+    from mars_plugin.formats.bounded_load import read_limit
+
+    gib = getattr(args, "max_memory", None)
+    with read_limit(None if gib is None else int(gib * 2 ** 30), "--max-memory"):
+        return spec.run(args)
+
+
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     from mars_plugin.commands.command_table import command
@@ -214,7 +226,7 @@ def _main(argv: Optional[List[str]]) -> int:
         _check_out_apart(args)  # before any work: an output is never an input
         if spec.joins is not None:
             joined = _maybe_init_distributed(train=args.device if spec.joins == "device" else None)
-        res = spec.run(args)  # under torchrun: this rank's share; a failure on one rank fails all
+        res = _run_bounded(spec, args)  # under torchrun: this rank's share; a failure on one rank fails all
         if res.after is not None:  # once the summary is held: a failure still lists the skipped files
             res.after()
         if spec.sharded is not None:

@@ -49,6 +49,7 @@ import torch
 
 from mars_plugin.adapters.uss.cause_decoder import CAUSE_DIM, CAUSE_HIDDEN, CAUSE_QUERIES, CAUSESegment
 from mars_plugin.adapters.uss.code_extractor import load_tensor_file, what_is
+from mars_plugin.formats.bounded_load import ReadRefused, numpy_load
 
 __all__ = [
     "heads_files",
@@ -190,7 +191,9 @@ def load_codebook_npy(path: PathLike) -> torch.Tensor:
     """
     name = os.fspath(path)
     try:
-        arr = np.load(name, allow_pickle=False)
+        arr = numpy_load(name, what="CAUSE's codebook")
+    except ReadRefused:
+        raise
     except ValueError as e:
         with open(name, "rb") as fh:
             head = fh.read(6)

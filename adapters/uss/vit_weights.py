@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from mars_plugin.adapters.uss.vit import DinoViT, describe_vit, heads_for_width
+from mars_plugin.formats.bounded_load import ReadRefused, torch_load
 
 __all__ = [
     "vit_from_state_dict",
@@ -256,7 +257,9 @@ def load_checkpoint(path: PathLike, *, trust_pickle: bool = False, what: str = "
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch_load(path)
+    except ReadRefused:
+        raise
     except pickle.UnpicklingError as e:
         first_error = e
     except Exception as e:  # noqa: BLE001 - torch raises many kinds on non-checkpoint files
@@ -279,7 +282,9 @@ def load_checkpoint(path: PathLike, *, trust_pickle: bool = False, what: str = "
             f"(Lightning checkpoints store their hyper-parameters this way)."
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle_module())
+        return torch_load(path, weights_only=False, pickle_module=_lenient_pickle_module())
+    except ReadRefused:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"{path}: cannot unpickle {what} ({type(e).__name__}: {_first_line(e)})") from e
 

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Uni
 import numpy as np
 import torch
 
+from mars_plugin.formats.bounded_load import ReadRefused, numpy_load, pickle_load
 from mars_plugin.formats.files import BIASED_VALUE, list_stems, read_label, stem_path, write_label
 
 __all__ = [
@@ -69,8 +70,10 @@ def load_pickled_npy(path: PathLike, *, trust_pickle: bool, what: str) -> Any:
     by numpy 1 refer to). Tensors inside (IRNet's ``keys``/``cam``) need torch, imported here.
     """
     require_trust(trust_pickle, path, what)
-    try:
-        obj = np.load(os.fspath(path), allow_pickle=True)
+    try:  # the bounded door: a declared size past the file or the bound is refused before reading
+        obj = numpy_load(path, allow_pickle=True, what=what)
+    except ReadRefused:
+        raise
     except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
         raise ValueError(f"{os.fspath(path)}: cannot read {what} ({e})") from e
     if isinstance(obj, np.ndarray) and obj.dtype == object and obj.shape == ():
@@ -82,8 +85,9 @@ def load_pickle(path: PathLike, *, trust_pickle: bool, what: str) -> Any:
     """A plain pickle file after the opt-in check."""
     require_trust(trust_pickle, path, what)
     try:
-        with open(os.fspath(path), "rb") as fh:
-            return pickle.load(fh)
+        return pickle_load(path)  # then every tensor and array in it is checked (bounded_load)
+    except ReadRefused:
+        raise
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError) as e:
         raise ValueError(f"{os.fspath(path)}: cannot read {what} ({e})") from e
 

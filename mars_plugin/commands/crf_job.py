@@ -55,27 +55,38 @@ def _read_probs(path: Path) -> Dict[str, Any]:
     return {"kind": "probs", "maps": [p], "ids": np.arange(p.shape[0]), "size": tuple(p.shape[1:])}
 
 
+def _read_item(src: str, rgb: np.ndarray, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The CRF's input from one file of maps, for the (H, W, 3) image ``rgb``."""
+    if cfg["wsss"] is None:
+        item = _read_probs(Path(src))
+        if cfg["write"] == "labels" and len(item["ids"]) > BIASED_VALUE:
+            # a class id written into a uint8 PNG must stay below 254 (biased) and 255 (ignore)
+            raise ValueError(f"the probability map has {len(item['ids'])} channels; label PNGs hold class ids "
+                             f"0..{BIASED_VALUE - 1} (254 is biased, 255 ignore): use --write probs")
+        return item
+    adapter = _adapter(cfg["wsss"])
+    cams = adapter.load_cams(src, trust_pickle=cfg["trust_pickle"])
+    if cfg["wsss"] == "dhr":  # DHR resizes its maps to the image (produce_wss_masks.py:64-67)
+        return adapter.crf_input(cams, image_size=rgb.shape[:2])
+    if cfg["wsss"] == "seam":  # an empty dict (no class) is all background, of the image's size
+        return adapter.crf_input(cams, size=rgb.shape[:2])
+    return adapter.crf_input(cams)
+
+
 def _prepare(job: Tuple[str, str, str, Dict[str, Any]]) -> Tuple[str, Optional[Dict[str, Any]], Optional[str]]:
     """Read one file and its image, and make the CRF's input (in a worker): (stem, the prepared
-    item or None, the error message or None)."""
+    item or None, the error message or None). The maps file may declare no more than maps of
+    its image can be (:func:`~mars_plugin.formats.bounded_load.image_read_bytes`) and
+    ``--max-memory`` allows: checked by the one door of file reads before anything is allocated."""
+    from mars_plugin.formats.bounded_load import image_read_bytes, read_limit
+
     stem, src, image_path, cfg = job
     try:
         rgb = read_image(image_path)
-        if cfg["wsss"] is None:
-            item = _read_probs(Path(src))
-            if cfg["write"] == "labels" and len(item["ids"]) > BIASED_VALUE:
-                # a class id written into a uint8 PNG must stay below 254 (biased) and 255 (ignore)
-                raise ValueError(f"the probability map has {len(item['ids'])} channels; label PNGs hold class ids "
-                                 f"0..{BIASED_VALUE - 1} (254 is biased, 255 ignore): use --write probs")
-        else:
-            adapter = _adapter(cfg["wsss"])
-            cams = adapter.load_cams(src, trust_pickle=cfg["trust_pickle"])
-            if cfg["wsss"] == "dhr":  # DHR resizes its maps to the image (produce_wss_masks.py:64-67)
-                item = adapter.crf_input(cams, image_size=rgb.shape[:2])
-            elif cfg["wsss"] == "seam":  # an empty dict (no class) is all background, of the image's size
-                item = adapter.crf_input(cams, size=rgb.shape[:2])
-            else:
-                item = adapter.crf_input(cams)
+        H, W = rgb.shape[:2]
+        with read_limit(image_read_bytes(H, W), f"maps of its {W}x{H} image: 256 channels of twice its side, 8 "
+                        "bytes each"), read_limit(cfg.get("max_bytes"), "--max-memory"):
+            item = _read_item(src, rgb, cfg)
         if tuple(item["size"]) != tuple(rgb.shape[:2]):
             raise ValueError(f"the maps are {item['size'][1]}x{item['size'][0]} and the image {image_path} "
                              f"{rgb.shape[1]}x{rgb.shape[0]} (width x height); expected one size")
@@ -87,6 +98,8 @@ def _prepare(job: Tuple[str, str, str, Dict[str, Any]]) -> Tuple[str, Optional[D
         item["maps"] = [(m if m.dtype == torch.float16 else m.float()).numpy() for m in item["maps"]]
         item["rgb"] = rgb
         return stem, item, None
+    except MemoryError as e:  # numpy's message names a shape, not the file: name it
+        return stem, None, f"{src}: {one_line(e)} (preparing its maps for the CRF)"
     except Exception as e:  # noqa: BLE001 -- any failure to read one file is that file's failure
         return stem, None, one_line(e)
 
@@ -276,7 +289,7 @@ def _shard(s: CrfSettings, stems: List[str], files: Dict[str, Path], images: Dic
     from mars_plugin.runs.resume_ledger import ResumeLedger
 
     cfg = {"wsss": s.wsss, "trust_pickle": s.trust_pickle, "write": s.write, "probs_dtype": s.probs_dtype,
-           "num_labels": s.num_labels, "dataset": s.dataset}
+           "num_labels": s.num_labels, "dataset": s.dataset, "max_bytes": s.max_bytes}
     out_dir.mkdir(parents=True, exist_ok=True)
     bar = None
     if progress:

@@ -17,7 +17,8 @@ Layout used by the ``mars`` command line (one file per image, the image *stem* i
 Every writer is atomic: it writes a temporary file in the target folder and renames it, so an
 interrupted run never leaves a half-written file that a resumed run would take as done.
 Readers never unpickle: ``np.load(..., allow_pickle=False)`` and
-``torch.load(..., weights_only=True)`` (tensors only, no Python objects).
+``torch.load(..., weights_only=True)`` (tensors only, no Python objects), both through the
+bounded door (``bounded_load.py``): a file never declares more than it holds or the read allows.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from mars_plugin._checks import BIASED_PNG_VALUE
+from mars_plugin.formats.bounded_load import ReadRefused, check_declared, numpy_load, torch_load
 from mars_plugin.formats.images import to_rgb
 
 __all__ = [
@@ -195,6 +197,7 @@ def read_label(path: PathLike, *, biased_value: Optional[int] = BIASED_VALUE) ->
             if im.mode not in ("P", "L"):
                 raise ValueError(f"{path}: label PNGs must be 8-bit palette (P) or grayscale (L) images of class ids, "
                                  f"got mode {im.mode}{_LABEL_MODE_HINTS.get(im.mode[:2], '')}")
+            check_declared(path, "label", (im.height, im.width), 8)  # 8: the int64 map it becomes
             arr = np.array(im, dtype=np.uint8)
     except _image_errors() as e:
         if isinstance(e, ValueError) and str(e).startswith(path):
@@ -275,68 +278,23 @@ def _one_line(e: BaseException) -> str:
 
 
 def _load_pt(path: str, *, mmap: bool = False):
-    """``torch.load(path, map_location="cpu", weights_only=True)``: tensors, dicts, lists and
-    numbers only, never a Python object (so never code), whatever the file holds. Errors name
-    ``path``."""
+    """``torch.load(path, map_location="cpu", weights_only=True)`` through the bounded door
+    (:func:`mars_plugin.formats.bounded_load.torch_load`): tensors, dicts, lists and numbers only,
+    never a Python object (so never code), whatever the file holds; every tensor's values in the
+    file, each once. Errors name ``path``."""
     try:
         with warnings.catch_warnings():  # torch warns about foreign pickle protocols: the error says it
             warnings.simplefilter("ignore")
-            if mmap:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch_load(path, mmap=mmap, what="features")
+    except ReadRefused:
+        raise
     except Exception as e:  # noqa: BLE001 -- every failure to read the file is the same user error
         raise _torch_load_error(path, e) from e
 
 
-def _overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether two elements of a strided view share a storage location (a stride-0 or expanded
-    view, or strides that overlap): dimensions by increasing stride must each step past
-    everything the smaller ones span."""
-    if any(s == 0 for s in size):
-        return False
-    extent = 1
-    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz > 1):
-        if st < extent:
-            return True
-        extent += st * (sz - 1)
-    return False
-
-
-def _check_pt_storage(path: str, obj: torch.Tensor) -> torch.Tensor:
-    """``obj`` if its values are really in the file, each once, else a ValueError naming the file
-    and what it declares: a tensor on another device than the CPU (a meta tensor has a shape
-    and no data), a storage larger than the file (mapped files: what it declares), a view whose
-    values overlap (e.g. ``torch.zeros(1).expand(64, 10**5, 10**5)``, 1.6 KB on disk, 2.6 TB
-    as float32 once copied), or a storage smaller than the shape, strides and offset need.
-    Checked before any copy: what the reader then allocates is at most the storage times 4 / its
-    item size."""
-    shape, dtype = tuple(obj.shape), obj.dtype
-    if obj.device.type != "cpu":
-        what = " (a meta tensor: a shape without data)" if obj.device.type == "meta" else ""
-        raise ValueError(f"{path}: features must be a CPU tensor whose values are in the file; it holds a "
-                         f"{obj.device.type}-device {dtype} tensor of shape {shape}{what}")
-    storage = obj.untyped_storage().nbytes()
-    size = os.path.getsize(path)
-    if storage > size:  # a mapped (mmap=True) storage is only what the file declares
-        raise ValueError(f"{path}: declares a storage of {storage:,} bytes, but the file has {size:,}: a truncated "
-                         "or altered file")
-    item = obj.element_size()
-    declared = obj.numel() * item
-    if _overlapping(shape, obj.stride()):
-        raise ValueError(f"{path}: declares a {dtype} tensor of shape {shape} ({declared:,} bytes) over a storage of "
-                         f"{storage:,} bytes, with strides {tuple(obj.stride())} whose values overlap (a stride-0 or "
-                         "expanded view); a feature file holds each value once, as torch.save of a tensor writes it")
-    if obj.numel():
-        need = (obj.storage_offset() + 1 + sum((sz - 1) * st for sz, st in zip(shape, obj.stride()))) * item
-        if need > storage:
-            raise ValueError(f"{path}: declares a {dtype} tensor of shape {shape} that needs {need:,} bytes of "
-                             f"storage, but its storage holds {storage:,}")
-    return obj
-
-
 def _check_pt_features(path: str, obj) -> torch.Tensor:
-    """``obj`` (what a .pt held) if it is a floating (D, h, w) tensor whose values are in the file
-    (:func:`_check_pt_storage`), else a ValueError."""
+    """``obj`` (what a .pt held, its values already checked to be in the file by
+    :func:`_load_pt`) if it is a floating (D, h, w) tensor, else a ValueError."""
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"{path}: a .pt feature file must hold one float tensor of shape (D, h, w), got a "
                          f"{type(obj).__name__}")
@@ -344,7 +302,7 @@ def _check_pt_features(path: str, obj) -> torch.Tensor:
         layout = "" if obj.layout == torch.strided else f" {obj.layout}"
         raise ValueError(f"{path}: features must be a float tensor of shape (D, h, w), got{layout} "
                          f"{obj.dtype} {tuple(obj.shape)}")
-    return _check_pt_storage(path, obj)
+    return obj
 
 
 def read_features(path: PathLike, *, keep_half: bool = False) -> torch.Tensor:
@@ -370,7 +328,9 @@ def read_features(path: PathLike, *, keep_half: bool = False) -> torch.Tensor:
         dtype = t.dtype if keep_half and t.dtype in (torch.float16, torch.bfloat16) else torch.float32
         return t.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
     try:
-        arr = np.load(path, allow_pickle=False)
+        arr = numpy_load(path, what="features")
+    except ReadRefused:
+        raise
     except (OSError, ValueError, EOFError) as e:  # EOFError: a 0-byte file
         raise ValueError(f"{path}: cannot read features as a plain .npy array ({e})") from e
     if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
@@ -389,15 +349,15 @@ def feature_shape(path: PathLike) -> Tuple[int, ...]:
     """
     path = os.fspath(path)
     if _feature_suffix(path) == ".npy":
-        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
-    try:
+        return tuple(numpy_load(path, mmap_mode="r", what="features").shape)
+    try:  # the shape is only what the file declares: the door checks that it is backed
         obj = _load_pt(path, mmap=True)
+    except ReadRefused:
+        raise
     except ValueError:
         obj = _load_pt(path)
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"{path}: holds a {type(obj).__name__}, not a tensor")
-    if obj.layout == torch.strided:  # the shape is only what the file declares: it must be backed
-        _check_pt_storage(path, obj)
     return tuple(obj.shape)
 
 

@@ -31,6 +31,8 @@ from typing import BinaryIO, Dict, Union
 
 import numpy as np
 
+from mars_plugin.formats.bounded_load import check_declared
+
 __all__ = ["read_mxnet_params", "LIST_MAGIC"]
 
 #: The first word of an NDArray list file.
@@ -91,8 +93,15 @@ def _array(f: BinaryIO, path: str, index: int) -> np.ndarray:
     if flag not in _DTYPES:
         raise ValueError(f"{path}: array {index} has the dtype flag {flag}; expected one of {sorted(_DTYPES)}")
     dtype = np.dtype(_DTYPES[flag]).newbyteorder("<")
-    count = int(np.prod(shape, dtype=np.int64))
-    data = _read(f, count * dtype.itemsize)
+    # Python integers (no overflow), checked against the file and the read's bound before the
+    # values are read: a 40-byte header may declare 100 GiB or a count past 2**64.
+    declared = check_declared(path, f"a {dtype.name} array", shape, dtype.itemsize, key=f"array {index}")
+    left = os.fstat(f.fileno()).st_size - f.tell()
+    if declared > left:
+        raise ValueError(f"{path}: array {index}: declares a {dtype.name} array of shape {tuple(shape)} "
+                         f"({declared:,} bytes), but the file has {max(left, 0):,} bytes left: a truncated or "
+                         "damaged MXNet .params file")
+    data = _read(f, declared)
     return np.frombuffer(data, dtype=dtype).astype(dtype.newbyteorder("="), copy=True).reshape(shape)
 
 
@@ -102,7 +111,10 @@ def read_mxnet_params(path: Union[str, os.PathLike]) -> Dict[str, np.ndarray]:
     Raises:
         FileNotFoundError: no such file.
         ValueError: one line naming the file and what is wrong (not an NDArray list, truncated,
-            sparse arrays, unnamed arrays, a name given twice).
+            sparse arrays, unnamed arrays, a name given twice), and for an array the key
+            (``array 3``: the names come after the arrays): a shape whose bytes exceed what
+            the file has left or the read's bound (:mod:`mars_plugin.formats.bounded_load`) is
+            refused before anything of that size is read.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -35,6 +35,7 @@ from mars_plugin._checks import (
 )
 from mars_plugin.method.centroids import ImageCentroids, check_backend
 from mars_plugin.formats.files import atomic_write, save_torch
+from mars_plugin.formats.bounded_load import torch_load
 from mars_plugin.engines.kmeans import l2_normalize
 from mars_plugin.method.selection_stream import _Accumulator, _iter_batches
 
@@ -126,7 +127,7 @@ class DebiasedCentroids:
     def load(cls, path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> "DebiasedCentroids":
         """Read a file written by :meth:`save`. Uses ``torch.load(weights_only=True)``: no
         arbitrary unpickling happens, so the file may come from anyone."""
-        d = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
+        d = torch_load(path, map_location=map_location, what="a centroid file's tensor")
         if not isinstance(d, dict) or d.get("format") != "mars-plugin/debiased-centroids/1":
             raise ValueError(f"{os.fspath(path)!r} is not a mars-plugin centroid file (missing format tag)")
         rows = d["centroids"].shape[0] if isinstance(d.get("centroids"), torch.Tensor) and d["centroids"].ndim else 0

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mars_plugin._checks import check_float_tensor, check_label_tensor, describe
+from mars_plugin.formats.bounded_load import numpy_load
 from mars_plugin.engines.kmeans import l2_norm, l2_normalize
 from mars_plugin.method.centroid_pixels import _Workspace
 from mars_plugin.method.centroids import GroupCentroids, ImageCentroids, _cluster_groups, check_embedding_size
@@ -159,7 +160,7 @@ class _Accumulator:
     def vectors(chunk: list) -> torch.Tensor:
         """A chunk's centroids, read back from disk if it was spilled (plain .npy, no pickle)."""
         v = chunk[1]
-        return v if isinstance(v, torch.Tensor) else torch.from_numpy(np.load(v, allow_pickle=False))
+        return v if isinstance(v, torch.Tensor) else torch.from_numpy(numpy_load(v))
 
     def cleanup(self) -> None:
         if self._tmp is not None:

@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_num_classes, check_real_param, describe
+from mars_plugin.formats.bounded_load import ReadRefused, torch_load
 from mars_plugin.networks.deeplabv2 import MSC, DeepLabV2, load_deeplab_pytorch_weights
 from mars_plugin.networks.msra_resnet import MSRA_BACKBONES
 from mars_plugin.networks.resnet import BACKBONES, ResNet
@@ -320,7 +321,9 @@ def load_backbone_weights(model: nn.Module, path: PathLike) -> None:
         raise FileNotFoundError(f"{path}: no such file (ImageNet weights in torchvision layout, e.g. "
                                 f"{backbone.name}-*.pth from download.pytorch.org/models)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load(path, what="ImageNet weights")
+    except ReadRefused:
+        raise
     except Exception as e:  # corrupt, truncated, not a torch file, or pickled Python objects
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path}: not a readable torch file of ImageNet weights ({type(e).__name__}: "

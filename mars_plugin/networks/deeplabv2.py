@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin._checks import check_num_classes, describe
+from mars_plugin.formats.bounded_load import ReadRefused, torch_load
 from mars_plugin.networks.msra_resnet import MSRA_BACKBONES, N_BLOCKS, _ResLayer, _Stem
 from mars_plugin.networks.weight_files import check_weight_values, state_mismatch
 
@@ -195,7 +196,9 @@ def load_deeplab_pytorch_weights(model: nn.Module, path: PathLike) -> List[str]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"weights file not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load(path, what="deeplab-pytorch weights")
+    except ReadRefused:
+        raise
     except Exception as e:  # noqa: BLE001 -- any unreadable file is refused with one line
         raise ValueError(f"{path}: cannot be read as a weights-only torch file ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None

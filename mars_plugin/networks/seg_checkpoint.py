@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from mars_plugin.formats.files import WriteError, atomic_write, save_torch
+from mars_plugin.formats.bounded_load import ReadRefused, torch_load
 
 __all__ = ["CHECKPOINT_FORMAT", "MODEL_KEYS", "save_checkpoint", "load_checkpoint", "model_from_checkpoint",
            "recipe_weights"]
@@ -65,7 +66,9 @@ def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file (a checkpoint written by mars train)")
     try:
-        ck = torch.load(path, map_location=map_location, weights_only=True)
+        ck = torch_load(path, map_location=map_location, what="a checkpoint's tensor")
+    except ReadRefused:
+        raise
     except Exception as e:  # corrupt, truncated, or pickled Python objects
         raise ValueError(f"{path}: not a readable mars train checkpoint ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None

@@ -51,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin._checks import describe
+from mars_plugin.formats.bounded_load import ReadRefused, torch_load
 from mars_plugin.formats.mxnet_params import LIST_MAGIC, read_mxnet_params
 from mars_plugin.networks.weight_files import state_mismatch
 
@@ -222,7 +223,9 @@ def _read_state(path: str) -> Dict[str, torch.Tensor]:
                 state[key] = torch.from_numpy(np.ascontiguousarray(arr))
         return state
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load(path, what="WR38 weights")
+    except ReadRefused:
+        raise
     except Exception as e:  # not a torch file, truncated, or pickled Python objects
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path}: neither an MXNet .params file nor a readable torch file of WR38 weights "

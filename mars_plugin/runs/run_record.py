@@ -408,7 +408,9 @@ def read_centroids_run(path: PathLike) -> Optional[Dict[str, Any]]:
     import torch
 
     try:
-        d = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+        from mars_plugin.formats.bounded_load import torch_load
+
+        d = torch_load(path)
         run = json.loads(d["run"])
     except Exception:  # noqa: BLE001 -- any unreadable record is no record: computed again
         return None
