@@ -86,3 +86,18 @@ def test_every_normalisation_and_compat_is_bit_for_bit():
                 d.addPairwiseEnergy(feats[:2].copy(), compat=2.5, normalization=norm)
                 out.append(np.array(d.inference(5)))
             assert np.array_equal(out[0], out[1]), (L, norm, np.abs(out[0] - out[1]).max())
+
+
+def test_the_drop_in_filters_and_normalises_only_through_crf_exact():
+    """One door: the drop-in's engine (crf_terms) and the drop-in itself reach the compiled
+    arithmetic only through crf_exact; the fixed-pair CRF's folded filter and fused softmax
+    (crf_compiled) would round elsewhere."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "mars_plugin"
+    sources = [root / "engines" / "crf_terms.py", *sorted((root / "densecrf").glob("*.py"))]
+    bypass = re.compile(r"crf_compiled\.(_filter\w*|_softmax_rows|_solve\w*|mean_field)\b|_compiled_gaussian")
+    found = [f"{p.name}:{i}" for p in sources for i, line in enumerate(p.read_text().splitlines(), 1)
+             if bypass.search(line)]
+    assert not found, f"compiled arithmetic reached outside crf_exact: {found}"
