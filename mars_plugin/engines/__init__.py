@@ -11,6 +11,7 @@ lattice it filters on, and the windowed CRF. Nothing here knows MARS's equations
 * ``crf_compiled.py`` -- the CPU dense CRF compiled with numba.
 * ``crf_terms.py`` -- the general dense CRF (any pairwise terms, normalisations and label
   compatibilities), under the pydensecrf drop-in :mod:`mars_plugin.densecrf`.
+* ``crf_exact.py`` -- its compiled filter and softmax in pydensecrf's float32 order (Q bit for bit).
 * ``permutohedral.py`` -- the permutohedral lattice (Adams et al. 2010) in torch.
 * ``permutohedral_lift.py`` -- its lifting: points onto the hyperplane, their simplices and weights.
 * ``lattice_concat.py`` -- images' lattices joined into their batch's, without building it again.

@@ -475,13 +475,6 @@ if numba is not None:
                 out[n, k0 + k] += scale * tmp[k]
 
     @njit(cache=_CACHE, nogil=True, fastmath=_FM, boundscheck=False)
-    def _filter_all(vert, sw, lw, n1, n2, x, vbuf, wbuf, out, scale):
-        """:func:`_filter` over every label, for callers in Python (the general CRF,
-        :mod:`mars_plugin.engines.crf_terms`): compiled with k0 = 0, the loops run 1.7x faster
-        than a call of ``_filter`` from Python with k0 a run-time argument (measured, 21 labels)."""
-        _filter(vert, sw, lw, n1, n2, x, vbuf, wbuf, out, scale, 0, x.shape[1])
-
-    @njit(cache=_CACHE, nogil=True, fastmath=_FM, boundscheck=False)
     def _softmax_rows(x, n0, n1):
         """Rows n0..n1-1 of x (N, L) in place: exp(x - max) / sum (pydensecrf's expAndNormalize;
         each row's sum runs over its labels in order). The exponentials in one pass over the

@@ -19,10 +19,12 @@ Potts ``-w x``, diagonal ``diag(v) x``, matrix ``W x`` with W = (M + M^T) / 2.
 
 Arrays here are (N, L), one row per point (the layout both lattices filter); the drop-in
 transposes at its edge. The lattice of each term is built once, when the term is added: the
-numba :class:`~mars_plugin.engines.crf_compiled.CompiledLattice` on the CPU when numba is
-available, else the torch :class:`~mars_plugin.engines.permutohedral.PermutohedralLattice` on
-the CRF's device. The normaliser is folded into the lattice's splat and slice weights, as the
-fixed-pair CRF folds its own (:mod:`mars_plugin.engines.crf_lattices`).
+numba :class:`~mars_plugin.engines.crf_exact.ExactLattice` on the CPU when numba is available
+(pydensecrf's float32 operations in its order, its normalisers applied to the values: Q equal
+to pydensecrf's bit for bit where the lattice is the same), else the torch
+:class:`~mars_plugin.engines.permutohedral.PermutohedralLattice` on the CRF's device, the
+normaliser folded into its splat and slice weights as the fixed-pair CRF folds its own
+(:mod:`mars_plugin.engines.crf_lattices`; each product within an ulp of pydensecrf's).
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from mars_plugin.engines import crf_compiled
-from mars_plugin.engines.crf_lattices import _compiled_gaussian, _gaussian_lattice
+from mars_plugin.engines import crf_exact
+from mars_plugin.engines.crf_lattices import _gaussian_lattice, _kept
 from mars_plugin.engines.crf_mean_field import _softmax_rows_
 from mars_plugin.engines.permutohedral import MAX_COORDINATE, PermutohedralLattice, max_lifted_coordinate
 
@@ -74,22 +76,19 @@ def _check_features(features: np.ndarray) -> None:
 
 
 def build_lattice(features: np.ndarray, normalization: int, device: torch.device, compiled: bool):
-    """The normalised lattice of (N, D) float32 features: a CompiledLattice (``compiled``, CPU)
-    or a PermutohedralLattice on ``device``, the normalisers folded into its splat (before) and
-    slice (after) weights, as CompiledLattice folds its own symmetric one."""
+    """The normalised lattice of (N, D) float32 features: an ExactLattice (``compiled``, CPU:
+    pydensecrf's float32 operations in its order, the normalisers applied to the values) or a
+    PermutohedralLattice on ``device``, the normalisers folded into its splat (before) and
+    slice (after) weights."""
     features = np.ascontiguousarray(features, dtype=np.float32)
     _check_features(features)
     N, D = features.shape
     if compiled and D > COMPILED_MAX_DIM:
         raise ValueError(f"features: got D = {D} dimensions; the compiled CPU lattice takes at most "
                          f"{COMPILED_MAX_DIM} (set MARS_NO_NUMBA=1 for the torch lattice, which takes any)")
-    if compiled:
-        lat = crf_compiled.CompiledLattice(features, [N], normalise=False)
-        before, after = _normalisers(lat.filter(np.ones((N, 1), np.float32))[:, 0], normalization)
-        if before is not None:
-            lat.sw = lat.sw * before[:, None]
-        if after is not None:
-            lat.lw = lat.lw * after[:, None]
+    if compiled:  # pydensecrf's roundings, operation for operation (crf_exact.py)
+        lat = crf_exact.ExactLattice(features)
+        lat.set_normalisers(*_normalisers(lat.filter(np.ones((N, 1), np.float32))[:, 0], normalization))
         return lat
     lat = PermutohedralLattice(torch.from_numpy(features).to(device))
     k1 = lat.filter(torch.ones(N, 1, dtype=torch.float32, device=device))[:, 0].cpu().numpy()
@@ -104,16 +103,19 @@ def position_lattice(height: int, width: int, sx: float, sy: float, normalizatio
     """The lattice of ``DenseCRF2D.addPairwiseGaussian`` over (x / sx, y / sy), pixel y W + x.
     With sx == sy and the symmetric normaliser it is the fixed-pair CRF's kept lattice
     (:mod:`mars_plugin.engines.crf_lattices`: same features, same normaliser, built once per
-    image size)."""
+    image size; compiled, the exact lattice of these sizes is kept alike)."""
     sx, sy = np.float32(sx), np.float32(sy)
-    if sx == sy and normalization == NORMALIZE_SYMMETRIC:
-        if compiled:
-            return _compiled_gaussian(((height, width),), float(sx))
+    if sx == sy and normalization == NORMALIZE_SYMMETRIC and not compiled:
         return _gaussian_lattice(((height, width),), float(sx), device)
-    f = np.empty((height, width, 2), np.float32)
-    f[:, :, 0] = np.arange(width, dtype=np.float32)[None, :] / sx
-    f[:, :, 1] = np.arange(height, dtype=np.float32)[:, None] / sy
-    return build_lattice(f.reshape(-1, 2), normalization, device, compiled)
+
+    def build():
+        f = np.empty((height, width, 2), np.float32)
+        f[:, :, 0] = np.arange(width, dtype=np.float32)[None, :] / sx
+        f[:, :, 1] = np.arange(height, dtype=np.float32)[:, None] / sy
+        return build_lattice(f.reshape(-1, 2), normalization, device, compiled)
+    if compiled:
+        return _kept(((height, width), float(sx), float(sy), int(normalization), "exact"), build)
+    return build()
 
 
 class PairwiseTerm:
@@ -138,9 +140,7 @@ class PairwiseTerm:
         """out += scale Kn(q): the compiled filter with the caller's scratch buffers (made once
         per inference: fresh ones would be paged in at every call), or the torch one."""
         if self.compiled:
-            lat = self.lattice
-            crf_compiled._filter_all(lat.vert, lat.sw, lat.lw, lat.n1, lat.n2, q, scratch[0], scratch[1], out,
-                                     np.float32(scale))
+            self.lattice.filter(q, out, scale, scratch[0], scratch[1])
         else:
             self.lattice.filter(q, add_to=out, scale=scale)
 
@@ -190,7 +190,7 @@ class GeneralCRF:
     # ------------------------------------------------------------ the two layouts' arithmetic
     def _softmax(self, x):
         if self.compiled:
-            crf_compiled._softmax_rows(x, 0, x.shape[0])
+            crf_exact.softmax_rows(x)
             return x
         return _softmax_rows_(x)
 
