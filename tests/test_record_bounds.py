@@ -209,3 +209,32 @@ def test_dropin_inference_refuses_at_once(n, error):
 def test_dropin_inference_takes_what_pydensecrf_takes(n):
     """pydensecrf runs these (0 or less: no step; 1.5: one): so does the drop-in."""
     assert np.asarray(_dropin().inference(n)).shape == (3, 64)
+
+
+# --------------------------------------------------------------------------------------------
+# the doors are used: a record or a job that bypasses them fails here
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_record_goes_through_the_flags_door(name):
+    """Each record's ``__post_init__`` calls ``cli_types.check_fields`` with its command's flags."""
+    import inspect
+
+    source = inspect.getsource(flags_module(name).SETTINGS.__post_init__)
+    assert "T.check_fields(self, add_arguments" in source, name
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_job_taking_settings_goes_through_its_door(name):
+    """Each Python entry point with ``settings=`` checks it with ``job_settings.own_record``."""
+    import importlib
+    import inspect
+
+    module, function = flags_module(name).API.split(":")
+    job = getattr(importlib.import_module(module), function)
+    p = inspect.signature(job).parameters.get("settings")
+    if p is None or p.kind == p.VAR_KEYWORD:  # reproduce(**settings): the record's keywords
+        pytest.skip(f"{function} takes no settings=")
+    source = inspect.getsource(importlib.import_module(module))
+    assert "own_record(" in source, (name, module)
