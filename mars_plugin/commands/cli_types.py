@@ -169,7 +169,8 @@ def _flag_actions(add_arguments: Callable[[Any], None]) -> Tuple[argparse.Action
     return tuple(a for a in p._actions if a.option_strings)
 
 
-def check_fields(record: Any, add_arguments: Callable[[Any], None], keywords: Mapping[str, str]) -> None:
+def check_fields(record: Any, add_arguments: Callable[[Any], None], keywords: Mapping[str, str],
+                 wider: Tuple[str, ...] = ()) -> None:
     """Check, where it is made, each field of a frozen settings ``record`` that one of the
     command's flags sets (``add_arguments``: the command's flags; ``keywords``: flag dest ->
     field where the names differ), with that flag's declaration: the bounds of an
@@ -177,7 +178,9 @@ def check_fields(record: Any, add_arguments: Callable[[Any], None], keywords: Ma
     bool; ``max_bytes`` (``--max-memory GIB``) in bytes. A None field is the record's to resolve
     ("not given"). The one door of "checking a setting": Python callers meet the flag's
     bounds, and a new flag is checked in Python without a line more. Raises ``TypeError`` /
-    ``ValueError`` naming the field (``iter_size must be an integer in 1..1024, got ...``)."""
+    ``ValueError`` naming the field (``iter_size must be an integer in 1..1024, got ...``).
+    ``wider``: the fields whose Python values the record takes beyond the flag's choices (each
+    documented there; e.g. predict's ``crf``: every CRF preset a recipe may name), left to it."""
     for a in _flag_actions(add_arguments):
         name = keywords.get(a.dest, a.dest)
         value = getattr(record, name, None)
@@ -192,7 +195,7 @@ def check_fields(record: Any, add_arguments: Callable[[Any], None], keywords: Ma
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}"[:200])
             value = bool(value)
-        if a.choices is not None and (isinstance(value, bool) or not _among(value, a.choices)):
+        if a.choices is not None and name not in wider and (isinstance(value, bool) or not _among(value, a.choices)):
             raise ValueError(f"{name} must be one of {', '.join(map(repr, a.choices))}, got {value!r}"[:300])
         object.__setattr__(record, name, value)
 
