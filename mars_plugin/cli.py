@@ -7,7 +7,6 @@ dispatches to the commands (:mod:`mars_plugin.commands`). Folder layout: see
 from __future__ import annotations
 
 import os
-import re
 import sys
 from typing import Any, List, Optional
 
@@ -52,44 +51,11 @@ def _maybe_init_distributed(train: Optional[str] = None) -> bool:
     return True
 
 
-# Python parameter names that core checks and the jobs put in their messages, and the flags that
-# set them (a parameter whose flag has another name, e.g. images_dir, maps to that flag).
-_FLAGS = {name: "--" + name.replace("_", "-") for name in (
-    "crf_params", "crf_backend", "batch_size", "num_classes", "k_fg", "k_bg", "spill_mb", "spill_dir",
-    "image_labels", "ignore_index", "num_examples", "class_names", "on_error", "per_class", "num_train",
-    "num_val", "trust_pickle")}
-_FLAGS.update(images_dir="--images", features_dir="--features", labels_dir="--labels", out_dir="--out",
-              pred_dir="--pred", gt_dir="--gt", debiased_dir="--debiased", pseudo_dir="--pseudo",
-              file_format="--format", flip_average="--flip")
-# One-word parameters are also English words ("the heads file"): written as flags only where the
-# sentence is about the parameter ("workers must be >= 1", "refine='crf'").
-_WORD_FLAGS = ("workers", "device", "alpha", "threshold", "refine", "seed", "size", "epochs", "stride", "res",
-               "scales", "uss", "backend", "iterations", "data", "domain")
-_EDGE = r"(?<![\w/\\.-])"  # not inside a path or a longer name
-_END = r"(?![\w/\\-]|\.\w)"
+def _flag_names(msg: str, command: Optional[str] = None) -> str:
+    """``msg`` in the command line's language (:func:`mars_plugin.commands.flag_language.in_flags`)."""
+    from mars_plugin.commands.flag_language import in_flags
 
-
-def _flag_names(msg: str) -> str:
-    """A core error message with its parameter names written as the command line's flags:
-    ``name='value'`` and ``name=value`` as ``--name value``, ``crf_params['key']`` as
-    ``--crf-params "key"``, ``batch_size`` as ``--batch-size`` (``images_dir`` as ``--images``), and
-    ``workers must`` as ``--workers must``. Paths and double-quoted JSON text are left as they are."""
-    every = {**_FLAGS, **{w: "--" + w for w in _WORD_FLAGS}}
-    names = "|".join(sorted(every, key=len, reverse=True))
-
-    def rewrite(part: str) -> str:
-        part = re.sub(_EDGE + r"(" + names + r")=(['\"]?)([^'\"\s,;)]*)\2",
-                      lambda m: f"{every[m.group(1)]} {m.group(3)}", part)
-        part = re.sub(_EDGE + r"(" + names + r")\[(['\"])(\w+)\2\]", lambda m: f'{every[m.group(1)]} "{m.group(3)}"',
-                      part)
-        part = re.sub(_EDGE + r"(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")" + _END,
-                      lambda m: _FLAGS[m.group(1)], part)
-        return re.sub(_EDGE + r"(" + "|".join(_WORD_FLAGS) + r")(?= must\b| is not\b| has\b)",
-                      lambda m: "--" + m.group(1), part)
-
-    # the text between double quotes is JSON the user writes (keys such as "class_names"): kept
-    pieces = re.split(r'("[^"]*")', msg)
-    return "".join(p if p.startswith('"') and p.endswith('"') and len(p) > 1 else rewrite(p) for p in pieces)
+    return in_flags(msg, command)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -151,9 +117,12 @@ def _interrupted(argv: Optional[List[str]]) -> int:
     return 130
 
 
-def _print_skipped(s) -> None:
-    """Every file a run skipped, on stderr (the summary line on stdout has the count), and every
-    file it read that adds nothing (warnings, which leave the exit status as it is)."""
+def _print_skipped(s, command: Optional[str] = None) -> None:
+    """Every file a run skipped, on stderr (the summary line on stdout has the count; each reason
+    in the flags' words), and every file it read that adds nothing (warnings, which leave the
+    exit status as it is)."""
+    if s is not None and getattr(s, "failed", None):
+        s.failed[:] = [(stem, _flag_names(why, command)) for stem, why in s.failed]
     lines = s.skipped_lines() if s is not None and hasattr(s, "skipped_lines") else []
     lines += s.warning_lines() if s is not None and hasattr(s, "warning_lines") else []
     if lines:
@@ -234,20 +203,22 @@ def _main(argv: Optional[List[str]]) -> int:
     except BrokenPipeError:
         raise  # the reader is gone: main() ends quietly
     except errors.JobError as e:
-        _print_skipped(res and res.summary)
-        print(f"mars {args.command}: error: {errors.one_line(e)}", file=sys.stderr)
+        _print_skipped(res and res.summary, args.command)
+        # a file's failure: the library's reason in the flags' words (the rest names flags already)
+        msg = f"{e.stem}: {_flag_names(e.core, args.command)}" if hasattr(e, "core") else errors.one_line(e)
+        print(f"mars {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except (ValueError, TypeError, OSError) as e:  # PermissionError is an OSError
-        _print_skipped(res and res.summary)
+        _print_skipped(res and res.summary, args.command)
         msg = errors.one_line(e)
-        print(f"mars {args.command}: error: {msg if isinstance(e, OSError) else _flag_names(msg)}", file=sys.stderr)
+        print(f"mars {args.command}: error: {msg if isinstance(e, OSError) else _flag_names(msg, args.command)}", file=sys.stderr)
         return 2
     finally:
         if joined:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    return _exit_status(res)
+    return _exit_status(res, args.command)
 
 
 def _sharded_lines(word: str, name: str, res: Any) -> None:
@@ -263,20 +234,20 @@ def _sharded_lines(word: str, name: str, res: Any) -> None:
         res.meet = True
 
 
-def _exit_status(res: Any) -> int:
+def _exit_status(res: Any, command: Optional[str] = None) -> int:
     """0 done, 1 done with skipped files (or the command's own status); under torchrun with
     several ranks each names its skipped files, then all leave together."""
     s = res.summary
     if res.meet:
         from mars_plugin.runs import distributed
 
-        _print_skipped(s)
+        _print_skipped(s, command)
         sys.stdout.flush()
         distributed.barrier()
         return 1 if s.failed else 0
     if res.status is not None:
         return res.status
-    _print_skipped(s)
+    _print_skipped(s, command)
     return 1 if s is not None and s.failed else 0
 
 

@@ -19,7 +19,7 @@ OK = dict(num_classes=4, arch="deeplabv3+", backbone="resnet18")
     ("batch_size", -2, r"batch_size must be an integer >= 1, got -2"),
     ("save_every", 0, r"save_every must be an integer >= 1, got 0"),
     ("log_every", 0, r"log_every must be an integer >= 1, got 0"),
-    ("workers", 65, r"workers must be an integer in 0\.\.64, got 65"),
+    ("workers", 257, r"workers must be an integer in 0\.\.256, got 257"),  # --workers' bounds (issue 41)
     ("seed", -1, r"seed must be an integer in 0\.\.4294967295, got -1"),
     ("lr", 0.0, r"lr must be a finite number in \(0, 10\], got 0\.0"),
     ("momentum", 1.0, r"momentum must be a finite number in \[0, 1\), got 1\.0"),

@@ -35,7 +35,8 @@ The commands:
 
 What they share here: ``command_table.py`` (the commands), ``cli_parser.py`` (the parser),
 ``cli_flags.py`` (the flag groups several commands share), ``cli_types.py`` (the flags' parsers
-and bounds), ``inputs.py`` (input checks), ``label_formats.py`` (WSSS label formats, image-level
+and bounds, which the records check too), ``job_settings.py`` (the one check of a job's ``settings=``),
+``flag_language.py`` (library errors in the flags' words), ``inputs.py`` (input checks), ``label_formats.py`` (WSSS label formats, image-level
 labels, class names), ``metrics.py`` (mIoU). The run machinery every command uses (errors and
 ``--on-error``, the run record and its lock, input identities, torchrun, batches by size,
 ``--io-workers``) is :mod:`mars_plugin.runs`.

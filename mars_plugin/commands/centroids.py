@@ -149,7 +149,9 @@ def centroids_job(
 
 def _settings(settings: Optional[CentroidsSettings], num_classes: int, keywords: Dict[str, Any]) -> CentroidsSettings:
     """:func:`centroids_job`'s record: ``settings``, or made (and checked) from ``keywords``."""
-    if settings is None:
+    from mars_plugin.commands.job_settings import own_record
+
+    if own_record("centroids_job", CentroidsSettings, settings) is None:
         return CentroidsSettings(num_classes=num_classes, **keywords)
     if keywords:
         raise ValueError("give settings=CentroidsSettings(...) or its fields as keywords, not both "

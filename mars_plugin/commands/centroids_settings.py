@@ -56,6 +56,7 @@ class CentroidsSettings:
                                    batch_size=self.batch_size, spill_mb=self.spill_mb)
         for name, value in checked.items():
             put(name, value)
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     def identity(self, wsss: Optional[str]) -> Dict[str, Any]:
         """The settings that shape the centroids (recorded in ``--out``, compared on resume), with

@@ -1,7 +1,10 @@
 """argparse ``type=`` functions of the ``mars`` flags: every numeric flag is parsed and bounded here.
 
 A value out of range stops the command before any work with one line naming the flag, the
-value and the range (argparse prefixes ``argument --flag:``; exit status 2). The bounds are
+value and the range (argparse prefixes ``argument --flag:``; exit status 2). Each type of
+:func:`int_in` / :func:`real_in` also carries ``bounds`` (low, high) and ``check(value, name)``:
+the same bounds for a Python value, which the settings records call on their fields
+(:func:`check_fields`), so that a record made in Python refuses what the flag refuses. The bounds are
 the ones the Python functions check (:mod:`mars_plugin._checks`, :mod:`mars_plugin.commands.inputs`,
 :func:`mars_plugin.commands.demo.run_demo`, :mod:`mars_plugin.adapters.uss.multiscale`), so that the
 command line and the library refuse the same values.
@@ -9,10 +12,16 @@ command line and the library refuse the same values.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
-from typing import Any, Callable, Tuple, Union
+import numbers
+from typing import Any, Callable, Mapping, Tuple, Union
+
+import numpy as np
 
 from mars_plugin._checks import (
+    check_int_param,
+    check_real_param,
     BIASED_PNG_VALUE,
     IGNORE_PNG_VALUE,
     MAX_BATCH_SIZE,
@@ -32,6 +41,8 @@ from mars_plugin._checks import (
 __all__ = [
     "int_in",
     "real_in",
+    "check_fields",
+    "check_max_bytes",
     "num_classes",
     "alpha",
     "k_clusters",
@@ -86,6 +97,9 @@ def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
         return value
 
     parse.__name__ = f"integer in {low}..{high}"
+    # the same bounds for a Python value (a record's field): one declaration for both doors
+    parse.bounds = (low, high)  # type: ignore[attr-defined]
+    parse.check = lambda value, name: check_int_param(value, name, low, high, why)  # type: ignore[attr-defined]
     return parse
 
 
@@ -109,6 +123,9 @@ def real_in(low: float, high: float, *, low_open: bool = False, high_open: bool 
         return value
 
     parse.__name__ = f"number in {interval}"
+    parse.bounds = (low, high)  # type: ignore[attr-defined]
+    parse.check = lambda value, name: check_real_param(  # type: ignore[attr-defined]
+        value, name, low, high, low_open=low_open, high_open=high_open)
     return parse
 
 
@@ -139,6 +156,75 @@ every = int_in(1, 10_000_000)
 loader_workers = int_in(0, MAX_WORKERS)
 class_threshold = real_in(0.0, 1.0)
 max_memory = real_in(0.0, 2.0 ** 20, low_open=True, why="the memory budget in GiB")
+
+
+_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+
+
+@functools.lru_cache(maxsize=None)
+def _flag_actions(add_arguments: Callable[[Any], None]) -> Tuple[argparse.Action, ...]:
+    """The actions that ``add_arguments`` declares (a parser built once per command)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return tuple(a for a in p._actions if a.option_strings)
+
+
+def check_fields(record: Any, add_arguments: Callable[[Any], None], keywords: Mapping[str, str],
+                 wider: Tuple[str, ...] = ()) -> None:
+    """Check, where it is made, each field of a frozen settings ``record`` that one of the
+    command's flags sets (``add_arguments``: the command's flags; ``keywords``: flag dest ->
+    field where the names differ), with that flag's declaration: the bounds of an
+    :func:`int_in` / :func:`real_in` type (normalised to int / float), the choices, a switch's
+    bool; ``max_bytes`` (``--max-memory GIB``) in bytes. A None field is the record's to resolve
+    ("not given"). The one door of "checking a setting": Python callers meet the flag's
+    bounds, and a new flag is checked in Python without a line more. Raises ``TypeError`` /
+    ``ValueError`` naming the field (``iter_size must be an integer in 1..1024, got ...``).
+    ``wider``: the fields whose Python values the record takes beyond the flag's choices (each
+    documented there; e.g. predict's ``crf``: every CRF preset a recipe may name), left to it."""
+    for a in _flag_actions(add_arguments):
+        name = keywords.get(a.dest, a.dest)
+        value = getattr(record, name, None)
+        if value is None or (name != a.dest and name != "max_bytes" and not isinstance(a, _SWITCHES)) or \
+                list(keywords.values()).count(name) > 1:
+            continue  # one field made of several flags (--wsss, --dataset -> fmt), or of another kind
+        if name == "max_bytes":
+            value = check_max_bytes(value, name, auto=_default(record, name) == "auto")
+        elif hasattr(a.type, "check"):
+            value = a.type.check(value, name)
+        elif isinstance(a, _SWITCHES) and (name == a.dest or isinstance(_default(record, name), bool)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}"[:200])
+            value = bool(value)
+        if a.choices is not None and name not in wider and (isinstance(value, bool) or not _among(value, a.choices)):
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, a.choices))}, got {value!r}"[:300])
+        object.__setattr__(record, name, value)
+
+
+def _among(value: Any, choices: Any) -> bool:
+    try:
+        return value in choices
+    except TypeError:  # an unhashable value among hashed choices
+        return False
+
+
+def _default(record: Any, name: str) -> Any:
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(record)}.get(name)
+
+
+def check_max_bytes(value: Any, name: str = "max_bytes", *, auto: bool = False) -> Union[int, str]:
+    """A memory budget in bytes: a number in (0, 2**50] (``--max-memory``'s (0, 2**20] GiB),
+    or ``"auto"`` where the command has it; None (no limit) is the caller's."""
+    if auto and value == "auto":
+        return "auto"
+    hi = int(max_memory.bounds[1] * 2 ** 30)  # type: ignore[attr-defined]
+    expected = f"a number of bytes in (0, {hi}]" + (", 'auto'" if auto else "") + " or None (no limit)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}"[:200])
+    if not (math.isfinite(value) and 0 < value <= hi):
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return int(value)
 
 
 def seg_scales(text: str) -> Tuple[float, ...]:

@@ -222,6 +222,9 @@ def crf_job(images_dir: os.PathLike, out_dir: os.PathLike, *, cams_dir: Optional
     """
     from mars_plugin.commands.inputs import check_out_apart
 
+    from mars_plugin.commands.job_settings import own_record
+
+    own_record("crf_job", CrfSettings, settings)
     if settings is not None and keywords:
         raise ValueError(f"give settings=CrfSettings(...) or its fields as keywords, not both (got {sorted(keywords)})")
     s = settings if settings is not None else CrfSettings(**keywords)

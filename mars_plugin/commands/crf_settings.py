@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
 
 from mars_plugin._checks import MAX_BATCH_SIZE, check_int_param
+from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.cli_types import MAX_WORKERS
 from mars_plugin.engines.crf_params import CRF_PRESET_NAMES, check_crf_params
 from mars_plugin.runs.errors import ON_ERROR
@@ -89,6 +90,7 @@ class CrfSettings:
             put("io_workers", check_io_workers(self.io_workers, "cpu", self.workers))
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @property
     def num_labels(self) -> int:
@@ -131,7 +133,6 @@ def _overrides(text: str) -> Dict[str, Any]:
 
 def add_crf_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``mars crf`` (called by :func:`mars_plugin.commands.cli_parser.build_parser`)."""
-    from mars_plugin.commands import cli_types as T
     own = "%(default).0s"  # no "(default: None)" where the help says what None means
 
     # one of --cams and --probs (checked by the job, after the inputs' check against --out)

@@ -288,6 +288,9 @@ def debias_job(
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
 
+    from mars_plugin.commands.job_settings import own_record
+
+    own_record("debias_job", DebiasSettings, settings)
     if settings is not None and keywords:
         raise ValueError(f"give settings=DebiasSettings(...) or its fields as keywords, not both "
                          f"(got {sorted(keywords)})")

@@ -66,7 +66,11 @@ class DebiasSettings:
         check_crf_backend(self.crf_backend)
         if self.io_workers is not None:  # None: resolved for the device when the job runs
             put("io_workers", check_io_workers(self.io_workers, "cpu", self.processes))
+        if self.fmt is not None and not isinstance(self.fmt, LabelFormat):
+            raise TypeError(f"fmt must be a LabelFormat (label_format('irnet'), ...) or None (this package's), "
+                            f"got {type(self.fmt).__name__} {self.fmt!r}"[:200])
         put("fmt", self.fmt or LabelFormat())
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @property
     def processes(self) -> int:

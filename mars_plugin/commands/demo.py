@@ -270,10 +270,10 @@ def run_demo(
     given = dict(seed=seed, num_train=num_train, num_val=num_val, size=size, epochs=epochs, refine=refine,
                  crf_params=crf_params, write_world=write_world, progress=progress,
                  examples_per_class=examples_per_class)
-    if settings is None:
+    from mars_plugin.commands.job_settings import own_record
+
+    if own_record("run_demo", DemoSettings, settings) is None:
         return _demo(DemoSettings(**given), out)
-    if not isinstance(settings, DemoSettings):
-        raise TypeError(f"settings must be a DemoSettings, got {type(settings).__name__}")
     changed = sorted(k for k, v in given.items() if v != DemoSettings.__dataclass_fields__[k].default)
     if changed:
         raise ValueError(f"give settings=DemoSettings(...) or its fields as keywords, not both (got {changed})")

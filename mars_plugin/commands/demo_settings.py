@@ -56,6 +56,7 @@ class DemoSettings:
         put("epochs", check_int_param(self.epochs, "epochs", 1, MAX_DEMO_EPOCHS))
         if self.refine == "crf":  # a bad --crf-params fails before any work, not after the world
             put("params", check_crf_params(self.crf_params))
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoSettings":

@@ -41,6 +41,9 @@ def evaluate_job(
     prediction or the ground truth, is a bad file (named, ``on_error`` applies). Returns the scores of
     :func:`mars_plugin.commands.metrics.segmentation_scores` plus ``confusion`` and ``num_images``.
     """
+    from mars_plugin.commands.job_settings import own_record
+
+    own_record("evaluate_job", EvaluateSettings, settings)
     if settings is not None and (keywords or num_classes is not None):
         raise ValueError(f"give settings=EvaluateSettings(...) or its fields as keywords, not both "
                          f"(got {sorted(keywords) + (['num_classes'] if num_classes is not None else [])})")

@@ -34,6 +34,7 @@ class EvaluateSettings:
         _check_on_error(self.on_error)
         put("num_classes", check_num_classes(self.num_classes))
         put("ignore_index", check_ignore_byte(self.ignore_index, num_classes=self.num_classes))
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EvaluateSettings":

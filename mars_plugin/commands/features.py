@@ -184,6 +184,9 @@ def features_job(
 
 def _settings(settings: Union[None, FeaturesSettings, Mapping[str, Any]], keywords: Dict[str, Any]) -> FeaturesSettings:
     """:func:`features_job`'s record: ``settings``, or made (and checked) from ``keywords``."""
+    from mars_plugin.commands.job_settings import own_record
+
+    own_record("features_job", FeaturesSettings, settings, mapping="the model's description, as model=")
     if isinstance(settings, FeaturesSettings):
         if keywords:
             raise ValueError("give settings=FeaturesSettings(...) or its fields as keywords, not both "

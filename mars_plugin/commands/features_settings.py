@@ -62,6 +62,9 @@ class FeaturesSettings:
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 -- frozen: normalised once here
+        if self.model is not None and not isinstance(self.model, Mapping):
+            raise TypeError(f"model must be a mapping (what made the extractor: its weights, its options) or None, "
+                            f"got {type(self.model).__name__} {self.model!r}"[:200])
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.file_format not in FILE_FORMATS:
@@ -75,6 +78,7 @@ class FeaturesSettings:
             raise ValueError(f"output_size must be None, 'image' or an (h, w) pair, got {self.output_size!r}")
         if self.output_size is not None and not isinstance(self.output_size, str):
             check_output_size(self.output_size)
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @property
     def extensions(self) -> Tuple[str, str]:

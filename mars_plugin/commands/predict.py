@@ -199,6 +199,9 @@ def predict_job(
                         progress=progress, max_bytes=max_bytes, io_workers=io_workers)
     if not callable(model):
         raise TypeError(f"model must be a network (nn.Module), got {describe(model)}")
+    from mars_plugin.commands.job_settings import own_record
+
+    own_record("predict_job", None, settings, mapping="what made the model: its file, which weights")
     job = _Job.of(model, s, preprocess, num_classes)
     return _predict_folder(model, job, Path(images_dir), Path(out_dir), settings, images_flag)
 

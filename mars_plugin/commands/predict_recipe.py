@@ -49,7 +49,20 @@ def predict_settings(args: argparse.Namespace, meta: Mapping[str, Any]) -> Dict[
         if chosen["class_threshold"] is None:
             chosen["class_threshold"] = 0.0
         chosen["scales"] = tuple(chosen["scales"])
+        _check_stored(args, {k: v for k, v in chosen.items() if getattr(args, k, None) is None})
     for key in RECIPE_FIELDS.values():  # a flag given wins
         if getattr(args, key, None) is not None:
             chosen[key] = getattr(args, key)
     return chosen
+
+
+def _check_stored(args: argparse.Namespace, stored: Mapping[str, Any]) -> None:
+    """The values the checkpoint decides (no flag given), checked as the record checks them: a
+    bad one is the checkpoint's, said so (not the flag's, which the user did not give)."""
+    from mars_plugin.commands.predict_settings import PredictSettings
+
+    try:
+        PredictSettings(**stored)
+    except (TypeError, ValueError) as e:
+        raise JobError(f"--model {args.model}: {one_line(e)} (from the checkpoint {args.model}: its recipe's "
+                       f"inference settings; a flag given overrides it)") from None

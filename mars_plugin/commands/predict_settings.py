@@ -65,6 +65,8 @@ class PredictSettings:
         if self.fuse_at is not None and self.fuse_at not in FUSE_CHOICES:
             raise ValueError(f"fuse_at must be 'input', 'logits', 'seam', 'max-logits' or None, got {self.fuse_at!r}")
         put("batch_size", check_int_param(self.batch_size, "batch_size", 1, MAX_BATCH_SIZE))
+        # crf: any preset of the CRF (a recipe's, e.g. seam's 'seam-seg'), the flag offers three
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS, wider=("crf",))
 
     def keywords(self) -> Dict[str, Any]:
         """The fields as :func:`~mars_plugin.commands.predict.predict_job`'s keywords."""

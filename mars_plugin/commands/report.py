@@ -78,6 +78,9 @@ def report_job(
     into ``out_dir`` (a lock, :class:`~mars_plugin.runs.run_lock.RunLock`); holding it, the run
     removes the ``.tmp-*`` files a killed run left there.
     """
+    from mars_plugin.commands.job_settings import own_record
+
+    own_record("report_job", ReportSettings, settings)
     if settings is not None and keywords:
         raise ValueError(f"give settings=ReportSettings(...) or its fields as keywords, not both "
                          f"(got {sorted(keywords)})")

@@ -42,6 +42,7 @@ class ReportSettings:
         if self.class_names is not None:
             put("class_names", tuple(check_class_names(self.class_names)))
         put("ignore_index", check_ignore_byte(self.ignore_index, num_classes=self.num_named_classes))
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @property
     def num_named_classes(self) -> Optional[int]:

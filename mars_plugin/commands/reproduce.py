@@ -122,8 +122,11 @@ def run_reproduce(settings: ReproduceSettings, *, dry_run: bool = False, progres
     ``agreement``), the paths written (``out``, ``report``), the run's
     :class:`~mars_plugin.runs.errors.JobSummary` (``summary``), ``rank`` and ``world_size``.
     """
+    from mars_plugin.commands.job_settings import own_record
     from mars_plugin.commands.reproduce_plan import plan_reproduce, show_plan
 
+    if own_record("run_reproduce", ReproduceSettings, settings) is None:
+        raise TypeError("run_reproduce(settings=...) takes a ReproduceSettings, got None")
     t_all = time.perf_counter()
     inputs = prepare(settings)  # every check of a value or a folder, before anything is read or computed
     if dry_run:

@@ -107,6 +107,7 @@ class ReproduceSettings:
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
             object.__setattr__(self, name, value)
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     def identity(self, model_files: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
         """The run's settings as ``reproduce.json`` records them: what changes a result. The

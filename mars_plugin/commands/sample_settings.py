@@ -29,6 +29,7 @@ class SampleSettings:
     def __post_init__(self) -> None:
         if self.tree not in TREES:
             raise ValueError(f"--tree must be one of {', '.join(TREES)}, got {self.tree!r}")
+        T.check_fields(self, add_arguments, {})  # then every flag's bounds, choices, switches (cli_types)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SampleSettings":

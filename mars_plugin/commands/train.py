@@ -124,7 +124,9 @@ def train(
         "aside": the earlier run's files ``restart`` moved, "aside_dir": where in ``out`` or None}
     """
     from mars_plugin.commands.inputs import check_out_apart  # before any work: an output is never an input
+    from mars_plugin.commands.job_settings import own_record
 
+    own_record("train", TrainSettings, settings)
     weights = settings.weights if settings is not None else fields.get("weights")
     check_out_apart(out, "--out", {"--images": images, "--labels": labels, "--weights": weights})
     s = _settings(num_classes, settings, fields)
@@ -156,8 +158,6 @@ def _settings(num_classes: Optional[int], settings: Optional[TrainSettings], fie
     """The API's arguments -> one checked record (a record, or ``num_classes`` and fields)."""
     if settings is None:
         return TrainSettings(num_classes=num_classes, **fields)  # type: ignore[arg-type]
-    if not isinstance(settings, TrainSettings):
-        raise TypeError(f"settings must be a TrainSettings, got {type(settings).__name__}")
     if fields:
         raise TypeError(f"settings given: give {', '.join(sorted(fields))} in it (settings.replace(...)), not beside it")
     if num_classes is not None and num_classes != settings.num_classes:

@@ -137,6 +137,7 @@ class TrainSettings:
                 put(k, aug.get(_AUG_NAMES[k], 320 if k == "min_size" else 640) if k in _AUG_NAMES
                     else getattr(rec, k))
         self._check(put)
+        T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
 
     @property
     def overrides_schedule(self) -> bool:
@@ -157,7 +158,7 @@ class TrainSettings:
                 put(name, check_int_param(getattr(self, name), name, 1))
         for name in ("batch_size", "iter_size", "lr_step", "save_every", "log_every"):
             put(name, check_int_param(getattr(self, name), name, 1))
-        put("workers", check_int_param(self.workers, "workers", 0, 64))
+        put("workers", T.loader_workers.check(self.workers, "workers"))  # the flag's bounds (None refused)
         put("seed", check_seed(self.seed))
         put("lr", check_real_param(self.lr, "lr", 0.0, 10.0, low_open=True))
         put("momentum", check_real_param(self.momentum, "momentum", 0.0, 1.0, high_open=True))
@@ -182,7 +183,7 @@ class TrainSettings:
         put("decay", _group_tuple(self.decay, "decay", bool))
         if self.weights is not None:
             put("weights", os.fspath(self.weights))
-        put("amp", bool(self.amp))
+        # amp: a bool, checked (not coerced: "no" is truthy) by T.check_fields as --no-amp's switch
         # what the baseline does not use is None, as the record has always said
         mars = self.loss == "mars"
         put("refine", None if not mars or self.refine == "none" else self.refine)

@@ -89,6 +89,24 @@ def count(value, name: str) -> int:
     return n
 
 
+#: pydensecrf's C ``int`` arguments: what its Cython wrapper converts
+C_INT_MIN, C_INT_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def c_int(value, name: str) -> int:
+    """An argument pydensecrf takes as a C ``int`` (``inference(n)``), converted as its Cython
+    wrapper does: a number truncated to an integer (1.5 -> 1), anything else a ``TypeError``, and
+    outside -2**31..2**31-1 an ``OverflowError`` at once (pydensecrf's "value too large to
+    convert to int"; without the check 2**40 mean-field steps would run for hours)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: got {value!r}; expected an integer (pydensecrf's C int)")
+    n = int(value)  # truncates as Cython's conversion does; inf: OverflowError, nan: ValueError
+    if not C_INT_MIN <= n <= C_INT_MAX:
+        raise OverflowError(f"{name}: got {n}; value too large to convert to int (pydensecrf's C int: "
+                            f"{C_INT_MIN}..{C_INT_MAX})")
+    return n
+
+
 def buffer(arr, name: str, ndim: int, dtype: type, expected: str) -> np.ndarray:
     """``arr`` as a C-contiguous ndarray of ``dtype`` and ``ndim`` dimensions, else the error
     kind Cython's typed memoryview raises (``expected`` describes the shape for the message)."""

@@ -124,8 +124,10 @@ class DenseCRF:
         return np.ascontiguousarray(-self._unary.T)
 
     def inference(self, niter: int) -> np.ndarray:
-        """Q after ``niter`` mean-field steps from softmax(-U): (nlabels, nvar) float32."""
-        q = self._engine.inference(self._neg_unary(), max(0, int(niter)))
+        """Q after ``niter`` mean-field steps from softmax(-U): (nlabels, nvar) float32. ``niter``
+        as pydensecrf takes it (a C int: 0 or less runs no step; beyond 2**31 - 1 an
+        ``OverflowError`` at once; not a number a ``TypeError``)."""
+        q = self._engine.inference(self._neg_unary(), max(0, checks.c_int(niter, "inference: niter")))
         return np.ascontiguousarray(q.T)
 
     def startInference(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

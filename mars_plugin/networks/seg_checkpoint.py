@@ -127,9 +127,14 @@ def model_from_checkpoint(
         model = MSC(model, tuple(float(v) for v in ck["model"]["msc_scales"]))
     try:
         model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{os.fspath(path)}: the {which} weights do not fit {ck['model']}: "
-                         f"{str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else e}") from None
+    except (RuntimeError, TypeError, AttributeError) as e:
+        from mars_plugin.networks.weight_files import state_mismatch
+
+        # a few keys and a count (torch's message lists every key: kilobytes on one line)
+        parts = state_mismatch(state, model.state_dict(), required=list(model.state_dict())) \
+            if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()) else []
+        why = "; ".join(parts) or " ".join(str(e).split())[:300]
+        raise ValueError(f"{os.fspath(path)}: the {which} weights do not fit {ck['model']}: {why}") from None
     model.eval()
     meta = {k: v for k, v in ck.items() if k not in ("student", "teacher", "optimizer", "scaler", "rng")}
     meta["which"] = which

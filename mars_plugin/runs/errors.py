@@ -78,9 +78,18 @@ def few(names: Sequence[str], show: int = 3) -> str:
     return ", ".join(names[:show]) + (", ..." if len(names) > show else "")
 
 
+#: The longest line :func:`one_line` gives: a message past it keeps its head and its tail (the
+#: hint), the middle (a list of hundreds of keys, files) said as a count of characters left out.
+MAX_LINE = 1200
+
+
 def one_line(e: BaseException) -> str:
-    """An exception's message on one line (what the command line prints)."""
+    """An exception's message on one line (what the command line prints), at most
+    :data:`MAX_LINE` characters."""
     msg = " ".join(str(e).split())
+    if len(msg) > MAX_LINE:
+        head, tail = msg[:MAX_LINE - 320], msg[-250:]
+        msg = f"{head} ... ({len(msg) - len(head) - len(tail):,} characters left out) ... {tail}"
     return msg or type(e).__name__
 
 
@@ -96,8 +105,17 @@ def _fail(stem: str, e: BaseException, on_error: str, summary: JobSummary) -> No
         raise e
     msg = one_line(e)
     if on_error == "stop":
-        raise JobError(f"{stem}: {msg}") from None
+        raise file_failure(stem, msg) from None
     summary.failed.append((stem, msg))
+
+
+def file_failure(stem: str, why: str) -> JobError:
+    """The :class:`JobError` of one file that stops a run: ``"<stem>: <why>"``, with ``stem`` and
+    ``core`` (``why``, the library's words) kept apart, so that the command line rewrites
+    ``why`` in its flags' words (:mod:`mars_plugin.commands.flag_language`) and not the name."""
+    err = JobError(f"{stem}: {why}")
+    err.stem, err.core = stem, why  # type: ignore[attr-defined]
+    return err
 
 
 def _check_on_error(on_error: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Optional, Set, Union
 
-from mars_plugin.runs.errors import JobError, JobSummary, _check_on_error
+from mars_plugin.runs.errors import JobSummary, _check_on_error, file_failure
 
 __all__ = ["ResumeLedger"]
 
@@ -60,6 +60,6 @@ class ResumeLedger:
         """``stem`` failed: with ``on_error="stop"`` the run stops naming it (:class:`JobError`),
         with ``"skip"`` it is listed and the run goes on."""
         if self.on_error == "stop":
-            raise JobError(f"{stem}: {why}")
+            raise file_failure(stem, why)
         self.summary.failed.append((stem, why))
         self.tick()
