@@ -115,7 +115,7 @@ def test_a_meta_tensor_in_a_torchvision_weight_file_is_one_line_exit_2(tmp_path,
     first = _meta_layout(p, net)
     assert _train(tree, tmp_path / "run", p, "--arch", "deeplabv3+", "--backbone", "resnet18") == 2
     msg = _one_error_line(capsys)
-    assert re.fullmatch(rf"{re.escape(str(p))}: {re.escape(first)}: ImageNet weights must be a CPU tensor whose "
+    assert re.fullmatch(rf"{re.escape(str(p))}: {re.escape(first)}: ImageNet --weights must be a CPU tensor whose "
                         r"values are in the file; it holds a meta-device torch.float32 tensor of shape \(64, 3, 7, "
                         r"7\) \(a meta tensor: a shape without data\)", msg), msg
 
@@ -129,7 +129,7 @@ def test_a_meta_tensor_in_a_deeplab_pytorch_weight_file_is_one_line_exit_2(tmp_p
     first = _meta_layout(p, net)
     assert _train(tree, tmp_path / "run", p, "--recipe", "deeplab-pytorch") == 2
     msg = _one_error_line(capsys)
-    assert re.fullmatch(rf"{re.escape(str(p))}: {re.escape(first)}: deeplab-pytorch weights must be a CPU tensor "
+    assert re.fullmatch(rf"{re.escape(str(p))}: {re.escape(first)}: deeplab-pytorch --weights must be a CPU tensor "
                         r"whose values are in the file; it holds a meta-device torch.float32 tensor of shape .* "
                         r"\(a meta tensor: a shape without data\)", msg), msg
 
