@@ -45,20 +45,31 @@ def _crf_inputs(size: int, labels: int = 3, images: int = 1, seed: int = 0):
     return [m / m.sum(0, keepdim=True) for m in maps], rgbs
 
 
-def _sigint_after(seconds: float) -> threading.Timer:
-    t = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    t.start()
-    return t
+def _sigint_in_the_iterations(monkeypatch, timers, seconds: float = 0.3) -> None:
+    """A SIGINT to this process ``seconds`` after each bilateral lattice (5 features) is built:
+    inside the mean-field iterations that follow it."""
+    from mars_plugin.engines import crf_compiled
+
+    real = crf_compiled.CompiledLattice.__init__
+
+    def built(self, features, *a, **k):
+        real(self, features, *a, **k)
+        if features.shape[1] == 5:
+            timers.append(threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)))
+            timers[-1].start()
+            timers.append(time.monotonic() + seconds)
+
+    monkeypatch.setattr(crf_compiled.CompiledLattice, "__init__", built)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sigint_inside_the_compiled_crf_stops_it(threads):
-    """Three SIGINTs, each while the compiled mean field of a 500x500 image runs (one thread:
+def test_sigint_inside_the_compiled_crf_stops_it(threads, monkeypatch):
+    """Three SIGINTs, each while the compiled mean field of a 500x500 image iterates (one thread:
     the kernel runs in this thread; two: in pool threads): each is a KeyboardInterrupt within
-    2.5 s, a few iterations, never lost and never a SystemError (base: one kernel ran the 100
-    iterations, and the interrupt came after them, or as numba's ``SystemError: ... returned a
-    result with an exception set``)."""
+    2.5 s, a few iterations, never lost and never a SystemError (base, one thread: one kernel
+    ran the 100 iterations, about 20 s, and the interrupt came after them, or as numba's
+    ``SystemError: ... returned a result with an exception set``)."""
     import torch
 
     from mars_plugin.engines import crf, crf_compiled
@@ -74,12 +85,13 @@ def test_sigint_inside_the_compiled_crf_stops_it(threads):
         crf.dense_crf(maps, rgbs, params)  # compiled (or read from numba's cache) before the clock
         maps, rgbs = _crf_inputs(500)
         for _ in range(3):
-            timer = _sigint_after(1.0)  # the lattices are built by then: inside the iterations
-            start = time.monotonic()
+            timers = []
+            _sigint_in_the_iterations(monkeypatch, timers)
             with pytest.raises(KeyboardInterrupt):
                 crf.dense_crf(maps, rgbs, params)
-            timer.join()
-            assert time.monotonic() - start < 1.0 + 2.5
+            timers[0].join()
+            assert time.monotonic() - timers[1] < 2.5
+            monkeypatch.undo()
     finally:
         torch.set_num_threads(before)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the library left it as it was
