@@ -7,8 +7,8 @@ more in which a Ctrl-C raised KeyboardInterrupt inside some import and printed i
 (issue 30). ``mars_plugin/__init__.py`` imports this module first; in the ``mars`` command (the
 test of :func:`mars_plugin._wait_policy.is_mars_command`) it installs a SIGINT handler that writes
 the same line and ends the process with status 130 at once (nothing has been written yet, no lock
-taken), and ``main`` puts Python's own handler back (:func:`restore`) as it starts. Imported as
-a library, it changes nothing. This module imports nothing but the standard library: it runs
+taken), and ``main`` replaces it by the run's (:func:`install`) as it starts. Imported as a
+library, it changes nothing. This module imports nothing but the standard library: it runs
 before torch.
 
 It is also the one door for stopping on a signal once the command runs (issue 41):
@@ -41,8 +41,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from mars_plugin._wait_policy import is_mars_command
 
-__all__ = ["AFTER_INTERRUPT", "COMMANDS", "begin", "check", "install", "interrupt_line", "polled", "requested",
-           "restore", "uninstall", "wrote"]
+__all__ = ["AFTER_INTERRUPT", "COMMANDS", "RESUMABLE", "begin", "check", "install", "interrupt_line", "polled",
+           "requested", "uninstall", "wrote"]
 
 #: The sub-commands of ``mars``.
 COMMANDS = ("demo", "centroids", "crf", "debias", "evaluate", "features", "report", "reproduce", "sample", "predict",
@@ -82,15 +82,15 @@ def _files(n: int) -> str:
 def _after(name: Optional[str]) -> str:
     """What the run left, from what it noted (:func:`begin`, :func:`wrote`)."""
     out, n = _RUN["out"], _RUN["written"]
-    if name not in AFTER_INTERRUPT or (out is not None and not os.path.exists(out)):
+    if name not in AFTER_INTERRUPT:
         return "nothing was written"
-    if name not in RESUMABLE or out is None:
-        return AFTER_INTERRUPT[name]
+    if name not in RESUMABLE:  # train, demo: their output folder tells
+        return "nothing was written" if out is not None and not os.path.exists(out) else AFTER_INTERRUPT[name]
     if n:
-        return f"{_files(n)} written to {out}; {AFTER_INTERRUPT[name]}"
-    if _RUN["existed"]:  # the files of earlier runs are still there
+        return f"{_files(n)} written{'' if out is None else ' to ' + out}; {AFTER_INTERRUPT[name]}"
+    if out is not None and _RUN["existed"] and os.path.exists(out):  # the files of earlier runs are kept
         return f"no file written by this run; {AFTER_INTERRUPT[name]}"
-    return "nothing was written"
+    return "nothing was written"  # no promise of a resume where there is nothing to resume
 
 
 def interrupt_line(argv: Optional[Sequence[str]] = None, started: bool = True) -> str:
@@ -175,12 +175,6 @@ def _before_main(signum: int, frame: object) -> None:
         os.write(2, (interrupt_line(started=False) + "\n").encode())
     finally:
         os._exit(130)
-
-
-def restore() -> None:
-    """Python's own SIGINT handler again (KeyboardInterrupt), where :func:`_before_main` is set."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is _before_main:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if is_mars_command() and threading.current_thread() is threading.main_thread() \
