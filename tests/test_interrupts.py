@@ -463,6 +463,7 @@ def _kill_parent_and_wait(args, out: Path):
     """Start `mars ARGS` with --workers 2, wait for its workers to run, SIGKILL it: the
     processes it started that are still alive 10 seconds later."""
     p = _mars(args)
+    kids = []
     try:
         assert _wait_for(lambda: len(_outputs(out)) >= 1 or p.poll() is not None, 240)
         kids = _descendants(p.pid)
@@ -474,8 +475,10 @@ def _kill_parent_and_wait(args, out: Path):
     finally:
         if p.poll() is None:
             p.kill()
-        for k in _descendants(p.pid):
-            os.kill(k, signal.SIGKILL)
+            p.wait()
+        for k in kids:  # what outlived the parent (handed to another): this test's to end
+            if _alive(k) and "multiprocessing" in _cmdline(k):
+                os.kill(k, signal.SIGKILL)
 
 
 @pytest.mark.slow
