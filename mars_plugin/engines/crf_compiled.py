@@ -6,7 +6,8 @@ runs hundreds of small tensor operations per mean-field iteration; on the CPU ea
 parallel region of torch's OpenMP threads, so each ends in a barrier, and on a machine whose
 cores are shared with other processes every barrier waits for a time slice (5-9x slower under
 load, measured). Here the lattice of one image (or of a run of small images) is built and its
-mean field solved by a few compiled calls that touch no thread pool; the images of a batch run
+mean field solved by compiled calls that touch no thread pool (one per mean-field iteration:
+a Ctrl-C is checked between them, :func:`mars_plugin._interrupt.check`); the images of a batch run
 in ``threads`` Python threads (the calls release the GIL), each image start to finish in one
 thread, with one wait at the end. When there are fewer images than threads (one image), the
 threads share each iteration instead: the two kernels' filters as separate tasks (their labels
