@@ -98,6 +98,7 @@ def test_sigint_inside_the_compiled_crf_stops_it(threads, monkeypatch):
     assert not _interrupt.requested()
 
 
+@pytest.mark.slow
 def test_chunked_mean_field_is_bit_identical_to_one_kernel():
     """One compiled call per iteration (checked between) gives the bits of the whole loop in
     one kernel (the loop before issue 41, rebuilt here from the same compiled pieces)."""
@@ -277,6 +278,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="finds processes in /proc")
 @pytest.mark.parametrize("no_prctl", [False, True])
 def test_a_worker_ends_when_its_parent_dies(tmp_path, no_prctl):
