@@ -69,13 +69,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     Ctrl-C (KeyboardInterrupt, SIGINT) ends any command with one line on stderr and status 130
     (128 + SIGINT, what a shell reports for a program killed by it); every output is written
     atomically, so a run interrupted at any point resumes when it is run again. Worker processes
-    (``--workers``) ignore SIGINT: the command stops them (see :func:`mars_plugin.commands.debias.debias_job`).
+    (``--workers``) leave SIGINT to this one, which stops them
+    (:mod:`mars_plugin.runs.worker_processes`).
     A Ctrl-C before this function runs (while torch imports) ends with the same line, status 130
-    (:mod:`mars_plugin._interrupt`), whose handler this function replaces by Python's own."""
+    (:mod:`mars_plugin._interrupt`), whose handler this function replaces by the run's
+    (:func:`mars_plugin._interrupt.install`: compiled kernels stop at their next check), and puts
+    back as it was when it returns. The line says what was written: "N files written to OUT; run it
+    again to resume", or "nothing was written"."""
+    previous = None
     try:
-        # Inside the try: a Ctrl-C that lands just after the swap of handlers (Python's own
-        # raises KeyboardInterrupt) is this function's to report, not a traceback.
-        _interrupt.restore()
+        # Inside the try: a Ctrl-C that lands just after the swap of handlers (ours raises
+        # KeyboardInterrupt) is this function's to report, not a traceback.
+        previous = _interrupt.install()
         try:
             code = _main(argv)
         except SystemExit:  # argparse: --help, --version, usage errors
@@ -91,10 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 141
-
-
-#: What an interrupted command leaves (kept with the line's text in :mod:`mars_plugin._interrupt`).
-_AFTER_INTERRUPT = _interrupt.AFTER_INTERRUPT
+    finally:
+        _interrupt.uninstall(previous)
 
 
 def _interrupted(argv: Optional[List[str]]) -> int:
@@ -188,6 +191,7 @@ def _main(argv: Optional[List[str]]) -> int:
     from mars_plugin.runs import errors
 
     apply_threads(args.threads)
+    _interrupt.begin(getattr(args, "out", None))  # what an interrupt line says was written
     spec = command(args.command)
     res = None  # the command's result; failures skipped with --on-error skip make the exit status 1
     joined = False  # whether this call joined a torchrun process group (and must leave it)

@@ -363,9 +363,12 @@ def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-#: what each command says it leaves: the resumable ones keep their finished files, the others
-#: write their outputs atomically at the end, the demo starts over
-AFTER = {**{c: "run it again to resume (finished files are kept)" for c in ("features", "debias", "reproduce")},
+#: what each command says it leaves once its --out exists: the resumable ones keep their finished
+#: files (here the job stops before it writes any), the others write their outputs atomically at
+#: the end, the demo starts over; before its --out exists, every one says "nothing was written"
+#: (issue 41: no promise of a resume where there is nothing to resume)
+AFTER = {**{c: "no file written by this run; run it again to resume (finished files are kept)"
+            for c in ("features", "debias", "reproduce")},
          **{c: "nothing was written" for c in ("centroids", "evaluate", "report", "sample")},
          "demo": "run it again to start over"}
 #: command -> (module, function) its work runs in
@@ -383,9 +386,11 @@ def test_ctrl_c_is_one_line_and_exit_130(world, capsys, monkeypatch, cmd):
 
     module, fn = JOBS[cmd]
     monkeypatch.setattr(importlib.import_module(module), fn, _interrupt)
-    code, out, lines = _run(_args(world, cmd), capsys)
+    argv = _args(world, cmd)
+    made = cmd != "evaluate" and Path(argv[argv.index("--out") + 1]).exists()
+    code, out, lines = _run(argv, capsys)
     assert code == 130
-    assert lines == [f"mars {cmd}: interrupted; {AFTER[cmd]}"]
+    assert lines == [f"mars {cmd}: interrupted; {AFTER[cmd] if made else 'nothing was written'}"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # left as it was
     if cmd == "sample":  # no half tree, no temporary folder
         tmp = world[0] / "tmp"
@@ -398,7 +403,8 @@ def test_ctrl_c_in_reproduce_is_one_line(tmp_path, capsys, monkeypatch):
     argv = ["reproduce", "--root", root, "--data", DATA, "--pseudo", pseudo, "--features", feats, "--out",
             tmp_path / "out", "--no-progress"]
     code, _, lines = _run(argv, capsys)
-    assert code == 130 and lines == ["mars reproduce: interrupted; run it again to resume (finished files are kept)"]
+    # stopped before its --out exists: nothing to resume, and the line says so (issue 41)
+    assert code == 130 and lines == ["mars reproduce: interrupted; nothing was written"]
 
 
 def _env():
@@ -454,8 +460,12 @@ def test_sigint_to_debias_with_workers_is_one_line_and_resumes(slow_debias, tmp_
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130, err
-    assert err.strip().splitlines() == ["mars debias: interrupted; run it again to resume (finished files are kept)"]
+    lines = err.strip().splitlines()
     done = sorted(out.glob("*.png"))
+    # the line counts the files this run wrote (issue 41), or says that nothing was
+    assert len(lines) == 1 and re.fullmatch(r"mars debias: interrupted; (nothing was written|(\d+) files? written to "
+                                            + re.escape(str(out)) + r"; run it again to resume \(finished files are "
+                                            r"kept\))", lines[0]), err
     assert len(done) < 12 and not list(out.glob(".tmp-*"))
     for f in done:
         read_label(f)  # complete files

@@ -555,4 +555,5 @@ def test_ctrl_c_is_one_line_and_exit_130(world, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(P, "predict_job", interrupt)
     code, _, err = _run(world.argv(tmp_path / "pred"), capsys)
-    assert code == 130 and err == "mars predict: interrupted; run it again to resume (finished files are kept)\n"
+    # stopped before its --out exists: nothing to resume, and the line says so (issue 41)
+    assert code == 130 and err == "mars predict: interrupted; nothing was written\n"

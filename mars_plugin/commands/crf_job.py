@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing as mp
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -368,20 +367,14 @@ def _pipeline(s: CrfSettings, todo: List[Tuple[str, str, str, Dict[str, Any]]], 
 
 
 def _pool(workers: int) -> Any:
-    """``workers`` spawned processes (None for 0), with SIGINT left to this one (see
-    :mod:`mars_plugin.commands.debias`)."""
-    if workers == 0:
-        return None
-    from concurrent.futures import ProcessPoolExecutor
+    """``workers`` processes (None for 0), that leave Ctrl-C to this one and die with it
+    (:func:`mars_plugin.runs.worker_processes.process_pool`)."""
+    from mars_plugin.runs.worker_processes import process_pool
 
-    # spawn, not fork: forking a process whose torch already started OpenMP threads can hang
-    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+    return process_pool(workers, _worker_init)
 
 
 def _worker_init() -> None:
-    from mars_plugin.commands.debias import _ignore_sigint
-
-    _ignore_sigint()
     torch.set_num_threads(1)  # N workers use N cores instead of fighting over them
 
 

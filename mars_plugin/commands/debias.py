@@ -9,7 +9,6 @@ processes (spawn) import them by their qualified name. The equations are in
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
@@ -65,8 +64,6 @@ def _debias_init(config: Dict[str, Any]) -> None:
     raises would print a traceback per worker (and ``multiprocessing.Pool`` respawns them
     forever)."""
     _WORKER.clear()
-    if config["workers"] > 1:
-        _ignore_sigint()
     try:
         # One thread per worker process: N workers use N cores instead of fighting over them.
         if config["workers"] > 1:
@@ -76,31 +73,6 @@ def _debias_init(config: Dict[str, Any]) -> None:
         _WORKER["valid"] = _centroid_matrix(config["centroids"])[1]  # Eq. 5's classes with a centroid, on the CPU
     except Exception as e:  # noqa: BLE001 -- reported by _debias_batch, see above
         _WORKER["init_error"] = f"a --workers process failed to start: {one_line(e)}"
-
-
-def _ignore_sigint() -> None:
-    """In a worker process: Ctrl-C (SIGINT, sent by the terminal to every process of the
-    command) is for the parent, which stops the workers; a worker that raised
-    KeyboardInterrupt would print a traceback of its own."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _start_workers(submit):
-    """``submit()`` (which starts the worker processes) with SIGINT blocked in this thread, so
-    that the workers start with it blocked (the mask is inherited): a Ctrl-C while a worker is
-    still importing, before :func:`_ignore_sigint`, would print its traceback. Here the signal
-    waits and reaches this process as soon as the workers have started."""
-    import signal
-
-    if not hasattr(signal, "pthread_sigmask"):
-        return submit()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        return submit()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _debias_check_init() -> None:
@@ -454,19 +426,23 @@ def _settle(ledger: Any, config: Dict[str, Any], inputs: Dict[str, Dict[str, Any
 
 def _debias_in_processes(config: Dict[str, Any], batches: List[List[str]], workers: int,
                          consume: Callable[[Iterable[_Result]], None], summary: JobSummary) -> None:
-    """``batches`` in ``workers`` spawned processes, their results consumed here in order."""
-    from concurrent.futures import ProcessPoolExecutor
+    """``batches`` in ``workers`` spawned processes, their results consumed here in order
+    (:func:`mars_plugin.runs.worker_processes.process_pool`: Ctrl-C is this process's, which
+    stops them; they die with it)."""
     from concurrent.futures.process import BrokenProcessPool
 
-    # spawn, not fork: forking a process whose torch already started OpenMP threads can hang.
+    from mars_plugin import _interrupt
+    from mars_plugin.runs.worker_processes import process_pool
+
     # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies the executor is
     # "broken" and every pending result raises, where a Pool replaces the worker and waits
     # forever for the result the dead one held.
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_debias_init,
-                               initargs=(config,))
+    pool = process_pool(workers, _debias_init, (config,))
     try:
-        consume(r for batch in _start_workers(lambda: pool.map(_debias_batch, batches)) for r in batch)
+        consume(r for batch in pool.map(_debias_batch, batches) for r in batch)
     except BrokenProcessPool:
+        if _interrupt.requested():  # a worker killed after a Ctrl-C: the interrupt, not a crash
+            raise KeyboardInterrupt from None
         raise JobError(f"a --workers process died (killed, out of memory, or crashed); "
                        f"{summary.done} images were written and a new run resumes after them") from None
     finally:

@@ -6,7 +6,8 @@ runs hundreds of small tensor operations per mean-field iteration; on the CPU ea
 parallel region of torch's OpenMP threads, so each ends in a barrier, and on a machine whose
 cores are shared with other processes every barrier waits for a time slice (5-9x slower under
 load, measured). Here the lattice of one image (or of a run of small images) is built and its
-mean field solved by a few compiled calls that touch no thread pool; the images of a batch run
+mean field solved by compiled calls that touch no thread pool (one per mean-field iteration:
+a Ctrl-C is checked between them, :func:`mars_plugin._interrupt.check`); the images of a batch run
 in ``threads`` Python threads (the calls release the GIL), each image start to finish in one
 thread, with one wait at the end. When there are fewer images than threads (one image), the
 threads share each iteration instead: the two kernels' filters as separate tasks (their labels
@@ -35,6 +36,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+import mars_plugin._interrupt as _interrupt
 from mars_plugin.engines import kmeans_compiled
 from mars_plugin.engines.kmeans_compiled import available
 from mars_plugin.engines.permutohedral import LatticeTooLarge
@@ -518,20 +520,21 @@ if numba is not None:
                 e[n, k] += scale * m[n, k]
 
     @njit(cache=_CACHE, nogil=True, fastmath=_FM, boundscheck=False)
-    def _solve(neg_u, q, e, gv, gsw, glw, gn1, gn2, cg, bv, bsw, blw, bn1, bn2, cb, iterations, vbuf, wbuf):
-        """Mean field of one lattice pair in this thread: Q = softmax(-U), then ``iterations``
-        times Q = softmax(-U + cg Kg(Q) + cb Kb(Q)) (the normalisers are in the weights).
-        Returns whichever of q, e holds the result."""
+    def _solve_start(neg_u, q):
+        """The mean field's start: Q = softmax(-U)."""
         N, L = neg_u.shape
         _copy_cols(neg_u, q, 0, L)
         _softmax_rows(q, 0, N)
-        for _ in range(iterations):
-            _copy_cols(neg_u, e, 0, L)
-            _filter(gv, gsw, glw, gn1, gn2, q, vbuf, wbuf, e, cg, 0, L)
-            _filter(bv, bsw, blw, bn1, bn2, q, vbuf, wbuf, e, cb, 0, L)
-            _softmax_rows(e, 0, N)
-            q, e = e, q
-        return q
+
+    @njit(cache=_CACHE, nogil=True, fastmath=_FM, boundscheck=False)
+    def _solve_step(neg_u, q, e, gv, gsw, glw, gn1, gn2, cg, bv, bsw, blw, bn1, bn2, cb, vbuf, wbuf):
+        """One mean-field iteration of one lattice pair: e = softmax(-U + cg Kg(q) + cb Kb(q))
+        (the normalisers are in the weights)."""
+        N, L = neg_u.shape
+        _copy_cols(neg_u, e, 0, L)
+        _filter(gv, gsw, glw, gn1, gn2, q, vbuf, wbuf, e, cg, 0, L)
+        _filter(bv, bsw, blw, bn1, bn2, q, vbuf, wbuf, e, cb, 0, L)
+        _softmax_rows(e, 0, N)
 
     @njit(cache=_CACHE, nogil=True)
     def _normalise(k1, bary, alpha, sw, lw):
@@ -601,17 +604,27 @@ Unit = Tuple[int, int, CompiledLattice, Callable[[], CompiledLattice]]
 
 
 def _solve_whole(neg_u: np.ndarray, q: np.ndarray, unit: Unit, compats: Tuple[float, float], iterations: int) -> None:
+    """Mean field of one unit in this thread: Q = softmax(-U), then ``iterations`` times
+    Q = softmax(-U + cg Kg(Q) + cb Kb(Q)), one compiled call per iteration, with a Ctrl-C checked
+    between them (:func:`mars_plugin._interrupt.check`): a kernel never runs the whole solve."""
     a, b, gaussian, build = unit
+    _interrupt.check()
     bilateral = build()
     L = neg_u.shape[1]
     size = (max(gaussian.num_lattice_points, bilateral.num_lattice_points) + 1) * L
-    u = neg_u[a:b]
-    e = np.empty_like(u)
+    u, cur = neg_u[a:b], q[a:b]
+    other = np.empty_like(u)
     g, bl = gaussian, bilateral
-    res = _solve(u, q[a:b], e, g.vert, g.sw, g.lw, g.n1, g.n2, _f32(compats[0]), bl.vert, bl.sw, bl.lw, bl.n1, bl.n2,
-                 _f32(compats[1]), int(iterations), np.empty(size, np.float32), np.empty(size, np.float32))
-    if not np.shares_memory(res, q):
-        q[a:b] = res
+    cg, cb = _f32(compats[0]), _f32(compats[1])
+    vbuf, wbuf = np.empty(size, np.float32), np.empty(size, np.float32)
+    _solve_start(u, cur)
+    for _ in range(int(iterations)):
+        _interrupt.check()
+        _solve_step(u, cur, other, g.vert, g.sw, g.lw, g.n1, g.n2, cg, bl.vert, bl.sw, bl.lw, bl.n1, bl.n2, cb,
+                    vbuf, wbuf)
+        cur, other = other, cur
+    if not np.shares_memory(cur, q):
+        q[a:b] = cur
 
 
 def _split(n: int, parts: int) -> List[Tuple[int, int]]:
@@ -658,6 +671,7 @@ def _solve_split(neg_u: np.ndarray, q: np.ndarray, unit: Unit, compats: Tuple[fl
     run([(_copy_cols, u[r0:r1], cur[r0:r1], 0, L) for r0, r1 in rows])
     run([(_softmax_rows, cur, r0, r1) for r0, r1 in rows])
     for _ in range(int(iterations)):
+        _interrupt.check()  # between iterations (see _solve_whole)
         tasks = [(bilateral, cur, k0, k1, vb, wb) for (k0, k1), (vb, wb) in zip(labels, scratch)]
         tasks += [(gaussian, cur, other, k0, k1, vb, wb) for (k0, k1), (vb, wb) in zip(labels, scratch[len(labels):])]
         run(tasks)
@@ -680,18 +694,19 @@ def mean_field(neg_u: np.ndarray, units: Sequence[Unit], compats: Tuple[float, f
     neg_u = np.ascontiguousarray(neg_u, dtype=np.float32)
     q = np.empty_like(neg_u)
     threads = max(1, int(threads))
-    if threads == 1:
-        for unit in units:
-            _solve_whole(neg_u, q, unit, compats, iterations)
-        return q
-    whole = len(units) // threads * threads
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mars-crf") as pool:
-        futures = [pool.submit(_solve_whole, neg_u, q, unit, compats, iterations) for unit in units[:whole]]
-        wait(futures)
-        for f in futures:
-            f.result()  # the first failure (e.g. LatticeTooLarge), once every thread has stopped
-        for unit in units[whole:]:
-            _solve_split(neg_u, q, unit, compats, iterations, pool, threads)
+    with _interrupt.polled():  # a Ctrl-C is taken between the compiled calls, in every thread
+        if threads == 1:
+            for unit in units:
+                _solve_whole(neg_u, q, unit, compats, iterations)
+            return q
+        whole = len(units) // threads * threads
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mars-crf") as pool:
+            futures = [pool.submit(_solve_whole, neg_u, q, unit, compats, iterations) for unit in units[:whole]]
+            wait(futures)
+            for f in futures:
+                f.result()  # the first failure (e.g. LatticeTooLarge), once every thread has stopped
+            for unit in units[whole:]:
+                _solve_split(neg_u, q, unit, compats, iterations, pool, threads)
     return q
 
 

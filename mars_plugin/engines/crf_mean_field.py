@@ -12,6 +12,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+import mars_plugin._interrupt as _interrupt
 from mars_plugin.engines import crf_compiled
 from mars_plugin.engines.crf_lattices import (
     _checked_features,
@@ -160,7 +161,8 @@ def _mean_field_chunk(sources: List[torch.Tensor], kind: str, masks: List[Option
     sizes = [H * W for H, W in shapes]
     N = sum(sizes)
     if device.type == "cpu" and crf_compiled.available():
-        return _mean_field_compiled(sources, kind, masks, rgbs, p, max_bytes, chunk_pixels)
+        with _interrupt.polled():  # the lattices' kernels too: a Ctrl-C waits for their return
+            return _mean_field_compiled(sources, kind, masks, rgbs, p, max_bytes, chunk_pixels)
     gaussian = _gaussian_lattice(shapes, p["gaussian_sxy"], device)
     max_points = None
     if max_bytes is not None:

@@ -33,6 +33,7 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+import mars_plugin._interrupt as _interrupt
 from mars_plugin.engines import crf_exact
 from mars_plugin.engines.crf_lattices import _gaussian_lattice, _kept
 from mars_plugin.engines.crf_mean_field import _softmax_rows_
@@ -224,8 +225,10 @@ class GeneralCRF:
         q = self._softmax(neg_u.copy() if self.compiled else neg_u.clone())
         spare = np.empty_like(q) if self.compiled else torch.empty_like(q)
         scratch = self._scratch(q)
-        for _ in range(int(iterations)):
-            q, spare = self._step(neg_u, q, spare, scratch), q
+        with _interrupt.polled():  # a Ctrl-C is taken between steps, never inside a compiled call
+            for _ in range(int(iterations)):
+                _interrupt.check()
+                q, spare = self._step(neg_u, q, spare, scratch), q
         return self._to_host(q)
 
     def step(self, neg_unary: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ from mars_plugin._checks import (
     check_seed,
     describe,
 )
+import mars_plugin._interrupt as _interrupt
 from mars_plugin.engines import kmeans_compiled
 from mars_plugin.engines.kmeans import _kmeans_padded, _uniforms, batched_kmeans, seeding_trials
 from mars_plugin.method.centroid_pixels import (
@@ -206,9 +207,10 @@ def _cluster_groups(
     features = [f.detach() for f in features]
     ws = workspace if workspace is not None else _Workspace()
     if _choose_backend(features, backend, device, n_init) == "compiled":
-        return _cluster_compiled(features, labels, k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index,
-                                 normalize=normalize, seed=seed, max_iter=max_iter, tol=tol, name=name,
-                                 max_label=max_label)
+        with _interrupt.polled():  # a Ctrl-C waits for the kernel's return (it became a SystemError)
+            return _cluster_compiled(features, labels, k_fg=k_fg, k_bg=k_bg, ignore_index=ignore_index,
+                                     normalize=normalize, seed=seed, max_iter=max_iter, tol=tol, name=name,
+                                     max_label=max_label)
     groups = _pixels_by_group(features, labels, ignore_index=ignore_index, normalize=normalize, device=device,
                               name=name, max_label=max_label, workspace=ws)
     return _cluster_torch(groups, len(features), k_fg=k_fg, k_bg=k_bg, seed=seed, max_iter=max_iter, tol=tol,

@@ -13,4 +13,6 @@
 * ``size_batches.py`` -- images of one size in one forward pass.
 * ``io_pipeline.py`` -- ``--io-workers``: the files read ahead and written behind in threads while
   the device computes.
+* ``worker_processes.py`` -- ``--workers``: the one door to worker processes, which leave Ctrl-C
+  to the command and die with it.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Optional, Set, Union
 
+from mars_plugin import _interrupt
 from mars_plugin.runs.errors import JobSummary, _check_on_error, file_failure
 
 __all__ = ["ResumeLedger"]
@@ -52,6 +53,7 @@ class ResumeLedger:
     def written(self, stem: str, out: PathLike, inputs: Mapping[str, Any], content: str) -> None:
         """``out`` is written, whole, from ``inputs``; ``content``: the digest of what it holds."""
         self.record.add(stem, out, inputs, content)
+        _interrupt.wrote()  # what the line of an interrupted run counts
         self.summary.done += 1
         self.summary.redone += stem in self.again
         self.tick()
