@@ -136,6 +136,9 @@ class TrainSettings:
                 put(k, aug.get(_AUG_NAMES[k], 320 if k == "min_size" else 640) if k in _AUG_NAMES
                     else getattr(rec, k))
         self._check(put)
+        from mars_plugin.commands.recipe_uses import check_used
+
+        check_used(self)  # an override the recipe's run would not read is refused, naming it
 
     @property
     def overrides_schedule(self) -> bool:
@@ -163,6 +166,9 @@ class TrainSettings:
         put("weight_decay", check_real_param(self.weight_decay, "weight_decay", 0.0, 1.0))
         if self.ema is not None or self.loss == "mars":
             put("ema", check_real_param(self.ema, "ema", 0.0, 1.0))
+            if self.ema == 1.0:  # Sec. 3.4's EMA with momentum 1 never moves the teacher
+                raise ValueError("ema must be in [0, 1), got 1.0: momentum 1 keeps the teacher at its random "
+                                 "initialisation (the paper's is 0.999)")
         put("poly_power", check_real_param(self.poly_power, "poly_power", 0.0, 10.0))
         Augmentation(crop=self.crop, min_size=self.min_size, max_size=self.max_size)  # its checks, its messages
         if self.optimizer not in ("sgd", "adamw"):
