@@ -792,3 +792,83 @@ def test_ema_1_is_refused_naming_the_flag_and_the_range(capsys) -> None:
     assert TrainSettings(num_classes=2, ema=0.0).ema == 0.0  # 0: the teacher is the student, a meaningful end
     assert TrainSettings(num_classes=2, loss="ce", ema=None).ema is None
 
+
+# ----------------------------------------------------------------------------------------------
+# Issue 41, class 9 (the predict item): a settings conflict is refused once, before the first
+# image, with one line naming the flag; not reported as every image's failure.
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Tuple[Path, Path, Path]:
+    """(images, a deeplab-pytorch checkpoint, a deeplabv3+ checkpoint of the dhr recipe), as
+    train._save writes them (random weights: what is predicted does not matter here)."""
+    from mars_plugin.networks.deeplab import build_model
+    from mars_plugin.networks.deeplabv2 import MSC
+    from mars_plugin.networks.seg_checkpoint import save_checkpoint
+
+    from test_train import _tree
+
+    root = _tree(tmp_path_factory.mktemp("predict_conflicts"), n=2, size=36)
+    paths = []
+    for name, s in (("dlpt", TrainSettings(num_classes=4, recipe="deeplab-pytorch", backbone="resnet50", loss="ce")),
+                    ("dhr", TrainSettings(num_classes=4, arch="deeplabv3+", backbone="resnet18", loss="ce"))):
+        torch.manual_seed(0)
+        model = build_model(**s.model)
+        msc = list(s.spec.msc_scales)
+        if msc:
+            model = MSC(model, tuple(msc))
+        save_checkpoint(root / f"{name}.pt", {"recipe": s.recipe, "iteration": 1, "student": model.state_dict(),
+                                              "model": {**s.model, **({"msc_scales": msc} if msc else {})},
+                                              "teacher": None, "settings": s.record(), "class_names": None})
+        paths.append(root / f"{name}.pt")
+    return root / "images", paths[0], paths[1]
+
+
+@pytest.mark.parametrize("which, flags, line", [
+    ("dlpt", ["--flip"], "--flip is not possible with a deeplab-pytorch network: its scales are fused by the max"),
+    ("dlpt", ["--crf-image", "denormalized"], "--crf-image 'denormalized' turns back another input than this "
+                                              "network's (BGR minus the caffe mean (deeplabv2)); use 'mean-subtracted'"),
+    ("dhr", ["--crf-image", "mean-subtracted"], "--crf-image 'mean-subtracted' turns back another input than this "
+                                                "network's (RGB over ImageNet's mean and std); use 'denormalized'"),
+])
+def test_a_predict_setting_the_network_cannot_honour_is_refused_before_any_image(
+        checkpoints, which, flags, line, tmp_path, capsys, monkeypatch) -> None:
+    """mars predict --flip on a deeplab-pytorch checkpoint (MSC's max of the logits has no flip)
+    used to fail every image one by one; CRF bytes turned back from another input than the
+    network's were wrong without a word. Exit 2, one line, no image read, nothing written."""
+    import mars_plugin.commands.predict as pr
+    from mars_plugin import cli
+
+    images, dlpt, dhr = checkpoints
+    read = []
+    real_read = pr._read
+    monkeypatch.setattr(pr, "_read", lambda job, path: read.append(path) or real_read(job, path))
+    out = tmp_path / "pred"
+    code = cli.main(["predict", "--model", str(dlpt if which == "dlpt" else dhr), "--images", str(images),
+                     "--out", str(out), "--no-progress", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"mars predict: error: {line}"), err
+    assert read == [] and not out.exists()
+    # the same flags that fit the network run
+    fit = {"--flip": "--no-flip", "denormalized": "file", "mean-subtracted": "denormalized"}
+    assert cli.main(["predict", "--model", str(dlpt if which == "dlpt" else dhr), "--images", str(images), "--out",
+                     str(out), "--no-progress", *[fit.get(f, f) for f in flags]]) == 0
+    assert len(read) == 2
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--class-threshold", "0.1"], "--class-threshold is"),
+    (["--crf-image", "file"], "--crf-image is"),
+    (["--class-threshold", "0", "--crf-image", "denormalized"], "--class-threshold and --crf-image are"),
+])
+def test_predict_crf_settings_without_a_crf_are_refused(flags, named) -> None:
+    """--crf none takes the argmax: a CRF setting given with it is refused, not recorded unused."""
+    from mars_plugin.commands.cli_parser import build_parser
+    from mars_plugin.commands.predict_recipe import predict_settings
+
+    args = build_parser().parse_args(["predict", "--model", "m", "--images", "i", "--out", "o", "--crf", "none",
+                                      *flags])
+    for meta in ({}, {"recipe": "dhr"}):
+        with pytest.raises(ValueError, match=rf"^{named} not used with --crf none \(the argmax"):
+            predict_settings(args, meta)
+    args = build_parser().parse_args(["predict", "--model", "m", "--images", "i", "--out", "o", "--crf", "none"])
+    assert predict_settings(args, {"recipe": "dhr"})["crf"] == "none"
