@@ -725,6 +725,11 @@ _COMBINED = [
     ("dhr", {"lr_mults": (1.0, 1.0, 10.0, 10.0)}, {"lr_mults": (3.0, 1.0, 10.0, 10.0)}),
     ("deeplab-pytorch", {}, {"lr_mults": (1.0, 1.0, 10.0, 7.0)}),  # the head biases' group is used
     ("seam", {}, {"decay": (False, False, True, False)}),
+    # frozen BatchNorm holds every backbone bias of a torchvision ResNet: that group is empty
+    ("dhr", {"bn": "frozen"}, {"lr_mults": (1.0, 3.0, 10.0, 10.0)}),
+    ("dhr", {"bn": "train"}, {"decay": (True, False, True, True)}),
+    ("deeplab-pytorch", {"arch": "deeplabv3+"}, {"decay": (True, False, True, False)}),
+    ("seam", dict(_WR38_ELSE), {"lr_mults": (1.0, 5.0, 10.0, 20.0)}),
 ]
 _CASES = [(r, {}, _probe(r, f)) for r in RECIPES for f in RECIPE_FIELDS] + _COMBINED
 
@@ -739,7 +744,7 @@ def test_a_recipe_field_is_refused_exactly_where_the_run_ignores_it(recipe, base
         after_s = TrainSettings(num_classes=2, recipe=recipe, **{**base, **change})
     except ValueError as e:
         field = [k for k in change if k in str(e)][0]
-        assert re.fullmatch(rf"{field}(\[1\])? is not used by the {recipe} recipe \(.+\); leave it out", str(e)), e
+        assert re.fullmatch(rf"{field}(\[\d\])? is not used by the {recipe} recipe \(.+\); leave it out", str(e)), e
         assert any(row.field == field for row in UNUSED)
         # ... and it would indeed change nothing: the same run without the check
         import mars_plugin.commands.recipe_uses as uses
