@@ -417,10 +417,13 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-step", type=T.iterations, default=None,
                    help="the poly learning rate is recomputed every N steps (deeplab-pytorch: 10)")
     p.add_argument("--loss-grid", choices=("logits", "input"), default=None,
-                   help="the loss on the logits' grid (labels resized nearest) or at the crop (logits upsampled)")
+                   help="the loss on the logits' grid (labels resized nearest) or at the crop (logits upsampled); "
+                        "refused where it changes nothing (deeplab-pytorch's MSC, logits at the crop's size)")
     p.add_argument("--crop", type=T.crop, default=None, help="crop side (dhr: 512)")
-    p.add_argument("--min-size", type=T.image_side, default=None, help="random resize: smallest longer side (dhr: 320)")
-    p.add_argument("--max-size", type=T.image_side, default=None, help="random resize: largest longer side (dhr: 640)")
+    p.add_argument("--min-size", type=T.image_side, default=None,
+                   help="random resize: smallest longer side (dhr's augmentation only; dhr: 320)")
+    p.add_argument("--max-size", type=T.image_side, default=None,
+                   help="random resize: largest longer side (dhr's augmentation only; dhr: 640)")
     p.add_argument("--lr", type=T.lr, default=None, help="backbone learning rate, the groups at the recipe's "
                                                          "multiples (dhr: 1e-3, new layers 10x)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
