@@ -642,3 +642,238 @@ def test_stored_recipe_is_checked() -> None:
         recipe_from_dict(data)
     with pytest.raises(ValueError, match=r"crop must be an integer >= 1, got -3"):
         recipe_from_dict({**recipe_to_dict(get_recipe("seam")), "crop": -3})
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 41, class 7: every setting means what it says. A recipe field given to ``mars train``
+# (TrainSettings, which mars train, reproduce --train and the API build) is refused, naming it
+# and the recipe, exactly where the run would not read it (mars_plugin/commands/recipe_uses.py);
+# everywhere else it changes the run. Checked for every (recipe, field) against the code that
+# consumes the settings, not against the table.
+
+from mars_plugin.commands.recipe_uses import UNUSED  # noqa: E402
+from mars_plugin.commands.train_settings import RECIPE_FIELDS, TrainSettings  # noqa: E402
+
+
+def _run_fingerprint(s: TrainSettings) -> Dict[str, Any]:
+    """What a run of ``s`` does with its recipe fields, read from the code that runs it (without
+    training): the network built (on the meta device), the optimizer ``train._optimizer`` makes
+    of it (class, every group's lr / momentum / decay ..., its size), one training sample
+    (``seg_data.train_sample`` of ``s.augmentation``), the labels on the loss grid
+    (``train_dhr.loss_labels``; MSC takes its own), the schedule and the batch."""
+    import numpy as np
+    import torch.nn as nn
+
+    from mars_plugin.commands.train import _optimizer
+    from mars_plugin.commands.train_dhr import loss_labels
+    from mars_plugin.networks.deeplab import build_model
+    from mars_plugin.networks.deeplabv2 import MSC
+    from mars_plugin.networks.seg_data import train_sample
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (30, 44, 3), dtype=np.uint8)
+    lab = rng.integers(0, 3, (30, 44), dtype=np.uint8)
+    image, _, lab_c = train_sample(rgb, lab, s.augmentation, np.random.default_rng(1))
+    with torch.device("meta"):
+        model = build_model(**s.model)
+        if s.spec.msc_scales:
+            model = MSC(model, s.spec.msc_scales)
+    if s.bn == "frozen":  # as train._build
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for p in m.parameters():
+                    p.requires_grad_(False)
+    opt = _optimizer(s, model)
+    groups = [(type(opt).__name__, len(g["params"]), sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+              for g in opt.param_groups]
+    y = torch.from_numpy(lab_c.astype(np.int64))[None]
+    grid = None if s.spec.msc_scales else loss_labels(s, y).numpy().tobytes()
+    return {"model": s.model, "bn": s.bn, "groups": groups, "image": image.numpy().tobytes(), "label": lab_c.tobytes(),
+            "grid": grid, "steps": s.iterations_for(40), "poly": [poly_factor(s, t, 30) for t in range(30)],
+            "batch": (s.batch_size, s.iter_size)}
+
+
+_WR38_ELSE = dict(arch="deeplabv2", backbone="resnet50", bn="frozen")  # SEAM's network takes wr38 only
+
+
+def _probe(recipe: str, field: str) -> Dict[str, Any]:
+    """A value of ``field`` other than the ``recipe``'s resolved one (with what it needs)."""
+    s = TrainSettings(num_classes=2, recipe=recipe)
+    v = getattr(s, field)
+    if field in ("arch", "backbone"):
+        if s.backbone == "wr38":
+            return dict(_WR38_ELSE)
+        return {"arch": "deeplabv3+"} if field == "arch" else {"backbone": "resnet50"}
+    flip = {1.0: 3.0, 10.0: 5.0, 20.0: 7.0, 2.0: 4.0}
+    other = {
+        "output_stride": lambda: 16, "bn": lambda: "frozen" if v == "train" else "train", "epochs": lambda: 3,
+        "iterations": lambda: 7, "batch_size": lambda: v + 2, "iter_size": lambda: v + 1, "crop": lambda: 64,
+        "min_size": lambda: 300, "max_size": lambda: 700, "optimizer": lambda: "adamw", "lr": lambda: v * 2,
+        "momentum": lambda: 0.5, "weight_decay": lambda: v * 3, "poly_power": lambda: 1.5, "lr_step": lambda: v + 4,
+        "loss_grid": lambda: "input" if v == "logits" else "logits",
+        # the backbone biases' entry: the group some networks leave empty
+        "lr_mults": lambda: (v[0], flip[v[1]], v[2], v[3]), "decay": lambda: (v[0], not v[1], v[2], v[3]),
+    }
+    return {field: other[field]()}
+
+
+#: beyond the recipes' own values: the cases where a field's use depends on another setting
+_COMBINED = [
+    ("dhr", {"optimizer": "adamw"}, {"momentum": 0.5}),  # AdamW has no momentum
+    ("dhr", {"arch": "deeplabv3+", "backbone": "resnet18"}, {"loss_grid": "input"}),  # logits at the crop's size
+    ("seam", dict(_WR38_ELSE), {"loss_grid": "logits"}),  # deeplabv2's stride-8 logits: the grid matters
+    ("dhr", {"lr_mults": (1.0, 1.0, 10.0, 10.0)}, {"lr_mults": (3.0, 1.0, 10.0, 10.0)}),
+    ("deeplab-pytorch", {}, {"lr_mults": (1.0, 1.0, 10.0, 7.0)}),  # the head biases' group is used
+    ("seam", {}, {"decay": (False, False, True, False)}),
+    # frozen BatchNorm holds every backbone bias of a torchvision ResNet: that group is empty
+    ("dhr", {"bn": "frozen"}, {"lr_mults": (1.0, 3.0, 10.0, 10.0)}),
+    ("dhr", {"bn": "train"}, {"decay": (True, False, True, True)}),
+    ("deeplab-pytorch", {"arch": "deeplabv3+"}, {"decay": (True, False, True, False)}),
+    ("seam", dict(_WR38_ELSE), {"lr_mults": (1.0, 5.0, 10.0, 20.0)}),
+]
+_CASES = [(r, {}, _probe(r, f)) for r in RECIPES for f in RECIPE_FIELDS] + _COMBINED
+
+
+@pytest.mark.parametrize("recipe,base,change", _CASES,
+                         ids=[f"{r}-{'+'.join(b)}-{'+'.join(c)}" for r, b, c in _CASES])
+def test_a_recipe_field_is_refused_exactly_where_the_run_ignores_it(recipe, base, change) -> None:
+    """Every (recipe, field) of mars train: a value given either changes what the run does or is
+    refused with one line naming the field and the recipe; never recorded and ignored."""
+    before = _run_fingerprint(TrainSettings(num_classes=2, recipe=recipe, **base))
+    try:
+        after_s = TrainSettings(num_classes=2, recipe=recipe, **{**base, **change})
+    except ValueError as e:
+        field = [k for k in change if k in str(e)][0]
+        assert re.fullmatch(rf"{field}(\[\d\])? is not used by the {recipe} recipe \(.+\); leave it out", str(e)), e
+        assert any(row.field == field for row in UNUSED)
+        # ... and it would indeed change nothing: the same run without the check
+        import mars_plugin.commands.recipe_uses as uses
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(uses, "check_used", lambda s: None)
+            assert _run_fingerprint(TrainSettings(num_classes=2, recipe=recipe, **{**base, **change})) == before
+        return
+    try:
+        after = _run_fingerprint(after_s)
+    except ValueError as e:  # the network refuses the value (deeplabv2 and WR38 have output stride 8 only)
+        assert "output_stride" in str(e) and list(change) == ["output_stride"], e
+        return
+    assert after != before, f"{change} is recorded as an override of the {recipe} recipe but changes nothing"
+
+
+@pytest.mark.parametrize("recipe, grid", [("deeplab-pytorch", "input"), ("seam", "logits")])
+def test_loss_grid_the_recipe_ignores_is_refused_on_the_command_line(recipe, grid, tmp_path, capsys) -> None:
+    """mars train --loss-grid with deeplab-pytorch (MSC: each output's own grid) or seam (logits
+    at the crop's size) used to be recorded and to train bit-identically: exit 2, one line naming
+    the flag and the recipe, nothing written."""
+    from mars_plugin import cli
+
+    from test_train import _tree
+
+    root = _tree(tmp_path / "t", n=2, size=20)
+    out = tmp_path / "run"
+    code = cli.main(["train", "--recipe", recipe, "--loss-grid", grid, "--images", str(root / "images"),
+                     "--labels", str(root / "debiased"), "--out", str(out), "--num-classes", "4", "--iterations", "1",
+                     "--batch-size", "2", "--crop", "16", "--workers", "0", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"mars train: error: --loss-grid is not used by the {recipe} recipe (")
+    assert not out.exists()
+
+
+def test_ema_1_is_refused_naming_the_flag_and_the_range(capsys) -> None:
+    """--ema 1 trains against a teacher frozen at its random initialisation (Sec. 3.4's EMA never
+    moves it): refused by the flag (exit 2) and by the settings record (the API, reproduce)."""
+    from mars_plugin.commands.cli_parser import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", "--images", "i", "--labels", "l", "--out", "o", "--ema", "1"])
+    assert e.value.code == 2
+    assert re.search(r"--ema: expected a finite number in \[0, 1\), got 1 \(.*random initialisation",
+                     capsys.readouterr().err)
+    with pytest.raises(ValueError, match=r"ema must be in \[0, 1\), got 1.0: momentum 1 keeps the teacher at its "
+                                         r"random initialisation"):
+        TrainSettings(num_classes=2, ema=1.0)
+    assert TrainSettings(num_classes=2, ema=0.0).ema == 0.0  # 0: the teacher is the student, a meaningful end
+    assert TrainSettings(num_classes=2, loss="ce", ema=None).ema is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 41, class 9 (the predict item): a settings conflict is refused once, before the first
+# image, with one line naming the flag; not reported as every image's failure.
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Tuple[Path, Path, Path]:
+    """(images, a deeplab-pytorch checkpoint, a deeplabv3+ checkpoint of the dhr recipe), as
+    train._save writes them (random weights: what is predicted does not matter here)."""
+    from mars_plugin.networks.deeplab import build_model
+    from mars_plugin.networks.deeplabv2 import MSC
+    from mars_plugin.networks.seg_checkpoint import save_checkpoint
+
+    from test_train import _tree
+
+    root = _tree(tmp_path_factory.mktemp("predict_conflicts"), n=2, size=36)
+    paths = []
+    for name, s in (("dlpt", TrainSettings(num_classes=4, recipe="deeplab-pytorch", backbone="resnet50", loss="ce")),
+                    ("dhr", TrainSettings(num_classes=4, arch="deeplabv3+", backbone="resnet18", loss="ce"))):
+        torch.manual_seed(0)
+        model = build_model(**s.model)
+        msc = list(s.spec.msc_scales)
+        if msc:
+            model = MSC(model, tuple(msc))
+        save_checkpoint(root / f"{name}.pt", {"recipe": s.recipe, "iteration": 1, "student": model.state_dict(),
+                                              "model": {**s.model, **({"msc_scales": msc} if msc else {})},
+                                              "teacher": None, "settings": s.record(), "class_names": None})
+        paths.append(root / f"{name}.pt")
+    return root / "images", paths[0], paths[1]
+
+
+@pytest.mark.parametrize("which, flags, line", [
+    ("dlpt", ["--flip"], "--flip is not possible with a deeplab-pytorch network: its scales are fused by the max"),
+    ("dlpt", ["--crf-image", "denormalized"], "--crf-image 'denormalized' turns back another input than this "
+                                              "network's (BGR minus the caffe mean (deeplabv2)); use 'mean-subtracted'"),
+    ("dhr", ["--crf-image", "mean-subtracted"], "--crf-image 'mean-subtracted' turns back another input than this "
+                                                "network's (RGB over ImageNet's mean and std); use 'denormalized'"),
+])
+def test_a_predict_setting_the_network_cannot_honour_is_refused_before_any_image(
+        checkpoints, which, flags, line, tmp_path, capsys, monkeypatch) -> None:
+    """mars predict --flip on a deeplab-pytorch checkpoint (MSC's max of the logits has no flip)
+    used to fail every image one by one; CRF bytes turned back from another input than the
+    network's were wrong without a word. Exit 2, one line, no image read, nothing written."""
+    import mars_plugin.commands.predict as pr
+    from mars_plugin import cli
+
+    images, dlpt, dhr = checkpoints
+    read = []
+    real_read = pr._read
+    monkeypatch.setattr(pr, "_read", lambda job, path: read.append(path) or real_read(job, path))
+    out = tmp_path / "pred"
+    code = cli.main(["predict", "--model", str(dlpt if which == "dlpt" else dhr), "--images", str(images),
+                     "--out", str(out), "--no-progress", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"mars predict: error: {line}"), err
+    assert read == [] and not out.exists()
+    # the same flags that fit the network run
+    fit = {"--flip": "--no-flip", "denormalized": "file", "mean-subtracted": "denormalized"}
+    assert cli.main(["predict", "--model", str(dlpt if which == "dlpt" else dhr), "--images", str(images), "--out",
+                     str(out), "--no-progress", *[fit.get(f, f) for f in flags]]) == 0
+    assert len(read) == 2
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--class-threshold", "0.1"], "--class-threshold is"),
+    (["--crf-image", "file"], "--crf-image is"),
+    (["--class-threshold", "0", "--crf-image", "denormalized"], "--class-threshold and --crf-image are"),
+])
+def test_predict_crf_settings_without_a_crf_are_refused(flags, named) -> None:
+    """--crf none takes the argmax: a CRF setting given with it is refused, not recorded unused."""
+    from mars_plugin.commands.cli_parser import build_parser
+    from mars_plugin.commands.predict_recipe import predict_settings
+
+    args = build_parser().parse_args(["predict", "--model", "m", "--images", "i", "--out", "o", "--crf", "none",
+                                      *flags])
+    for meta in ({}, {"recipe": "dhr"}):
+        with pytest.raises(ValueError, match=rf"^{named} not used with --crf none \(the argmax"):
+            predict_settings(args, meta)
+    args = build_parser().parse_args(["predict", "--model", "m", "--images", "i", "--out", "o", "--crf", "none"])
+    assert predict_settings(args, {"recipe": "dhr"})["crf"] == "none"

@@ -45,7 +45,7 @@ def _train(tmp_path, monkeypatch, loss="mars"):
     at each step, the augmentations called."""
     tree = _tree(tmp_path / "t", n=4, size=36)
     seen, lrs, augs = [], [], []
-    real_forward, real_set_lr, real_seam_aug = DeepLabV1WR38.forward, train_mod._set_lr, seam_data.seam_augment
+    real_forward, real_set_lr, real_seam_aug = DeepLabV1WR38.forward, train_mod._set_lr, seam_data.seam_augment_window
 
     def forward(self, x):
         y = real_forward(self, x)
@@ -70,8 +70,9 @@ def _train(tmp_path, monkeypatch, loss="mars"):
 
     monkeypatch.setattr(DeepLabV1WR38, "forward", forward)
     monkeypatch.setattr(train_mod, "_set_lr", set_lr)
-    monkeypatch.setattr(seam_data, "seam_augment", seam_aug)
-    monkeypatch.setattr(seg_data, "augment", dhr_aug)
+    # the crops mars train takes (seg_data.train_sample): SEAM's, never DHR's
+    monkeypatch.setattr(seam_data, "seam_augment_window", seam_aug)
+    monkeypatch.setattr(seg_data, "_augment_window", dhr_aug)
     res = train_mod.train(tree / "images", tree / ("debiased" if loss == "mars" else "pseudo"), tmp_path / "run", C,
                           recipe="seam", loss=loss, iterations=T, batch_size=6, crop=40, workers=0, device="cpu",
                           progress=False, log_every=1)

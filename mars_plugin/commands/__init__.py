@@ -16,6 +16,7 @@ The commands:
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record and
   flags; ``train_dhr.py``: the loss grid (the dhr recipe's, on DHR's stride-4 logits);
+  ``recipe_uses.py``: which recipe uses which setting (an override its run would not read is refused);
   ``predict_settings.py``: predict's settings record and flags; ``predict_recipe.py``: predict's
   settings from the checkpoint's recipe; ``predict_memory.py``: each image against the memory
   budget, from its header, before any work.

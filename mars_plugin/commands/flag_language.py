@@ -22,14 +22,15 @@ __all__ = ["in_flags", "spellings"]
 _FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "crf_params", "crf_backend", "batch_size", "num_classes", "k_fg", "k_bg", "spill_mb", "spill_dir",
     "image_labels", "ignore_index", "num_examples", "class_names", "on_error", "per_class", "num_train",
-    "num_val", "trust_pickle")}
+    "num_val", "trust_pickle", "loss_grid", "min_size", "max_size", "iter_size", "output_stride", "lr_step",
+    "weight_decay", "crf_image")}
 _FLAGS.update(images_dir="--images", features_dir="--features", labels_dir="--labels", out_dir="--out",
               pred_dir="--pred", gt_dir="--gt", debiased_dir="--debiased", pseudo_dir="--pseudo",
               file_format="--format", flip_average="--flip")
 # One-word parameters are also English words ("the heads file"): written as flags only where the
 # sentence is about the parameter ("workers must be >= 1", "refine='crf'").
 _WORD_FLAGS = ("workers", "device", "alpha", "threshold", "refine", "seed", "size", "epochs", "stride", "res",
-               "scales", "uss", "backend", "iterations", "data", "domain")
+               "scales", "uss", "backend", "iterations", "data", "domain", "momentum", "optimizer", "flip")
 _EDGE = r"(?<![\w/\\.-])"  # not inside a path or a longer name
 _END = r"(?![\w/\\-]|\.\w)"
 _SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)

@@ -2,7 +2,7 @@
 
 Per image, the authors' evaluators' computation (RS+EPM's ``infer_seg.py`` and
 ``convert_seed_to_pseudo_masks.py``, DHR's ``produce_wss_masks.py``): the mean softmax over scales
-and flips, then the dense CRF over the classes reaching a threshold; each step and its source
+and flips, then the dense CRF over the classes exceeding a threshold; each step and its source
 line are in :mod:`mars_plugin.networks.inference` (:func:`~mars_plugin.networks.inference.multiscale_probs`,
 :func:`~mars_plugin.networks.inference.labels_from_probs`). This module is the folder job
 (:func:`predict_job`: resumable, atomic writes, sharded under torchrun) and the command line.
@@ -80,6 +80,28 @@ def _fuse_of(model: Any) -> str:
     return "max-logits" if isinstance(model, MSC) else fuse_at  # deeplab-pytorch's MSC: the max of its logits
 
 
+def _check_fits(model: Any, s: PredictSettings, fuse_at: str, own_input: bool) -> None:
+    """Settings the network cannot honour, refused once, before the first image (not as every
+    image's failure): a flip where the scales are fused by deeplab-pytorch's max of the logits
+    (``libs/models/msc.py:41-47``, no flip: :func:`~mars_plugin.networks.inference.multiscale_probs_max`),
+    and, where the network's own input is used (``own_input``), CRF bytes turned back from
+    another input than the network's (``"denormalized"``: ImageNet's mean and std;
+    ``"mean-subtracted"``: deeplab-pytorch's BGR minus its mean)."""
+    if s.flip and fuse_at == "max-logits":
+        raise ValueError("flip is not possible with a deeplab-pytorch network: its scales are fused by the max of "
+                         "their logits (MSC, libs/models/msc.py:41-47), which has no mirror images; turn it off "
+                         "(--no-flip)")
+    if not own_input or s.params is None:
+        return
+    caffe = (getattr(model, "config", None) or {}).get("arch") == "deeplabv2"
+    wants = {"denormalized": False, "mean-subtracted": True}.get(s.crf_image, caffe)
+    if wants != caffe:
+        net = "BGR minus the caffe mean (deeplabv2)" if caffe else "RGB over ImageNet's mean and std"
+        fit = "'mean-subtracted' or 'file'" if caffe else "'denormalized' or 'file'"
+        raise ValueError(f"crf_image {s.crf_image!r} turns back another input than this network's ({net}); "
+                         f"use {fit}")
+
+
 @dataclass(frozen=True)
 class _Job:
     """A :func:`predict_job`'s settings as this process runs them: the record ``s``, with the
@@ -97,11 +119,12 @@ class _Job:
     def of(cls, model: Any, s: PredictSettings, preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]],
            num_classes: Optional[int]) -> "_Job":
         """``s`` resolved for ``model`` on this rank's device."""
+        fuse_at = s.fuse_at or _fuse_of(model)
+        _check_fits(model, s, fuse_at, preprocess is None)  # before the device, the folder, any image
         device = resolve_device(s.device) if isinstance(s.device, str) else s.device
         max_bytes = resolve_max_bytes(s.max_bytes, device)
         io_workers = check_io_workers(s.io_workers, device)
-        return cls(s, device, max_bytes, io_workers, s.fuse_at or _fuse_of(model),
-                   preprocess or _preprocess_of(model), num_classes)
+        return cls(s, device, max_bytes, io_workers, fuse_at, preprocess or _preprocess_of(model), num_classes)
 
     def identity(self, model: Any, settings: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
         """What shapes the labels (the folder's record, compared on resume); ``settings``: what

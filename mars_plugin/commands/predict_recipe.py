@@ -33,7 +33,8 @@ def predict_settings(args: argparse.Namespace, meta: Mapping[str, Any]) -> Dict[
     each flag given wins; otherwise the checkpoint's recipe (``meta["recipe"]``, its fields as
     :func:`~mars_plugin.networks.recipes.get_recipe` has them, or as the run resolved them in
     ``meta["settings"]``) decides, and a checkpoint without a recipe takes :data:`PLAIN_DEFAULTS`.
-    A recipe's ``class_threshold`` None (every class in the CRF) is 0."""
+    A recipe's ``class_threshold`` None (every class in the CRF) is 0. ``--class-threshold`` or
+    ``--crf-image`` given with no CRF (``--crf none``) are refused: they would change nothing."""
     name = meta.get("recipe")
     chosen = dict(PLAIN_DEFAULTS)
     if name is not None:
@@ -53,6 +54,11 @@ def predict_settings(args: argparse.Namespace, meta: Mapping[str, Any]) -> Dict[
     for key in RECIPE_FIELDS.values():  # a flag given wins
         if getattr(args, key, None) is not None:
             chosen[key] = getattr(args, key)
+    if chosen["crf"] == "none":  # the argmax: a CRF setting given would be recorded and do nothing
+        given = [f"--{k.replace('_', '-')}" for k in ("class_threshold", "crf_image") if getattr(args, k, None) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} not used with --crf none "
+                             "(the argmax of the probabilities, no CRF); leave it out or choose a CRF")
     return chosen
 
 

@@ -31,7 +31,7 @@ class PredictSettings:
     """What ``mars predict`` does with a network (the keywords of
     :func:`~mars_plugin.commands.predict.predict_job`, which documents each): the mean softmax
     over ``scales`` (and their mirror images with ``flip``, fused at ``fuse_at``), then the CRF
-    preset ``crf`` (None or ``"none"``: the argmax) over the classes reaching
+    preset ``crf`` (None or ``"none"``: the argmax) over the classes exceeding
     ``class_threshold``, comparing the bytes ``crf_image``; ``batch_size`` images of one size per
     forward pass on ``device`` (``fp16``: under autocast); ``max_bytes``: the memory budget
     (``"auto"``, bytes or None); ``io_workers``: reading and writing threads (None: the device's
@@ -141,7 +141,7 @@ def _add_inference_flags(p: argparse.ArgumentParser) -> None:
                         "back to bytes by truncation, as DHR's and RS+EPM's evaluators do (13-30%% of the values one "
                         "below the file's)" + _RECIPE % "file")
     p.add_argument("--class-threshold", type=T.class_threshold, default=None, metavar="P",
-                   help="classes whose probability reaches this somewhere in an image are that image's CRF labels "
+                   help="classes whose probability exceeds this somewhere in an image are that image's CRF labels "
                         "(RS+EPM/DHR: 0.05; 0: every class)" + _RECIPE % CLASS_THRESHOLD)
 
 
@@ -173,7 +173,7 @@ HELP = (
 )
 DESCRIPTION = (
     "One P-mode PNG (VOC palette) per image: the mean softmax over --scales and flips, then the dense CRF "
-    "over the classes reaching --class-threshold (RS+EPM's and DHR's evaluators; sources in "
+    "over the classes exceeding --class-threshold (RS+EPM's and DHR's evaluators; sources in "
     "mars_plugin/networks/inference.py). --root/--method write DHR's WSS/<data>/<method>/<domain>/ (MARS "
     "masks, for train.py --wss). Resumable, atomic writes; under torchrun the ranks share the images."
 )

@@ -297,20 +297,14 @@ def _build(run: _Run) -> None:
     run.scaler = torch.amp.GradScaler("cuda", enabled=run.use_amp and run.amp_dtype == torch.float16)
 
 
-#: The order of ``lr_mults`` / ``decay`` (the recipe's groups) by :func:`~mars_plugin.networks.deeplab.param_groups`' names.
-GROUPS = ("backbone_weight", "backbone_bias", "head_weight", "head_bias")
-
-
 def _optimizer(s: TrainSettings, model: nn.Module) -> torch.optim.Optimizer:
     """SGD (or AdamW) over the recipe's four groups, each at ``lr * lr_mults[g]``, decayed where
     ``decay[g]`` (DHR train.py:200-205: 1/1/10/10, all decayed; deeplab-pytorch main.py:166-177:
-    1/1/10/20, head bias undecayed); ``nesterov`` as the recipe."""
-    from mars_plugin.networks.deeplab import param_groups
+    1/1/10/20, head bias undecayed); ``nesterov`` as the recipe. The groups:
+    :func:`~mars_plugin.commands.recipe_uses.param_groups_of` (the empty ones left out)."""
+    from mars_plugin.commands.recipe_uses import param_groups_of
 
-    if s.spec.msc_scales and s.arch == "deeplabv2":  # main.py's 3 groups (convs only); lr_mults/decay 0, 2, 3
-        groups, index = dlpt.param_groups(model, s.lr, s.weight_decay), {"1x": 0, "10x": 2, "20x": 3}
-    else:
-        groups, index = param_groups(model, s.lr, s.weight_decay), {n: i for i, n in enumerate(GROUPS)}
+    groups, index = param_groups_of(s, model)
     for g in groups:
         i = index[g["name"]]
         g["lr_mult"] = s.lr_mults[i]

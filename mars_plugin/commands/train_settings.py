@@ -138,6 +138,9 @@ class TrainSettings:
                     else getattr(rec, k))
         self._check(put)
         T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
+        from mars_plugin.commands.recipe_uses import check_used
+
+        check_used(self)  # an override the recipe's run would not read is refused, naming it
 
     @property
     def overrides_schedule(self) -> bool:
@@ -165,6 +168,9 @@ class TrainSettings:
         put("weight_decay", check_real_param(self.weight_decay, "weight_decay", 0.0, 1.0))
         if self.ema is not None or self.loss == "mars":
             put("ema", check_real_param(self.ema, "ema", 0.0, 1.0))
+            if self.ema == 1.0:  # Sec. 3.4's EMA with momentum 1 never moves the teacher
+                raise ValueError("ema must be in [0, 1), got 1.0: momentum 1 keeps the teacher at its random "
+                                 "initialisation (the paper's is 0.999)")
         put("poly_power", check_real_param(self.poly_power, "poly_power", 0.0, 10.0))
         Augmentation(crop=self.crop, min_size=self.min_size, max_size=self.max_size)  # its checks, its messages
         if self.optimizer not in ("sgd", "adamw"):
@@ -414,10 +420,13 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-step", type=T.iterations, default=None,
                    help="the poly learning rate is recomputed every N steps (deeplab-pytorch: 10)")
     p.add_argument("--loss-grid", choices=("logits", "input"), default=None,
-                   help="the loss on the logits' grid (labels resized nearest) or at the crop (logits upsampled)")
+                   help="the loss on the logits' grid (labels resized nearest) or at the crop (logits upsampled); "
+                        "refused where it changes nothing (deeplab-pytorch's MSC, logits at the crop's size)")
     p.add_argument("--crop", type=T.crop, default=None, help="crop side (dhr: 512)")
-    p.add_argument("--min-size", type=T.image_side, default=None, help="random resize: smallest longer side (dhr: 320)")
-    p.add_argument("--max-size", type=T.image_side, default=None, help="random resize: largest longer side (dhr: 640)")
+    p.add_argument("--min-size", type=T.image_side, default=None,
+                   help="random resize: smallest longer side (dhr's augmentation only; dhr: 320)")
+    p.add_argument("--max-size", type=T.image_side, default=None,
+                   help="random resize: largest longer side (dhr's augmentation only; dhr: 640)")
     p.add_argument("--lr", type=T.lr, default=None, help="backbone learning rate, the groups at the recipe's "
                                                          "multiples (dhr: 1e-3, new layers 10x)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,

@@ -38,16 +38,17 @@ Per image of H x W pixels (:func:`multiscale_probs`, then :func:`labels_from_pro
    ``DenseCRF(for_seg=True)`` defaults, ``core/refinements/densecrf.py:10``,
    ``produce_wss_masks.py:115``), on the unary ``-log(p)`` of the mean probabilities
    (``unary_from_softmax``, ``core/refinements/densecrf.py:33``) and the image's RGB bytes,
-   **over the classes whose probability reaches** ``class_threshold`` = 0.05 somewhere in the
-   image (``infer_seg.py:114`` ``>= 0.05``; DHR ``> 0.05``, ``produce_wss_masks.py:42,136``):
-   the other classes are not labels of that image's CRF at all (``seed = pred_mask[0,
+   **over the classes whose probability exceeds** ``class_threshold`` = 0.05 somewhere in the
+   image (DHR, the MARS authors' step-2 code: ``> args.threshold``, ``produce_wss_masks.py:42``,
+   0.05 at ``:136``, compared in float32; RS+EPM ``infer_seg.py:114`` has ``>= 0.05``, which
+   differs only for a probability exactly at the threshold; 0 keeps every class): the other classes are not labels of that image's CRF at all (``seed = pred_mask[0,
    class_mask]``, ``infer_seg.py:119``); the probabilities are not renormalised. The label is
    the argmax of the CRF's marginals mapped back to its class id (``:130-131``). ``"psa"``:
    PSA/SEAM's setting (:data:`mars_plugin.engines.crf_params.CRF_PRESETS`); ``"none"``: the argmax of the mean
    probabilities over every class. Two edge cases where upstream is not followed: RS+EPM writes
-   background when at most one class reaches the threshold (``:111,133``), which turns an image
+   background when at most one class exceeds the threshold (``:111,133``), which turns an image
    that one foreground class fills into background; here a single class is that class (DHR's
-   ``apply_crf`` does the same). When no class reaches it (possible beyond 20 classes), every
+   ``apply_crf`` does the same). When no class exceeds it (possible beyond 20 classes), every
    class takes part (upstream would fail on an empty CRF).
 
 **The CRF's image** (``crf_image``): upstream gives the CRF the normalised image turned back to
@@ -103,7 +104,7 @@ __all__ = [
 #: RS+EPM ``infer_seg.py:75`` and DHR ``core/networks.py:94``: the order matters only for
 #: RS+EPM's grid (see the module docstring, step 3).
 DEFAULT_SCALES: Tuple[float, ...] = (1.0, 0.5, 1.5, 2.0)
-#: A class takes part in an image's CRF when its mean probability reaches this somewhere
+#: A class takes part in an image's CRF when its mean probability exceeds this somewhere
 #: (RS+EPM ``infer_seg.py:114``; DHR ``produce_wss_masks.py:136``).
 CLASS_THRESHOLD = 0.05
 #: ``--crf``: a preset of :data:`mars_plugin.engines.crf_params.CRF_PRESETS`, or none.
@@ -301,8 +302,8 @@ def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[s
 
     Args:
         crf: ``"mars"`` (RS+EPM's DeepLab setting), ``"psa"``, or ``"none"`` / None (argmax).
-        class_threshold: a class takes part in an image's CRF when its probability reaches
-            this somewhere in the image (0: every class).
+        class_threshold: a class takes part in an image's CRF when its probability exceeds
+            this somewhere in the image (``>``, DHR ``produce_wss_masks.py:42``; 0: every class).
         max_bytes: the CRF's memory budget (:func:`mars_plugin.engines.crf.dense_crf`'s; ``mars
             predict``'s ``--max-memory``).
     """
@@ -312,8 +313,11 @@ def labels_from_probs(probs: torch.Tensor, images: torch.Tensor, crf: Optional[s
         raise ValueError(f"probs must be a (B, L, H, W) tensor, got {describe(probs)}")
     if params is None:
         return probs.argmax(1)
-    keys = probs.amax(dim=(2, 3)) >= class_threshold  # (B, L): the labels of each image's CRF
-    keys[~keys.any(1)] = True  # no class reaches it: all take part (upstream fails here)
+    # (B, L): the labels of each image's CRF. DHR produce_wss_masks.py:42 keeps a class strictly
+    # above the threshold (a float32 comparison, as torch makes it with a Python float); 0 keeps all
+    keys = probs.amax(dim=(2, 3)) > class_threshold if class_threshold > 0 else torch.ones(
+        probs.shape[:2], dtype=torch.bool, device=probs.device)
+    keys[~keys.any(1)] = True  # no class exceeds it: all take part (upstream fails here)
     q = dense_crf(probs, images, params, valid=keys, max_bytes=max_bytes)
     # Labels left out have Q = 0 and the kept ones sum to 1: the argmax is a kept class.
     return q.argmax(1)

@@ -25,7 +25,8 @@ OpenCV's three routines are reimplemented here in numpy (:func:`cv_rgb2hsv`,
 ``(d + 0.5) / s - 0.5`` in float32, 11-bit integer weights, clamped borders).
 
 :func:`seam_augment` has the interface of :func:`mars_plugin.networks.seg_data.augment`
-(uint8 crop, the padding the rounded mean colour, which normalises to within 0.009 of 0);
+(uint8 crop, the padding the rounded mean colour, which normalises to within 0.009 of 0: ``mars
+train``'s input sets the padding to exactly 0, :func:`mars_plugin.networks.seg_data.train_sample`);
 :func:`seam_augment_normalized` returns upstream's float32 crop itself, 0 in the padding.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["SeamAugmentation", "seam_augmentation", "seam_augment", "seam_augment_normalized", "cv_rgb2hsv", "cv_hsv2rgb", "cv_resize"]
+__all__ = ["SeamAugmentation", "seam_augmentation", "seam_augment", "seam_augment_window", "seam_augment_normalized", "cv_rgb2hsv", "cv_hsv2rgb", "cv_resize"]
 
 Rng = Union[_random.Random, np.random.Generator]
 
@@ -276,8 +277,16 @@ def seam_augment(rgb: np.ndarray, label: np.ndarray, aug: SeamAugmentation, rng:
     uint8 label -> (crop, crop, 3) uint8 RGB and (crop, crop) uint8 label, 255 where padded.
     The padding is ``round(255 * mean)`` (upstream's 0 after normalisation is not a byte); the
     rest normalises to exactly :func:`seam_augment_normalized`'s values."""
+    return seam_augment_window(rgb, label, aug, rng)[:2]
+
+
+def seam_augment_window(rgb: np.ndarray, label: np.ndarray, aug: SeamAugmentation, rng: Rng
+                        ) -> Tuple[np.ndarray, np.ndarray, Tuple[int, int, int, int]]:
+    """:func:`seam_augment`'s crop, and the window (top, left, height, width) the image fills
+    in it: outside it upstream's normalised crop is 0 (:func:`mars_plugin.networks.seg_data.train_sample`)."""
     img, lab, box = _crop_parts(rgb, label, aug, rng)
     c = aug.crop
     fill = np.empty((c, c, 3), np.uint8)
     fill[:] = [int(round(255 * m)) for m in aug.mean]
-    return _paste(img, fill, box, c), _paste(lab, np.full((c, c), 255, np.uint8), box, c)
+    window = (box[2], box[3], min(img.shape[0], c), min(img.shape[1], c))
+    return _paste(img, fill, box, c), _paste(lab, np.full((c, c), 255, np.uint8), box, c), window

@@ -12,7 +12,8 @@ Normalize,RandomCrop'``), with its numbers:
   uniform in [1 - 0.3, 1 + 0.3] and [-0.1, 0.1]; PIL's ImageEnhance and an HSV hue shift);
 * Normalize with the ImageNet mean and std, then RandomCrop of 512 x 512: a larger image is
   cropped at a random place, a smaller one is placed at a random place in the crop; the padding
-  is 0 after normalisation (the mean colour) and 255 (ignore) in the label.
+  is exactly 0 after normalisation (:func:`train_sample`; the crop's bytes hold the rounded mean
+  colour there) and 255 (ignore) in the label.
 
 Which images a step sees and how each is augmented depend only on the seed and the sample's
 *position* in the run (step * batch + index in the batch): a resumed run and a run on N
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,14 +33,16 @@ from torch.utils.data import Dataset, Sampler
 
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, find_image, read_image, read_label
 
-__all__ = ["Augmentation", "augment", "TrainFolder", "StepSampler", "SampleError", "check_train_label", "IMAGENET_MEAN",
+__all__ = ["Augmentation", "augment", "train_sample", "TrainFolder", "StepSampler", "SampleError", "check_train_label", "IMAGENET_MEAN",
            "IMAGENET_STD", "normalize"]
 
 #: ImageNet statistics of the backbones' inputs (RGB in [0, 1]), as DHR tools/transforms.py:10-11.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-#: The padding colour of a crop: 0 after normalisation is the mean colour.
+#: The padding colour of a crop's bytes (the network's input is 0 there: :func:`train_sample`).
 _PAD_RGB = tuple(int(round(255 * m)) for m in IMAGENET_MEAN)
+#: Where a crop holds its image: (top, left, height, width); the rest is padding.
+Window = Tuple[int, int, int, int]
 
 
 def normalize(rgb: torch.Tensor) -> torch.Tensor:
@@ -99,7 +102,14 @@ def _jitter(im, aug: Augmentation, rng: np.random.Generator):
 def augment(rgb: np.ndarray, label: np.ndarray, aug: Augmentation, rng: np.random.Generator
             ) -> Tuple[np.ndarray, np.ndarray]:
     """One training sample: (H, W, 3) uint8 RGB and (H, W) uint8 label -> (crop, crop, 3) uint8
-    RGB and (crop, crop) uint8 label (255 where padded). Deterministic for the generator."""
+    RGB (the mean colour's bytes where padded) and (crop, crop) uint8 label (255 where padded).
+    Deterministic for the generator. The network's input is :func:`train_sample`'s."""
+    return _augment_window(rgb, label, aug, rng)[:2]
+
+
+def _augment_window(rgb: np.ndarray, label: np.ndarray, aug: Augmentation, rng: np.random.Generator
+                    ) -> Tuple[np.ndarray, np.ndarray, Window]:
+    """:func:`augment`'s crop, and the window of the crop the image fills (the rest is padding)."""
     from PIL import Image
 
     im = Image.fromarray(rgb, "RGB")
@@ -131,15 +141,38 @@ def augment(rgb: np.ndarray, label: np.ndarray, aug: Augmentation, rng: np.rando
     dx = int(rng.integers(0, c - W + 1)) if W < c else 0
     out_img[dy:dy + ch, dx:dx + cw] = img[sy:sy + ch, sx:sx + cw]
     out_lab[dy:dy + ch, dx:dx + cw] = lab_a[sy:sy + ch, sx:sx + cw]
-    return out_img, out_lab
+    return out_img, out_lab, (dy, dx, ch, cw)
 
 
-def _augment_of(aug: object) -> Callable[..., Tuple[np.ndarray, np.ndarray]]:
-    """The augmentation function of ``aug``'s kind: :func:`augment` (DHR's), or a recipe's own
-    (:class:`~mars_plugin.networks.seam_data.SeamAugmentation`: SEAM's :func:`~mars_plugin.networks.seam_data.seam_augment`)."""
-    from mars_plugin.networks.seam_data import SeamAugmentation, seam_augment
+def train_sample(rgb: np.ndarray, label: np.ndarray, aug: object, rng: np.random.Generator
+                 ) -> Tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """One training sample of ``aug``'s kind: (H, W, 3) uint8 RGB and (H, W) uint8 label ->
+    the network's input (3, crop, crop) float32, the crop's (crop, crop, 3) uint8 RGB (the
+    teacher's CRF sees it) and its (crop, crop) uint8 label (255 where padded).
 
-    return seam_augment if isinstance(aug, SeamAugmentation) else augment
+    :class:`Augmentation` (DHR's) and :class:`~mars_plugin.networks.seam_data.SeamAugmentation`
+    (SEAM's) normalise first and crop after, so the padding of the input is **exactly 0**
+    (DHR ``tools/transforms.py:219``, ``np.zeros`` after ``Normalize``, in the order of
+    ``train.py:370``; SEAM ``lib/datasets/transform.py`` RandomCrop, likewise), not the
+    normalised mean bytes (+0.0056 / -0.0049 / +0.0082); the image itself is normalised as
+    :func:`normalize`. deeplab-pytorch's: its own
+    :func:`~mars_plugin.networks.deeplab_pytorch.train_sample` (BGR minus its mean, unrounded)."""
+    from mars_plugin.networks.seam_data import SeamAugmentation, seam_augment_window
+
+    if isinstance(aug, Augmentation):
+        rgb_c, lab_c, (top, left, h, w) = _augment_window(rgb, label, aug, rng)
+    elif isinstance(aug, SeamAugmentation):
+        rgb_c, lab_c, (top, left, h, w) = seam_augment_window(rgb, label, aug, rng)
+    else:
+        from mars_plugin.networks.deeplab_pytorch import train_sample as deeplab_sample
+
+        image, rgb_c, lab_c = deeplab_sample(rgb, label, aug, rng)
+        return torch.from_numpy(image), rgb_c, lab_c
+    image = normalize(torch.from_numpy(np.ascontiguousarray(rgb_c))[None])[0]
+    pad = torch.ones(image.shape[-2:], dtype=torch.bool)
+    pad[top:top + h, left:left + w] = False
+    image[:, pad] = 0.0  # upstream pads the normalised image with zeros
+    return image, rgb_c, lab_c
 
 
 def check_train_label(label: np.ndarray, path: os.PathLike, num_classes: int, allow_biased: bool) -> None:
@@ -253,21 +286,12 @@ class TrainFolder(Dataset):
             rgb, label, cls = self.read(stem)
         except Exception as e:  # noqa: BLE001 -- any failure to read a sample is that sample's, named
             raise SampleError(f"{stem}: {' '.join(str(e).split()) or type(e).__name__}") from None
-        rng = np.random.default_rng([self.seed, position])
-        from mars_plugin.networks.seam_data import SeamAugmentation
-
-        if not isinstance(self.aug, (Augmentation, SeamAugmentation)):  # deeplab-pytorch's: its own input, unrounded (BGR minus its mean)
-            from mars_plugin.networks.deeplab_pytorch import train_sample
-
-            image, rgb_c, lab_c = train_sample(rgb, label, self.aug, rng)
-        else:
-            rgb_c, lab_c = _augment_of(self.aug)(rgb, label, self.aug, rng)
-            image = None
+        image, rgb_c, lab_c = train_sample(rgb, label, self.aug, np.random.default_rng([self.seed, position]))
         multi_hot = torch.zeros(self.num_classes, dtype=torch.bool)
         if cls:
             multi_hot[torch.tensor(cls) - 1] = True
         rgb_t = torch.from_numpy(np.ascontiguousarray(rgb_c))
-        return {"image": normalize(rgb_t[None])[0] if image is None else torch.from_numpy(image), "rgb": rgb_t, "label": torch.from_numpy(lab_c.astype(np.int64)),
+        return {"image": image, "rgb": rgb_t, "label": torch.from_numpy(lab_c.astype(np.int64)),
                 "classes": multi_hot, "position": position}
 
 
