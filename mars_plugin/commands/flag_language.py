@@ -30,7 +30,7 @@ _FLAGS.update(images_dir="--images", features_dir="--features", labels_dir="--la
 # One-word parameters are also English words ("the heads file"): written as flags only where the
 # sentence is about the parameter ("workers must be >= 1", "refine='crf'").
 _WORD_FLAGS = ("workers", "device", "alpha", "threshold", "refine", "seed", "size", "epochs", "stride", "res",
-               "scales", "uss", "backend", "iterations", "data", "domain", "momentum", "optimizer", "flip")
+               "scales", "uss", "backend", "iterations", "data", "domain", "momentum", "optimizer")
 _EDGE = r"(?<![\w/\\.-])"  # not inside a path or a longer name
 _END = r"(?![\w/\\-]|\.\w)"
 _SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
