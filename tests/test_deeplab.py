@@ -18,6 +18,7 @@ from mars_plugin.networks.deeplab import (IMAGENET_MEAN, IMAGENET_STD, build_mod
                                  param_groups)
 from mars_plugin.networks.resnet import ResNet
 from mars_plugin.networks.seg_checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from _weight_views import layout_files_are_views  # noqa: F401 (autouse: the weight files are views)
 
 # torchvision's state dicts have 122 / 320 / 626 entries and these parameter counts, fc included
 TORCHVISION = {
@@ -92,15 +93,6 @@ def torchvision_state(name, seed=0, with_fc=True, with_tracked=True):
         state["fc.weight"] = torch.randn(1000, fc_in)
         state["fc.bias"] = torch.randn(1000)
     return state
-
-
-@pytest.fixture(autouse=True)
-def _layout_files_are_views(monkeypatch):
-    """The weight files here are a few stored values expanded to each shape (ResNet-101's layout
-    in kilobytes), views the one door of file reads refuses (tests/test_bounded_reads.py,
-    tests/test_weight_file_reads.py). These tests are about keys, shapes and values, so the
-    overlap rule is lifted for them, and only for them."""
-    monkeypatch.setattr("mars_plugin.formats.bounded_load.overlapping", lambda *a, **k: False)
 
 
 def layout_file(tmp_path, name, fname=None, prefix=""):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from mars_plugin.networks.deeplab import build_model, load_backbone_weights
 from mars_plugin.networks.deeplabv2 import MSC, DeepLabV2, load_deeplab_pytorch_weights
+from _weight_views import layout_files_are_views  # noqa: F401 (autouse: the weight files are views)
 
 # libs/models/__init__.py:36 (ResNet-101) and the same rule with ResNet-50's block counts
 BLOCKS = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3)}
@@ -247,15 +248,6 @@ def test_msc_returns_upstreams_outputs_in_train_and_eval():
 
 
 # --- weight files ------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _layout_files_are_views(monkeypatch):
-    """The weight files here are a few stored values expanded to each shape (ResNet-101's layout
-    in kilobytes), views the one door of file reads refuses (tests/test_bounded_reads.py,
-    tests/test_weight_file_reads.py). These tests are about keys, shapes and values, so the
-    overlap rule is lifted for them, and only for them."""
-    monkeypatch.setattr("mars_plugin.formats.bounded_load.overlapping", lambda *a, **k: False)
 
 
 def fake_file(tmp_path, keys_shapes, name, prefix="", fc=True, aspp_classes=None, double_stats=True):
