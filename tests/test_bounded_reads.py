@@ -362,3 +362,48 @@ def test_mars_crf_names_the_file_of_a_failed_allocation(tmp_path, monkeypatch):
            "dataset": "voc", "max_bytes": None}
     _, item, err = _prepare(("a", str(tmp_path / "a.pt"), str(tmp_path / "a.png"), cfg))
     assert item is None and err.startswith(f"{tmp_path / 'a.pt'}: Unable to allocate 6.71 GiB"), err
+
+
+# --- the bound reaches the threads that read ----------------------------------------------------
+
+
+def test_io_worker_threads_read_under_the_callers_bound(tmp_path):
+    """`--io-workers` threads read under the run's bound (--max-memory), not the default: a new
+    thread starts with an empty context, so the pipeline runs each read in a copy of the
+    submitter's (base: the thread read the label the caller's bound refuses)."""
+    from mars_plugin.runs.io_pipeline import IOPipeline
+
+    p = tmp_path / "l.png"
+    write_label(p, torch.zeros(300, 400, dtype=torch.long))
+    for workers in (0, 2):  # the serial path and the threads: the same answer
+        with B.read_limit(100_000, "--max-memory"), IOPipeline(workers, ahead=1, behind=1) as io_:
+            (_, future), = list(io_.reads(read_label, [p]))
+            with pytest.raises(ValueError, match=r"above the 100,000 bytes this read allows \(--max-memory\)"):
+                future.result()
+
+
+def test_mars_train_checks_its_data_under_its_bound(tmp_path):
+    """mars train reads every label once before step 1, in threads: under the run's bound too."""
+    from mars_plugin.commands import train_data
+
+    p = tmp_path / "l.png"
+    write_label(p, torch.zeros(300, 400, dtype=torch.long))
+
+    class Labels:
+        stems, labels_dir = ["l"], tmp_path
+
+        def read(self, stem):
+            return None, read_label(p), None
+
+    with B.read_limit(100_000, "--max-memory"), pytest.raises(Exception, match="above the 100,000 bytes"):
+        train_data.check_train_files(Labels(), 3, "ce", workers=2, progress=False)
+
+
+def test_every_thread_pool_that_reads_runs_in_the_callers_context():
+    """Threads that read files are made by runs/io_pipeline.reading_threads (the read bound goes
+    with the work); the compiled CRF's threads compute only."""
+    allowed = {"mars_plugin/runs/io_pipeline.py", "mars_plugin/engines/crf_compiled.py"}
+    sources = sorted((ROOT / "mars_plugin").rglob("*.py")) + sorted((ROOT / "adapters").rglob("*.py"))
+    bad = [p.relative_to(ROOT).as_posix() for p in sources
+           if "ThreadPoolExecutor(" in p.read_text() and p.relative_to(ROOT).as_posix() not in allowed]
+    assert not bad, f"make reading threads with mars_plugin.runs.io_pipeline.reading_threads: {bad}"

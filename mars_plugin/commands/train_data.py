@@ -43,6 +43,7 @@ from mars_plugin._checks import MAX_NUM_CLASSES
 from mars_plugin.formats.files import BIASED_VALUE, IGNORE_VALUE, atomic_write, list_stems
 from mars_plugin.runs.errors import JobError, one_line
 from mars_plugin.runs.identities import file_id, json_digest, roles_digest
+from mars_plugin.runs.io_pipeline import reading_threads
 from mars_plugin.runs.output_aside import OutputAside
 from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
 # The settings whose change makes a checkpoint in --out belong to another run (the ids, folders
@@ -172,8 +173,6 @@ def check_train_files(dataset: Any, num_classes: int, loss: str, *, workers: int
     is more; nothing else runs yet) and a progress bar; a JobError of
     one line naming the first bad file (in id order), or the label folder when the labels as a
     whole cannot train (see the module docstring)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     from mars_plugin.commands.inputs import _progress
@@ -189,7 +188,8 @@ def check_train_files(dataset: Any, num_classes: int, loss: str, *, workers: int
         return None, int((label == BIASED_VALUE).sum()), int((label <= C).sum())
 
     biased = learnable = 0
-    pool = ThreadPoolExecutor(max_workers=max(1, int(workers), torch.get_num_threads()))
+    # the threads read under this run's bound (--max-memory), as this thread would
+    pool = reading_threads(max(1, int(workers), torch.get_num_threads()), "mars-check")
     try:
         for err, b, n in _progress(pool.map(one, stems), len(stems), "check data", progress):
             if err is not None:

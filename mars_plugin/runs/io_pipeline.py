@@ -23,14 +23,21 @@ The contract the jobs rely on:
 
 ``workers=0`` runs everything in this thread, in the same order: the serial path, the same
 functions, so the outputs do not depend on the worker count.
+
+Every thread that reads a file is made by :func:`reading_threads`: its work runs in a copy of
+the submitting thread's context, so a read there is under the same bound as in the thread that
+asked for it (:func:`mars_plugin.formats.bounded_load.read_limit`, ``--max-memory``: a context
+variable, which a new thread would otherwise start without).
 """
 from __future__ import annotations
 
+import contextvars
 import os
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple, TypeVar
 
-__all__ = ["IOPipeline", "Done", "check_io_workers", "default_io_workers", "IO_WORKERS_HELP"]
+__all__ = ["IOPipeline", "Done", "check_io_workers", "default_io_workers", "reading_threads", "IO_WORKERS_HELP"]
 
 T = TypeVar("T")
 
@@ -90,6 +97,19 @@ class Done:
         return self.error
 
 
+class _ContextThreads(ThreadPoolExecutor):
+    """A thread pool whose work runs in a copy of the context of the thread that submitted it."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+
+
+def reading_threads(workers: int, name: str) -> ThreadPoolExecutor:
+    """``workers`` threads (prefix ``name``) for work that reads files: each task runs under the
+    submitting thread's context (its read bound, ``--max-memory``), as if it ran there."""
+    return _ContextThreads(max_workers=int(workers), thread_name_prefix=name)
+
+
 class IOPipeline:
     """Reads ahead and writes behind in ``workers`` threads (0: in this thread).
 
@@ -113,9 +133,7 @@ class IOPipeline:
         # (``mars crf --workers``' processes, for a CPU-bound prepare); else ``workers`` threads
         self.pool = executor
         if workers and executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mars-io")
+            self.pool = reading_threads(workers, "mars-io")
         self.pending: Deque[Tuple[Any, Any]] = deque()  # (key, future) of the writes, oldest first
 
     def __enter__(self) -> "IOPipeline":
