@@ -44,8 +44,10 @@ STAGES = ("centroids", "debias", "evaluate")
 
 
 def _record_free(folder: Path):
-    """{name: bytes} of an output folder, its record (.mars-run.*) left out."""
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if not p.name.startswith(".mars-run")}
+    """{name: bytes} of an output folder, its record (.mars-run.*) and what a run moved aside
+    (.mars-stale/: outputs no longer of the folder, e.g. the label of a removed id) left out."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if not p.name.startswith(".mars-run") and p.name != ".mars-stale"}
 
 
 def _changed(path: Path, write) -> None:
@@ -170,6 +172,8 @@ def test_reproduce_reruns_the_stages_a_change_reaches_and_equals_a_fresh_run(bas
     _run(root, pseudo, feats, fresh, **kw)
     assert json.loads((out / "scores.json").read_text()) == json.loads((fresh / "scores.json").read_text())
     assert _record_free(out / "debiased") == _record_free(fresh / "debiased")
+    # the removed id's label was moved aside, not lost (runs/output_aside.py)
+    assert (kind == "removed id") == any((out / "debiased" / ".mars-stale").glob("*/*.png"))
     a, b = (torch.load(p / "centroids.pt", weights_only=True) for p in (out, fresh))
     for k in ("centroids", "valid", "num_candidates", "num_selected", "background_mean"):
         assert torch.equal(a[k], b[k]), k
