@@ -14,11 +14,13 @@ differ), since the kernels do the torch CPU path's multiplications and additions
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +73,39 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
                                  f"{float((a - b).abs().max()):.3g}"
 
 
+def stored_order_product(sp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The plain reference of a CSR product: each row's products summed in stored order, one
+    float32 rounding per multiply and per add (no fused multiply-add), rows without entries 0."""
+    crow, col, val = sp.crow_indices().tolist(), sp.col_indices().numpy(), sp.values().numpy()
+    xs = x.numpy()
+    out = np.zeros((len(crow) - 1, xs.shape[1]), np.float32)
+    for r in range(len(crow) - 1):
+        for k in range(crow[r], crow[r + 1]):
+            out[r] = out[r] + val[k] * xs[col[k]]  # float32 * float32 row, then float32 add
+    return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=None)
+def torch_sums_in_stored_order() -> bool:
+    """Whether this machine's torch CPU CSR product is the stored-order sum, bit for bit. It is
+    where torch runs its own kernel; with MKL's sparse routines on AVX-512 (seen on a Xeon with
+    torch 2.13's wheel) it sums in another order, a few ulp apart. The kernels follow the stored
+    order (the tests below hold them to :func:`stored_order_product`); they equal the torch filter
+    bit for bit only where torch does too, and within float32 reordering elsewhere."""
+    lat = PermutohedralLattice(_features(97, 5, 5), simd_padding=True)
+    x = _values(97, 21, 21)
+    return torch.equal(lat._splat @ x, stored_order_product(lat._splat, x))
+
+
+def assert_equals_the_torch_path(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-5) -> None:
+    """Bit for bit where torch's CPU product sums in stored order (:func:`torch_sums_in_stored_order`);
+    elsewhere equal up to the reordering of float32 sums."""
+    if torch_sums_in_stored_order():
+        assert_same_bits(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
+
+
 def _features(N: int, d: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.rand(N, d, generator=g) * 3
@@ -107,7 +142,8 @@ def test_splat_is_the_csr_product_bit_for_bit(pt, d, L):
     x = _values(97, L, L)
     sp = lat._splat
     got = pt.splat(sp.crow_indices(), sp.col_indices(), sp.values(), x)
-    assert_same_bits(got, sp @ x)
+    assert_same_bits(got, stored_order_product(sp, x))
+    assert_equals_the_torch_path(got, sp @ x)
     assert got.shape == (lat.num_lattice_points + 1, L) and not bool(got[-1].any())
 
 
@@ -121,11 +157,14 @@ def test_slice_adds_scale_times_the_product_as_addmm(pt, d, scale):
     base = _values(133, L, 4)
     sl = lat._slice
     vertex, w = sl.col_indices().view(133, d + 1), sl.values().view(133, d + 1)
+    product = stored_order_product(sl, v)
     got = pt.slice_into(vertex, w, v, base.clone(), accumulate=True, scale=scale)
-    assert_same_bits(got, base.clone().addmm_(sl, v, alpha=scale))
+    assert_same_bits(got, base + (product if scale == 1.0 else product * scale))
+    assert_equals_the_torch_path(got, base.clone().addmm_(sl, v, alpha=scale))
     got = pt.slice_into(vertex, w, v, torch.empty(133, L), accumulate=False, scale=scale)
+    assert_same_bits(got, product if scale == 1.0 else product * scale)
     want = sl @ v
-    assert_same_bits(got, want if scale == 1.0 else want.mul_(scale))
+    assert_equals_the_torch_path(got, want if scale == 1.0 else want.mul_(scale))
 
 
 def test_slice_writes_into_a_strided_add_to(pt):
@@ -138,7 +177,10 @@ def test_slice_writes_into_a_strided_add_to(pt):
     got = wide.clone()
     sl = lat._slice
     pt.slice_into(sl.col_indices().view(50, 3), sl.values().view(50, 3), v, got[:, 2:5], accumulate=True, scale=2.0)
-    assert_same_bits(got, want)
+    plain = wide.clone()
+    plain[:, 2:5] += stored_order_product(sl, v) * 2.0
+    assert_same_bits(got, plain)
+    assert_equals_the_torch_path(got, want)
 
 
 # ------------------------------------------------------------------ the whole filter
@@ -155,8 +197,8 @@ def test_filter_equals_the_torch_filter(pt, forced, d, N, L):
     want, want_add = lat.filter(v), lat.filter(v, add_to=base.clone(), scale=-3.0)
     forced(True)
     got, got_add = lat.filter(v), lat.filter(v, add_to=base.clone(), scale=-3.0)
-    assert_same_bits(got, want)
-    assert_same_bits(got_add, want_add)
+    assert_equals_the_torch_path(got, want)
+    assert_equals_the_torch_path(got_add, want_add)
 
 
 def test_filter_on_a_dense_crf_lattice(pt, forced):
@@ -176,7 +218,7 @@ def test_filter_on_a_dense_crf_lattice(pt, forced):
         forced(False)
         want = lat.filter(q, add_to=q.clone(), scale=compat)
         forced(True)
-        assert_same_bits(lat.filter(q, add_to=q.clone(), scale=compat), want)
+        assert_equals_the_torch_path(lat.filter(q, add_to=q.clone(), scale=compat), want)
 
 
 @pytest.mark.slow
@@ -201,7 +243,7 @@ def test_dense_crf_with_the_triton_filter_equals_the_torch_one(pt, forced, monke
         forced(on)
         out[on] = dense_crf(probs, images, "mars")
     for a, b in zip(out[True], out[False]):
-        assert_same_bits(a, b)
+        assert_equals_the_torch_path(a, b)
     # two kernels' messages per iteration; the normalisers: each image size's kept position lattice
     # (joined for the batch) and the bilateral lattice once
     assert len(calls) == 2 * 10 + len(shapes) + 1
