@@ -112,7 +112,9 @@ def write_report_thumbnails(out: Path, stems: Sequence[str], labels_dir: Path, d
         i, stem = item
         labels = {"pseudo": read_label(labels_dir / f"{stem}.png", biased_value=None),
                   "debiased": read_label(debiased_dir / f"{stem}.png")}
-        gt = None if gt_dir is None else read_label(Path(gt_dir) / f"{stem}.png", biased_value=None)
+        gt_path = None if gt_dir is None else Path(gt_dir) / f"{stem}.png"
+        # an image without ground truth (not every tree has a mask for each) has no gt panel
+        gt = read_label(gt_path, biased_value=None) if gt_path is not None and gt_path.is_file() else None
         return i, read_image(find_image(images_dir, stem)), labels, gt
 
     total = 0
