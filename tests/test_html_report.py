@@ -174,3 +174,28 @@ def test_centroid_ranking_is_stored_drawn_and_old_files_still_load(tmp_path):
     torch.save(state, tmp_path / "old.pt")
     old = DebiasedCentroids.load(tmp_path / "old.pt")
     assert old.candidate_distances is None and _centroid_ranking(old, 1)["distances"] == []
+
+
+def test_an_image_that_cannot_be_decoded_is_skipped_or_stops_by_on_error(tmp_path):
+    from mars_plugin.runs.errors import JobError
+
+    root = tmp_path / "w"
+    make_folders(root, n=3)
+    data = (root / "images" / "img_0.png").read_bytes()  # nothing marked biased: in no overlay, only thumbnails
+    (root / "images" / "img_0.png").write_bytes(data[: len(data) // 2])  # the header probe passes, the pixels do not
+    out = tmp_path / "rep"
+    _, s = report_job(root / "labels", root / "debiased", root / "images", out, class_names=NAMES, progress=False,
+                      num_examples=1, per_class=0, on_error="skip")
+    assert [f for f, _ in s.failed] == ["img_0"] and not list(out.rglob("000000_*"))
+    assert (out / "report.html").is_file() and len(list(out.rglob("000001_*"))) == 3
+    with pytest.raises(JobError, match="img_0"):
+        report_job(root / "labels", root / "debiased", root / "images", tmp_path / "rep2", class_names=NAMES,
+                   progress=False, num_examples=1, per_class=0)
+
+
+def test_the_page_script_has_no_html_sink():
+    """One door: the script reaches the DOM through textContent and setAttribute only; a sink
+    that parses a string as HTML or code is refused here."""
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "Function(",
+                 "setTimeout(\"", "srcdoc"):
+        assert sink not in html_report.SCRIPT, sink

@@ -233,7 +233,7 @@ def _write_report(s: ReportSettings, folders: _Folders, tally: _Tally, ranked: _
 
     try:
         _report_outputs(stage, ranked, tally, folders, s.on_error)
-        _html_outputs(stage, set(staged), ranked, tally, folders, out, html)
+        _html_outputs(stage, set(staged), ranked, tally, folders, out, html, s.on_error)
         report = _report_dict(tally, ranked)
         Path(stage("report.json")).write_text(json.dumps(report, indent=2))
         umask = os.umask(0)
@@ -250,7 +250,7 @@ def _write_report(s: ReportSettings, folders: _Folders, tally: _Tally, ranked: _
 
 
 def _html_outputs(stage: Callable[[str], str], drawn: set, r: _Ranking, tally: _Tally, folders: _Folders,
-                  out: Path, html: HtmlExtras) -> None:
+                  out: Path, html: HtmlExtras, on_error: str) -> None:
     """``report.html`` and ``report_data.js`` staged, the thumbnails written (each atomically,
     named by position: a re-run writes the same files)."""
     from mars_plugin.commands.report_html import html_data, write_report_thumbnails
@@ -258,7 +258,13 @@ def _html_outputs(stage: Callable[[str], str], drawn: set, r: _Ranking, tally: _
     from mars_plugin.pictures.html_report import page_files
 
     stems = [stem for stem, _ in tally.images]
-    write_report_thumbnails(out, stems, folders.labels, folders.debiased, folders.images, html.gt_dir, html.io_workers)
+
+    def on_fail(stem: str, e: BaseException) -> None:  # --on-error, once a file (the overlays may have seen it)
+        if stem not in {f for f, _ in tally.summary.failed}:
+            _fail(stem, e, on_error, tally.summary)
+
+    write_report_thumbnails(out, stems, folders.labels, folders.debiased, folders.images, html.gt_dir, html.io_workers,
+                            on_fail)
     figures = [(alt, name) for alt, name in PICTURES if name in drawn]
     data = html_data(r.class_names, r.ranking, tally.images, SHARE_DEFINITION, figures, html)
     for name, text in page_files(data).items():

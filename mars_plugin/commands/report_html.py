@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["HtmlExtras", "html_data", "write_report_thumbnails"]
 
@@ -99,13 +99,16 @@ def html_data(class_names: Sequence[str], ranking: Sequence[int], per_image: Seq
 
 
 def write_report_thumbnails(out: Path, stems: Sequence[str], labels_dir: Path, debiased_dir: Path, images_dir: Path,
-                            gt_dir: Optional[os.PathLike], io_workers: int = 0) -> int:
+                            gt_dir: Optional[os.PathLike], io_workers: int = 0,
+                            on_fail: Optional[Callable[[str, BaseException], Any]] = None) -> int:
     """Every image's thumbnails (:func:`~mars_plugin.pictures.report_thumbnails.write_thumbnails`),
     the i-th stem as index i, read and written by ``io_workers`` threads; returns the bytes written.
-    A file that cannot be read was already refused or skipped by the report's count: the
-    caller passes only the stems it counted."""
+    The caller passes the stems its count read; an image whose pixels cannot be decoded (a
+    truncated file passes the count's header probe) goes to ``on_fail(stem, error)`` (default:
+    raised) and gets no thumbnails."""
     from mars_plugin.formats.files import find_image, read_image, read_label
     from mars_plugin.pictures.report_thumbnails import write_thumbnails
+    from mars_plugin.runs.errors import FILE_ERRORS
     from mars_plugin.runs.io_pipeline import IOPipeline
 
     def read(item: Tuple[int, str]) -> Tuple[int, Any, Dict[str, Any], Any]:
@@ -119,8 +122,14 @@ def write_report_thumbnails(out: Path, stems: Sequence[str], labels_dir: Path, d
 
     total = 0
     with IOPipeline(io_workers, ahead=4 * max(1, io_workers), behind=4 * max(1, io_workers)) as io:
-        for (i, _), got in io.reads(read, list(enumerate(stems))):
-            _, image, labels, gt = got.result()
+        for (i, stem), got in io.reads(read, list(enumerate(stems))):
+            try:
+                _, image, labels, gt = got.result()
+            except FILE_ERRORS as e:
+                if on_fail is None:
+                    raise
+                on_fail(stem, e)
+                continue
             io.write(i, write_thumbnails, out, i, image, labels, gt)
             total += sum(n for _, n in io.written())
         total += sum(n for _, n in io.written(0))
