@@ -199,3 +199,24 @@ def test_the_page_script_has_no_html_sink():
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "Function(",
                  "setTimeout(\"", "srcdoc"):
         assert sink not in html_report.SCRIPT, sink
+
+
+def test_mars_report_gt_and_centroids_flags_fill_the_scores_and_the_ranking(tmp_path, capsys):
+    from mars_plugin.cli import main
+
+    root = tmp_path / "w"
+    make_folders(root, n=3)
+    _centroids(tmp_path).save(tmp_path / "V.pt")
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps(NAMES))
+    argv = ["report", "--labels", str(root / "labels"), "--debiased", str(root / "debiased"), "--images",
+            str(root / "images"), "--class-names", str(names), "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "rep"), "--gt", str(root / "gt"), "--centroids", str(tmp_path / "V.pt")]) == 0
+    d = _data(tmp_path / "rep")
+    c1 = d["classes"][0]
+    assert d["has_gt"] and c1["iou_pseudo"] == 1.0 and c1["iou"] == pytest.approx(1 - c1["removed"] / c1["pixels"])
+    assert c1["centroids"]["distances"] and d["classes"][1]["centroids"] is None  # V.pt has class 1 only
+    # bad flags: one line naming the flag, exit 2, nothing written
+    for flag, value, words in (("--gt", str(tmp_path / "none"), "--gt"), ("--centroids", str(names), "--centroids")):
+        assert main(argv + ["--out", str(tmp_path / "bad"), flag, value]) == 2
+        assert words in capsys.readouterr().err and not (tmp_path / "bad").exists()

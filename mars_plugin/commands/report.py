@@ -95,6 +95,7 @@ def report_job(
     stems = _stems(debiased_dir, flag="--debiased")
     check_input_folder(labels_dir, "--labels", stems, (".png",), "pseudo-label", of="debiased labels")
     check_images_folder(images_dir, stems, labels_dir=labels_dir, of="debiased labels")
+    html = _html_extras(s, html, out_dir, stems)
     tally = _tally(s, folders, stems)
     if not tally.total:
         raise JobError(f"--labels {labels_dir}: no foreground pixel in any pseudo label read ({tally.summary.done}): "
@@ -102,7 +103,38 @@ def report_job(
     ranked = _rank(s, tally)
     out = Path(out_dir)
     _check_out_dir(out, "--out")
-    return _write_report(s, folders, tally, ranked, out, html or HtmlExtras()), tally.summary
+    return _write_report(s, folders, tally, ranked, out, _scored(s, folders, tally, ranked, html)), tally.summary
+
+
+def _html_extras(s: ReportSettings, html: Optional[HtmlExtras], out_dir: os.PathLike,
+                 stems: Sequence[str]) -> HtmlExtras:
+    """``--gt`` and ``--centroids`` checked (before anything is read) into the page's extras."""
+    if html is not None and (s.gt_dir or s.centroids):
+        raise ValueError("give gt_dir/centroids as settings or in html=HtmlExtras(...), not both")
+    if html is not None:
+        return html
+    if s.gt_dir is not None:
+        check_out_apart(out_dir, "--out", {"--gt": s.gt_dir})
+        check_input_folder(s.gt_dir, "--gt", stems, (".png",), "ground-truth", of="debiased labels")
+    from mars_plugin.commands.inputs import load_centroids  # the one door: one-line errors naming the flag
+
+    return HtmlExtras(gt_dir=s.gt_dir, centroids=None if s.centroids is None else load_centroids(s.centroids))
+
+
+def _scored(s: ReportSettings, folders: "_Folders", tally: "_Tally", ranked: "_Ranking", html: HtmlExtras) -> HtmlExtras:
+    """``--gt`` given and no scores: the pseudo and debiased labels scored as ``mars evaluate``
+    scores them, on the images the report counted."""
+    if html.gt_dir is None or html.scores is not None:
+        return html
+    from dataclasses import replace
+
+    from mars_plugin.commands.evaluate import evaluate_job
+
+    counted = [stem for stem, _ in tally.images]
+    scores = {key: evaluate_job(folder, html.gt_dir, len(ranked.class_names) - 1, stems=counted,
+                                on_error=s.on_error, progress=False)[0]
+              for key, folder in (("pseudo", folders.labels), ("debiased", folders.debiased))}
+    return replace(html, scores=scores)
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,9 @@ def _centroid_ranking(V: Any, c: int) -> Optional[Dict[str, Any]]:
 def _load_centroids(centroids: Any) -> Any:
     if centroids is None or hasattr(centroids, "num_candidates"):
         return centroids
-    from mars_plugin.method.selection import DebiasedCentroids
+    from mars_plugin.commands.inputs import load_centroids
 
-    return DebiasedCentroids.load(centroids)
+    return load_centroids(centroids, "centroids")
 
 
 def _score(scores: Optional[Mapping[str, Any]], key: str, what: str, c: int) -> Optional[float]:
