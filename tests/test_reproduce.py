@@ -96,6 +96,11 @@ def test_features_given_runs_every_stage_and_scores_match_evaluate(tree, tmp_pat
     assert "boat" in text and "Table 6" in text and "not shown" in text  # 7 classes: no VOC per-class columns
     pictures = [line[line.index("](") + 2:-1] for line in text.splitlines() if line.startswith("![")]
     assert pictures and all((out / p).is_file() for p in pictures)
+    # report.html (issue 43): linked from report.md, with the ground truth and the centroid ranking
+    assert "(report/report.html)" in text and (out / "report" / "report.html").is_file()
+    data = (out / "report" / "report_data.js").read_text()
+    assert '"has_gt":true' in data and '"distances":[' in data
+    assert len(list((out / "report" / "thumbs").rglob("*_gt.png"))) == world.num_images
     assert res["summary"].failed == []
 
 

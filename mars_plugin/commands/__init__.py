@@ -11,7 +11,8 @@ The commands:
 * ``centroids.py``, ``debias.py``, ``evaluate.py``, ``report.py`` -- ``mars centroids``,
   ``debias``, ``evaluate`` (mIoU as VOC computes it: ``metrics.py``), ``report``; their settings records and flags in
   ``centroids_settings.py``, ``debias_settings.py``, ``evaluate_settings.py``,
-  ``report_settings.py``.
+  ``report_settings.py``; ``report_html.py``: what ``report.html`` shows and its thumbnails
+  (written by the I/O workers).
 * ``train.py`` / ``predict.py`` -- ``mars train`` / ``mars predict`` (the paper's second step, on
   :mod:`mars_plugin.networks`); ``train_data.py``: what a training run reads, checked before
   step 1 and recorded with its checkpoint; ``train_settings.py``: the run's settings record and

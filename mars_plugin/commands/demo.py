@@ -5,7 +5,8 @@
 3. train a small segmentation network twice, plain CE on the pseudo labels and MARS
    (``complement_labels`` with an EMA teacher + ``WCELoss``) on the debiased labels;
 4. compare (a) pseudo labels, (b) debiased labels, (c) plain CE, (d) MARS on held-out images:
-   one per-class IoU/FP/FN table, ``metrics.json``, a bar chart and overlays under ``--out``.
+   one per-class IoU/FP/FN table, ``metrics.json``, a bar chart and overlays under ``--out``;
+5. with the world written: ``report_html/report.html``, the held-out images to browse.
 
 ``--out`` is the demo's own folder: every file it writes is listed in ``mars_demo_manifest.json``
 (before it is written), a re-run deletes exactly the files of the previous run's manifest (so no
@@ -39,6 +40,8 @@ __all__ = ["TinySegNet", "train_segmenter", "predict", "run_demo", "MANIFEST", "
 
 #: The list of files a ``mars demo`` run wrote into its ``--out`` folder (relative paths).
 MANIFEST = "mars_demo_manifest.json"
+#: The folder of the demo's ``report.html`` (``mars report`` on the held-out images).
+HTML_DIR = "report_html"
 
 # The pseudo labels' boundary noise: CAM-like, spilling over an object's boundary more often than
 # falling short of it. MARS removes a spilled rim (it looks like the background) but cannot restore an
@@ -166,6 +169,15 @@ class _Manifest:
             if rel not in known:
                 self.files.append(rel)
                 known.add(rel)
+        self._save()
+
+    def prune(self, folder: str) -> None:
+        """Drop the files under ``folder`` listed ahead that the run did not write (a picture with
+        nothing to draw)."""
+        self.files = [f for f in self.files if not f.startswith(folder + "/") or (self.root / f).is_file()]
+        self._save()
+
+    def _save(self) -> None:
         text = json.dumps({"written_by": "mars demo", "files": self.files}, indent=1) + "\n"
         atomic_write(self.root / MANIFEST, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
@@ -323,7 +335,29 @@ def _demo(s: DemoSettings, out: Union[str, os.PathLike]) -> Dict[str, object]:
     _pictures(run, columns, pred_plain, pred_mars)
     if s.write_world:
         _write_world_folders(run)
+        _html_report(run, columns)
     return _write_metrics(run, columns)
+
+
+def _html_report(run: _Demo, columns: Mapping[str, Any]) -> None:
+    """``report_html/``: ``mars report`` on the held-out images (``world/val``), with their ground
+    truth, the table's columns (a) and (b) and the centroid ranking: ``report.html`` to browse."""
+    from mars_plugin.commands.report import report_job
+    from mars_plugin.commands.report_html import HtmlExtras
+    from mars_plugin.commands.reproduce_report import PICTURES
+    from mars_plugin.pictures.html_report import DATA_NAME, PAGE_NAME
+    from mars_plugin.pictures.report_thumbnails import thumb_names
+
+    t0, val, out = time.perf_counter(), run.out_dir / "world" / "val", run.out_dir / HTML_DIR
+    names = ["report.json", PAGE_NAME, DATA_NAME] + [name for _, name in PICTURES]
+    names += [p for i in range(len(run.val.stems)) for p in thumb_names(i, True).values()]
+    run.manifest.add([out / n for n in names])  # before they are written; then what was not drawn is dropped
+    extras = HtmlExtras(gt_dir=val / "gt", centroids=run.centroids, title="mars demo: held-out images (world/val)",
+                        scores={"pseudo": columns["(a) WSSS pseudo"], "debiased": columns["(b) debiased"]})
+    report_job(val / "labels", val / "debiased", val / "images", out, html=extras,
+               class_names=list(run.world.class_names), progress=False)
+    run.manifest.prune(HTML_DIR)
+    run.clock.lap("report.html", t0)
 
 
 def _make_world(run: _Demo) -> None:
@@ -462,6 +496,7 @@ def _write_metrics(run: _Demo, columns: Mapping[str, Any]) -> Dict[str, object]:
     metrics["timings_s"]["total"] = round(time.perf_counter() - run.clock.start, 2)
     atomic_write(out_dir / "metrics.json", lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2)))
     print(f"[mars demo] wrote {out_dir}/metrics.json, iou_per_class.png, overlays.png, centroids.pt"
+          + (f", {HTML_DIR}/report.html (open it in a browser)" if s.write_world else "")
           + (f", world/train and world/val (try: mars report --labels {out_dir}/world/train/labels --debiased "
              f"{out_dir}/world/train/debiased --images {out_dir}/world/train/images --out {out_dir}/report "
              f"--class-names {out_dir}/world/classes.json)" if s.write_world else ""))

@@ -24,6 +24,7 @@ from mars_plugin.commands.inputs import (
     check_label_values,
 )
 from mars_plugin.commands.debias import _removed_per_class
+from mars_plugin.commands.report_html import HtmlExtras
 from mars_plugin.commands.report_settings import ReportSettings
 
 __all__ = ["report_job", "run_report_command"]
@@ -49,6 +50,7 @@ def report_job(
     out_dir: os.PathLike,
     *,
     settings: Optional[ReportSettings] = None,
+    html: Optional[HtmlExtras] = None,
     **keywords: Any,
 ) -> Tuple[Dict[str, object], JobSummary]:
     """Which classes were biased: per-class share of pseudo-label pixels marked biased.
@@ -68,6 +70,9 @@ def report_job(
       and the definition of the share under the chart;
     * ``most_changed.png``: overlays of the ``num_examples`` images with the largest share of
       removed foreground pixels (none when 0);
+    * ``report.html``, ``report_data.js`` and ``thumbs/``: the page to look through what was
+      marked biased, class by class (:mod:`mars_plugin.commands.report_html`; ``html``: its
+      ground truth, scores, centroids);
     * ``per_class.png``: for each class in ranking order (the first :data:`MAX_GRID_CLASSES`),
       its ``per_class`` images with the largest share of that class's pixels removed (ties: more
       removed pixels first), only images where some were removed (none when 0).
@@ -90,6 +95,7 @@ def report_job(
     stems = _stems(debiased_dir, flag="--debiased")
     check_input_folder(labels_dir, "--labels", stems, (".png",), "pseudo-label", of="debiased labels")
     check_images_folder(images_dir, stems, labels_dir=labels_dir, of="debiased labels")
+    html = _html_extras(s, html, out_dir, stems)
     tally = _tally(s, folders, stems)
     if not tally.total:
         raise JobError(f"--labels {labels_dir}: no foreground pixel in any pseudo label read ({tally.summary.done}): "
@@ -97,7 +103,38 @@ def report_job(
     ranked = _rank(s, tally)
     out = Path(out_dir)
     _check_out_dir(out, "--out")
-    return _write_report(s, folders, tally, ranked, out), tally.summary
+    return _write_report(s, folders, tally, ranked, out, _scored(s, folders, tally, ranked, html)), tally.summary
+
+
+def _html_extras(s: ReportSettings, html: Optional[HtmlExtras], out_dir: os.PathLike,
+                 stems: Sequence[str]) -> HtmlExtras:
+    """``--gt`` and ``--centroids`` checked (before anything is read) into the page's extras."""
+    if html is not None and (s.gt_dir or s.centroids):
+        raise ValueError("give gt_dir/centroids as settings or in html=HtmlExtras(...), not both")
+    if html is not None:
+        return html
+    if s.gt_dir is not None:
+        check_out_apart(out_dir, "--out", {"--gt": s.gt_dir})
+        check_input_folder(s.gt_dir, "--gt", stems, (".png",), "ground-truth", of="debiased labels")
+    from mars_plugin.commands.inputs import load_centroids  # the one door: one-line errors naming the flag
+
+    return HtmlExtras(gt_dir=s.gt_dir, centroids=None if s.centroids is None else load_centroids(s.centroids))
+
+
+def _scored(s: ReportSettings, folders: "_Folders", tally: "_Tally", ranked: "_Ranking", html: HtmlExtras) -> HtmlExtras:
+    """``--gt`` given and no scores: the pseudo and debiased labels scored as ``mars evaluate``
+    scores them, on the images the report counted."""
+    if html.gt_dir is None or html.scores is not None:
+        return html
+    from dataclasses import replace
+
+    from mars_plugin.commands.evaluate import evaluate_job
+
+    counted = [stem for stem, _ in tally.images]
+    scores = {key: evaluate_job(folder, html.gt_dir, len(ranked.class_names) - 1, stems=counted,
+                                on_error=s.on_error, progress=False)[0]
+              for key, folder in (("pseudo", folders.labels), ("debiased", folders.debiased))}
+    return replace(html, scores=scores)
 
 
 @dataclass(frozen=True)
@@ -121,9 +158,11 @@ class _Tally:
     removed: Dict[int, int] = field(default_factory=dict)
     per_image: List[Tuple[float, str]] = field(default_factory=list)
     per_class_images: Dict[int, List[Tuple[float, int, int, str]]] = field(default_factory=dict)
+    images: List[Tuple[str, Dict[int, Tuple[int, int]]]] = field(default_factory=list)  # report.html's
 
     def add(self, stem: str, counts: Dict[int, Tuple[int, int]]) -> None:
         """One image's {class: (pixels, removed)}."""
+        self.images.append((stem, dict(counts)))
         for c, (t_c, r_c) in counts.items():
             self.total[c] = self.total.get(c, 0) + t_c
             self.removed[c] = self.removed.get(c, 0) + r_c
@@ -205,7 +244,7 @@ def _report_dict(tally: _Tally, r: _Ranking) -> Dict[str, object]:
 
 
 def _write_report(s: ReportSettings, folders: _Folders, tally: _Tally, ranked: _Ranking,
-                  out: Path) -> Dict[str, object]:
+                  out: Path, html: HtmlExtras) -> Dict[str, object]:
     """The chart, the overlays and ``report.json`` written into ``out``, under its lock; returns
     the report."""
     from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
@@ -226,6 +265,7 @@ def _write_report(s: ReportSettings, folders: _Folders, tally: _Tally, ranked: _
 
     try:
         _report_outputs(stage, ranked, tally, folders, s.on_error)
+        _html_outputs(stage, set(staged), ranked, tally, folders, out, html, s.on_error)
         report = _report_dict(tally, ranked)
         Path(stage("report.json")).write_text(json.dumps(report, indent=2))
         umask = os.umask(0)
@@ -239,6 +279,28 @@ def _write_report(s: ReportSettings, folders: _Folders, tally: _Tally, ranked: _
                 os.unlink(tmp)
         lock.release()
     return report
+
+
+def _html_outputs(stage: Callable[[str], str], drawn: set, r: _Ranking, tally: _Tally, folders: _Folders,
+                  out: Path, html: HtmlExtras, on_error: str) -> None:
+    """``report.html`` and ``report_data.js`` staged, the thumbnails written (each atomically,
+    named by position: a re-run writes the same files)."""
+    from mars_plugin.commands.report_html import html_data, write_report_thumbnails
+    from mars_plugin.commands.reproduce_report import PICTURES
+    from mars_plugin.pictures.html_report import page_files
+
+    stems = [stem for stem, _ in tally.images]
+
+    def on_fail(stem: str, e: BaseException) -> None:  # --on-error, once a file (the overlays may have seen it)
+        if stem not in {f for f, _ in tally.summary.failed}:
+            _fail(stem, e, on_error, tally.summary)
+
+    write_report_thumbnails(out, stems, folders.labels, folders.debiased, folders.images, html.gt_dir, html.io_workers,
+                            on_fail)
+    figures = [(alt, name) for alt, name in PICTURES if name in drawn]
+    data = html_data(r.class_names, r.ranking, tally.images, SHARE_DEFINITION, figures, html)
+    for name, text in page_files(data).items():
+        Path(stage(name)).write_text(text, encoding="utf-8")
 
 
 def _probe_image(path: Path, shape: Tuple[int, int]) -> None:

@@ -25,7 +25,8 @@ class ReportSettings:
     """What ``mars report`` shows: ``class_names`` (background first; None: "class c"),
     ``num_examples`` most-changed images, ``per_class`` images of each class; ``ignore_index``:
     the labels' ignore byte; ``on_error``: a bad file stops the run or is skipped;
-    ``progress``: a progress bar."""
+    ``progress``: a progress bar; ``gt_dir``: ground-truth PNGs (``report.html`` then shows
+    IoU/FP/FN and a ground-truth panel); ``centroids``: the centroids file (its Eq. 1-3 ranking)."""
 
     class_names: Optional[Sequence[str]] = None
     num_examples: int = 8
@@ -33,6 +34,8 @@ class ReportSettings:
     ignore_index: int = IGNORE_VALUE
     on_error: str = "stop"
     progress: bool = True
+    gt_dir: Optional[str] = None
+    centroids: Optional[str] = None
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 -- frozen: normalised once here
@@ -54,7 +57,7 @@ class ReportSettings:
         """``mars report``'s parsed flags -> the settings (checked); ``--class-names`` is read."""
         return cls(class_names=_class_names(args.class_names), num_examples=args.num_examples,
                    per_class=args.per_class, ignore_index=args.ignore_index, on_error=args.on_error,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, gt_dir=args.gt, centroids=args.centroids)
 
 
 HELP = "which classes were biased: chart and overlays"
@@ -76,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-class", type=T.per_class, default=2,
                    help="for each class, its N images with the largest share of that class's pixels removed "
                         "(per_class.png; 0: none)")
+    p.add_argument("--gt", default=None,
+                   help="folder of ground-truth PNGs: report.html then scores the pseudo and debiased labels "
+                        "(IoU, FP, FN per class) and shows each image's ground truth")
+    p.add_argument("--centroids", default=None,
+                   help="the centroids file of 'mars centroids' (V.pt): report.html draws each class's ranking")
     add_common_arguments(p)
 
 
@@ -84,4 +92,4 @@ SETTINGS = ReportSettings
 API = "mars_plugin.commands.report:report_job"
 #: flag dest -> Python keyword, where the names differ (--class-names: the file, read into the names)
 FLAG_KEYWORDS = {"labels": "labels_dir", "debiased": "debiased_dir", "images": "images_dir", "out": "out_dir",
-                 "no_progress": "progress"}
+                 "no_progress": "progress", "gt": "gt_dir"}

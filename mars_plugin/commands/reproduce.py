@@ -81,6 +81,7 @@ from mars_plugin.commands.debias import debias_job
 from mars_plugin.commands.evaluate import evaluate_job
 from mars_plugin.commands.label_formats import LabelFormat
 from mars_plugin.commands.report import report_job
+from mars_plugin.commands.report_html import HtmlExtras
 from mars_plugin.runs.errors import JobError, JobSummary, few, one_line
 from mars_plugin.runs.output_aside import OutputAside
 from mars_plugin.runs.run_lock import LOCK_NAME, RunLock, remove_stale_tmp
@@ -381,7 +382,10 @@ class _Run:
 
     def _report(self, ref_scores: Dict[str, Any]) -> Dict[str, Any]:
         s, out = self.s, self.out
-        removal, js = report_job(s.pseudo_dir, self.debiased, self.image_dir, out / "report",
+        html = HtmlExtras(gt_dir=self.mask_dir, centroids=self.centroids_path,
+                          scores={"pseudo": self.scores["pseudo"], "debiased": self.scores["debiased"]},
+                          title=f"MARS reproduction: {s.data} {s.domain}")
+        removal, js = report_job(s.pseudo_dir, self.debiased, self.image_dir, out / "report", html=html,
                                  class_names=self.inputs.class_names, num_examples=s.num_examples,
                                  on_error=s.on_error, progress=self.progress)
         self._summary(js, "report", ranked=False)
@@ -392,6 +396,7 @@ class _Run:
             "stages": self.state.data["stages"],
             "pictures": [(alt, f"report/{name}") for alt, name in PICTURES if (out / "report" / name).is_file()],
             "references_left_out": ev.get("references_left_out", []),
+            "html": "report/report.html" if (out / "report" / "report.html").is_file() else None,
         }, references=ref_scores, agreement=self.scores.get("agreement", {}))
         atomic_write(out / "report.md", lambda tmp: Path(tmp).write_text(text))
         return {}

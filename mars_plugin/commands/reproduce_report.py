@@ -323,6 +323,9 @@ def _tail(info: Mapping[str, Any]) -> List[str]:
     else:
         lines.append("None: every image went through every stage.")
     lines += ["", "## Pictures", ""]
+    if info.get("html"):
+        lines += [f"Every image, class by class (image, pseudo label, debiased label, ground truth) and each class's "
+                  f"centroid ranking: [{info['html']}]({info['html']}), a page that opens offline in a browser.", ""]
     for alt, rel in info.get("pictures", []):
         lines += [f"![{alt}]({rel})", ""]
     if not info.get("pictures"):

@@ -78,6 +78,10 @@ class DebiasedCentroids:
         background_mean: (D,) mean of the normalised background centroids (Eq. 1).
         num_images: images consumed.
         config: the hyper-parameters used (alpha, k_fg, k_bg, normalize, seed).
+        candidate_distances: (sum of num_candidates[1:],) float64 or None: every foreground
+            candidate's Eq. 1 distance to the background, class 1's first, each class's sorted
+            farthest first (its first num_selected[c] were averaged): the ranking that
+            ``report.html`` draws. None in files written before it was stored.
     """
 
     centroids: torch.Tensor
@@ -88,6 +92,14 @@ class DebiasedCentroids:
     background_mean: torch.Tensor
     num_images: int
     config: Dict[str, Union[float, int, bool]] = field(default_factory=dict)
+    candidate_distances: Optional[torch.Tensor] = None
+
+    def class_distances(self, c: int) -> Optional[torch.Tensor]:
+        """Class ``c``'s candidates' Eq. 1 distances, farthest first (None: not stored)."""
+        if self.candidate_distances is None or not 1 <= c <= self.num_classes:
+            return None
+        start = int(self.num_candidates[1:c].sum())
+        return self.candidate_distances[start : start + int(self.num_candidates[c])]
 
     @property
     def num_classes(self) -> int:
@@ -103,10 +115,12 @@ class DebiasedCentroids:
         return DebiasedCentroids(
             t(self.centroids), t(self.valid), t(self.num_candidates), t(self.num_selected),
             t(self.cut_distance), t(self.background_mean), self.num_images, dict(self.config),
+            None if self.candidate_distances is None else t(self.candidate_distances),
         )
 
     def state_dict(self) -> Dict[str, object]:
-        return {
+        extra = {} if self.candidate_distances is None else {"candidate_distances": self.candidate_distances.cpu()}
+        return {**extra,
             "format": "mars-plugin/debiased-centroids/1",
             "centroids": self.centroids.cpu(),
             "valid": self.valid.cpu(),
@@ -136,6 +150,7 @@ class DebiasedCentroids:
         return cls(
             d["centroids"], d["valid"], d["num_candidates"], d["num_selected"], d["cut_distance"],
             d["background_mean"], int(d["num_images"]), dict(d["config"]),
+            d.get("candidate_distances"),  # absent in files written before it was stored
         )
 
 
@@ -319,6 +334,7 @@ def _select(acc: _Accumulator, state, num_classes, alpha, world, process_group) 
     cut = torch.full((C1,), float("nan"), dtype=torch.float64)
     n_cand[0] = n_bg
     chosen: Dict[int, torch.Tensor] = {}
+    ranked: List[torch.Tensor] = []  # each class's distances, farthest first (report.html)
     for c in sorted({c for part in per_rank for c in part}):
         parts = [part.get(c, (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
                               torch.zeros(0, dtype=torch.long))) for part in per_rank]
@@ -330,6 +346,7 @@ def _select(acc: _Accumulator, state, num_classes, alpha, world, process_group) 
         start = sum(p[0].numel() for p in parts[:acc.rank])  # this rank's slice of the concatenation
         chosen[c] = flags[start : start + parts[acc.rank][0].numel()]
         n_cand[c], n_sel[c], cut[c] = dist.numel(), k, dist[order[k - 1]]
+        ranked.append(dist[order].to(torch.float64))
     sums = acc.selected_sums(chosen, dim)
     per_rank_sums = [sums] if world == 1 else _all_gather(sums, process_group)
     cents = torch.zeros(C1, dim, dtype=torch.float32)
@@ -338,4 +355,5 @@ def _select(acc: _Accumulator, state, num_classes, alpha, world, process_group) 
         total = sum(s[c] for s in per_rank_sums)  # rank order: the same float sum on every rank
         cents[c] = (total / int(n_sel[c])).float()
         valid[c] = True
-    return DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, {})
+    distances = torch.cat(ranked) if ranked else torch.zeros(0, dtype=torch.float64)
+    return DebiasedCentroids(cents, valid, n_cand, n_sel, cut, bg_mean.float(), n_images, {}, distances.cpu())
