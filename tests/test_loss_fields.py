@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
+import torch.nn as nn
 
 from mars_plugin import cli
 from mars_plugin.commands.recipe_uses import LOSS_DEFAULTS, UNUSED
@@ -192,3 +194,44 @@ def test_reproduce_train_options_meet_the_same_check(tmp_path) -> None:
         train_after_reproduce(root, out, train_options={"loss": "ce", "ema": 0.5}, progress=False, log=lambda m: None)
     assert not (out / "train").exists()
 
+
+# ----------------------------------------------------------------------------------------------
+# the library's teacher: momentum 1 never moves it (a random initialisation at the start)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+
+
+def _frozen_warnings(make) -> List[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make()
+    return [w for w in seen if issubclass(w.category, UserWarning) and "never moves" in str(w.message)]
+
+
+@pytest.mark.parametrize("momentum, count", [(1.0, 1), (1, 1), (0.999, 0), (0.0, 0)])
+def test_a_teacher_of_momentum_1_is_taken_with_one_warning(momentum, count) -> None:
+    """EMATeacher and MARSTrainingHook accept momentum 1 (a frozen reference, as test_ema uses
+    it) with one UserWarning per construction that says the teacher never moves; none otherwise."""
+    from mars_plugin import EMATeacher
+    from mars_plugin.adapters.training_hook import MARSTrainingHook
+
+    for make in (lambda: EMATeacher(_net(), momentum=momentum), lambda: MARSTrainingHook(_net(), momentum=momentum)):
+        seen = _frozen_warnings(make)
+        assert len(seen) == count, [str(w.message) for w in seen]
+        if count:
+            assert "the paper's momentum is 0.999" in str(seen[0].message)
+            assert not seen[0].filename.endswith("ema.py")  # it points at the caller
+
+
+def test_a_restored_momentum_of_1_warns_too() -> None:
+    """A hook restored from a state of momentum 1 freezes its teacher from there on: said once."""
+    from mars_plugin.adapters.training_hook import MARSTrainingHook
+
+    hook = MARSTrainingHook(_net())
+    state = dict(hook.state_dict(), momentum=1.0)
+    assert len(_frozen_warnings(lambda: hook.load_state_dict(state))) == 1
+    assert hook.teacher.momentum == 1.0
+    assert _frozen_warnings(lambda: hook.load_state_dict(dict(state, momentum=0.9))) == []
