@@ -73,6 +73,31 @@ def test_every_loss_setting_is_probed_and_has_its_row() -> None:
         assert any(row.field == field and row.by == "with loss='ce'" for row in UNUSED), field
 
 
+#: the fields of what a run is whose default is a plain value: each read by every run
+_ALWAYS_READ = {"recipe": "the recipe every field left out comes from", "loss": "the loss itself",
+                "seed": "the initialisation, the data order and the augmentation", "amp": "recorded as used"}
+
+
+def test_a_setting_with_a_default_value_is_read_by_every_run_or_a_paper_default() -> None:
+    """The door: a setting whose default is a value cannot tell a value given from none, so it
+    must be one every run reads, or default to a PaperDefault (and have its rows in the table).
+    A new MARS-only field with a plain default fails here."""
+    import dataclasses
+
+    from mars_plugin.commands.recipe_uses import PaperDefault
+
+    plain = {f.name for f in dataclasses.fields(TrainSettings) if f.init and not f.metadata.get("run")
+             and f.default is not None and f.default is not dataclasses.MISSING
+             and not isinstance(f.default, PaperDefault)}
+    assert plain == set(_ALWAYS_READ)
+    paper = {f.name for f in dataclasses.fields(TrainSettings) if isinstance(f.default, PaperDefault)}
+    assert paper == set(LOSS_DEFAULTS)
+    from mars_plugin.commands.cli_parser import build_parser
+
+    args = build_parser().parse_args(["train", "--images", "i", "--labels", "l", "--out", "o"])
+    assert all(getattr(args, k) is LOSS_DEFAULTS[k] for k in LOSS_DEFAULTS)  # the flags' defaults too
+
+
 @pytest.mark.parametrize("field, text, value", _CASES, ids=_IDS)
 def test_a_loss_setting_given_with_ce_is_refused_on_the_command_line(tree, tmp_path, capsys, field, text,
                                                                      value) -> None:
