@@ -43,11 +43,13 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 __all__ = ["Unused", "UNUSED", "GROUPS", "LOSS_DEFAULTS", "PaperDefault", "param_groups_of", "unused_reason",
            "check_used"]
 
+
 class PaperDefault:
     """A setting of the MARS loss left out: the paper's ``value``, the default of its field and
     of its flag. It reads as its value (``--help`` says "(default: 0.999)", the signature
-    ``ema=0.999``) but is not one: :class:`~mars_plugin.commands.train_settings.TrainSettings` resolves it to ``value`` knowing that
-    nothing was given, where a value typed (even the paper's) is a value given."""
+    ``ema=0.999``) but is not one: :class:`~mars_plugin.commands.train_settings.TrainSettings`
+    resolves it to ``value`` knowing that nothing was given, where a value typed (even the
+    paper's) is a value given."""
 
     __slots__ = ("value",)
 

@@ -62,8 +62,6 @@ RUN_KEYS = ("recipe", "arch", "backbone", "output_stride", "num_classes", "loss"
             "optimizer", "weights", "normalization", "augmentation", "nesterov", "bn_momentum", "bn_head",
             "bn_affine", "frozen_layers", "poly_max_offset", "drop_last", "msc_scales")
 
-
-
 _RUN = {"run": True}  # a field of how this process runs, not of what the run is
 # the recipe's augmentation_params names of min_size / max_size (DHR's --min_image / --max_image)
 _AUG_NAMES = {"min_size": "min_image", "max_size": "max_image"}
@@ -156,7 +154,7 @@ class TrainSettings:
                     else getattr(rec, k))
         self._check(put)
         T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
-        from mars_plugin.commands.recipe_uses import check_used
+        from mars_plugin.commands.recipe_uses import check_used  # looked up here: tests lift it
 
         check_used(self)  # an override the recipe's run (or its loss) would not read is refused, naming it
         # what the run does not use is None, as the record has always said (a value given for it
@@ -292,8 +290,8 @@ class TrainSettings:
     def from_record(cls, record: Mapping[str, Any], **run: Any) -> "TrainSettings":
         """The settings a :meth:`record` holds (its recipe, its overrides, its other fields; the
         facts and the recipe's resolved fields are left), with ``run``'s run fields; checked again.
-        A loss setting recorded as leaving it out gives it (the record does not say whether the
-        paper's value was typed: the run is the same) is left out."""
+        A loss setting recorded at the value that leaving it out gives is left out (the record
+        does not say whether the paper's value was typed; the run is the same)."""
         overrides = set(record.get("overrides") or ())
         keep = {f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("run")}
         paper = {k: d.value if record.get("loss", "mars") == "mars" else None for k, d in LOSS_DEFAULTS.items()}
