@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mars_plugin import EMATeacher, WCELoss, complement_labels
+from mars_plugin.method.ema import frozen_teacher_warning
 from mars_plugin._checks import as_tensor, check_fraction, describe
 from mars_plugin.method.centroid_pixels import resize_label
 from mars_plugin.engines.crf_params import check_crf_backend, check_crf_params
@@ -74,7 +75,8 @@ class MARSTrainingHook:
 
     Args:
         model: the segmentation network being trained (the student); deep-copied as the teacher.
-        momentum: EMA momentum of the teacher (0.999, Sec. 3.4).
+        momentum: EMA momentum of the teacher (0.999, Sec. 3.4); 1 (a teacher that never moves
+            from ``model``'s weights of now) is taken with a ``UserWarning``.
         ignore_index: ignored label value (255 in every WSSS repository).
         biased_value: how biased pixels are stored in the label files (254); -1 is accepted too.
         match: where logits and labels meet when their sizes differ: ``"labels"`` resizes the
@@ -324,6 +326,7 @@ class MARSTrainingHook:
                 raise ValueError(f"state['teacher'][{k!r}] has shape {tuple(v.shape)}, the teacher's is "
                                  f"{tuple(dst[k].shape)}")
         momentum = check_fraction(state.get("momentum", self.teacher.momentum), "state['momentum']", low_open=False)
+        frozen_teacher_warning(momentum)  # a restored momentum of 1 freezes the teacher from here on
         with torch.no_grad():
             for k, v in src.items():
                 dst[k].copy_(v)

@@ -1,11 +1,17 @@
-"""Which ``mars train`` setting each recipe uses: one table (:data:`UNUSED`), one check
-(:func:`check_used`) that every settings record of a training run goes through once it is
-resolved against its recipe (:class:`~mars_plugin.commands.train_settings.TrainSettings`, which
-``mars train``, ``mars reproduce --train`` and the Python API all build).
+"""Which ``mars train`` setting each recipe and each loss uses: one table (:data:`UNUSED`), one
+check (:func:`check_used`) that every settings record of a training run goes through once it
+is resolved against its recipe (:class:`~mars_plugin.commands.train_settings.TrainSettings`,
+which ``mars train``, ``mars reproduce --train`` and the Python API all build).
 
 A recipe field given (an *override*) that the run would not read is refused with one line
 naming it, the recipe and what the run does instead: ``loss_grid`` given to the
 ``deeplab-pytorch`` recipe used to be recorded as an override and to train bit-identically.
+So is a setting of the MARS loss (:data:`LOSS_DEFAULTS`: ``refine``, ``crf_params``, ``ema``,
+each left out the paper's, a :class:`PaperDefault`) given to a run that trains plain CE
+(``loss="ce"``: no teacher, so no refinement and no EMA; ``train._build`` builds no hook and
+``train._step`` takes ``train_dhr.ce_loss_sum`` or MSC's CE) or ``crf_params`` where no CRF
+runs (``refine`` ``"none"``/None): ``--ema 0.5 --loss ce`` used to train bit-identically to
+``--loss ce``. None given is no value (what such a run records).
 The table says *when* a field changes nothing; every other (recipe, field) is used. Each row is
 read off the code that consumes the field (:mod:`mars_plugin.commands.train`):
 
@@ -34,7 +40,32 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-__all__ = ["Unused", "UNUSED", "GROUPS", "param_groups_of", "unused_reason", "check_used"]
+__all__ = ["Unused", "UNUSED", "GROUPS", "LOSS_DEFAULTS", "PaperDefault", "param_groups_of", "unused_reason",
+           "check_used"]
+
+
+class PaperDefault:
+    """A setting of the MARS loss left out: the paper's ``value``, the default of its field and
+    of its flag. It reads as its value (``--help`` says "(default: 0.999)", the signature
+    ``ema=0.999``) but is not one: :class:`~mars_plugin.commands.train_settings.TrainSettings`
+    resolves it to ``value`` knowing that nothing was given, where a value typed (even the
+    paper's) is a value given."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+#: The settings only the MARS loss reads (plain CE, ``loss="ce"``, has no teacher to refine or
+#: to average), each left out: the paper's (Sec. 3.4: the dense CRF of DHR's ``mars`` preset, EMA 0.999).
+LOSS_DEFAULTS = {"refine": PaperDefault("crf"), "crf_params": PaperDefault("mars"), "ema": PaperDefault(0.999)}
 
 #: The order of ``lr_mults`` / ``decay`` (the recipe's groups) by :func:`~mars_plugin.networks.deeplab.param_groups`' names.
 GROUPS = ("backbone_weight", "backbone_bias", "head_weight", "head_bias")
@@ -46,12 +77,14 @@ _FULL_SIZE_LOGITS = ("deeplabv3+", "deeplabv1-wr38")
 @dataclass(frozen=True)
 class Unused:
     """A field (``index``: one entry of a per-group tuple) that a run of settings ``s`` does not
-    use where ``when(s)``; ``why`` (formatted with ``s``) says what the run does instead."""
+    use where ``when(s)``; ``why`` (formatted with ``s``) says what the run does instead, ``by``
+    what leaves it unused (the recipe, or another setting: ``"with loss='ce'"``)."""
 
     field: str
     when: Callable[[Any], bool]
     why: str
     index: Optional[int] = None
+    by: str = "by the {s.recipe} recipe"
 
 
 def _msc(s: Any) -> bool:
@@ -113,6 +146,11 @@ class _Keyed:
         return isinstance(other, _Keyed) and other.key == self.key
 
 
+def _ce(s: Any) -> bool:
+    return s.loss == "ce"
+
+
+_WITH_CE = "with loss='ce'"
 _RESIZE = "its augmentation ({s.spec.augmentation}) scales the image by its own factors ({aug}), not to a longer side"
 _GROUP = "its network ({s.arch}, BatchNorm {s.bn}) puts no parameter in the {group} group"
 
@@ -127,12 +165,19 @@ UNUSED: Tuple[Unused, ...] = (
     # one row per entry: the group it names may be empty (no bias in the backbone, BatchNorm frozen)
     *(Unused(f, functools.partial(_group_empty, i=i), _GROUP, index=i) for f in ("lr_mults", "decay")
       for i in range(len(GROUPS))),
+    # the MARS loss's settings: plain CE builds no teacher hook (train._build); no CRF, no crf_params
+    Unused("refine", _ce, "plain cross-entropy has no teacher whose labels a CRF would refine", by=_WITH_CE),
+    Unused("crf_params", _ce, "plain cross-entropy runs no CRF", by=_WITH_CE),
+    Unused("crf_params", lambda s: s.refine in (None, "none"), "the teacher's labels are not refined: no CRF runs",
+           by="with refine='none'"),
+    Unused("ema", _ce, "plain cross-entropy trains without the EMA teacher", by=_WITH_CE),
 )
 
 
 def _given(s: Any, row: Unused) -> bool:
-    """Whether ``s`` gives ``row``'s field (an override; for one entry: other than the recipe's)."""
-    if row.field not in s.overrides:
+    """Whether ``s`` gives ``row``'s field (an override; for one entry: other than the recipe's;
+    of the loss: not None, the value of a run that does not use it)."""
+    if row.field not in s.overrides or (row.field in LOSS_DEFAULTS and getattr(s, row.field) is None):
         return False
     if row.index is None:
         return True
@@ -147,15 +192,15 @@ def unused_reason(s: Any, field: str) -> Optional[str]:
             name = row.field if row.index is None else f"{row.field}[{row.index}]"
             aug = ", ".join(f"{k} {v}" for k, v in s.spec.augmentation_params if k in ("scale", "scales"))
             group = GROUPS[row.index].replace("_", " ") if row.index is not None else ""
-            return f"{name} is not used by the {s.recipe} recipe ({row.why.format(s=s, aug=aug, group=group)}); " \
+            return f"{name} is not used {row.by.format(s=s)} ({row.why.format(s=s, aug=aug, group=group)}); " \
                    "leave it out"
     return None
 
 
 def check_used(s: Any) -> None:
-    """Refuse (ValueError, one line naming the field and the recipe) the first override of the
-    settings ``s`` (a resolved :class:`~mars_plugin.commands.train_settings.TrainSettings`) that its
-    run would not use."""
+    """Refuse (ValueError, one line naming the field and the recipe or the setting that leaves it
+    unused) the first override of the settings ``s`` (a resolved
+    :class:`~mars_plugin.commands.train_settings.TrainSettings`) that its run would not use."""
     for field in dict.fromkeys(row.field for row in UNUSED):
         reason = unused_reason(s, field)
         if reason is not None:

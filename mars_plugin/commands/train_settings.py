@@ -16,9 +16,18 @@ Fields are of two more kinds (``metadata["run"]``): what the run *is* (recorded 
 :data:`RUN_KEYS`, compared) and how this process runs it (device, data-loading workers,
 checkpoint and log cadence, memory budget: not recorded, free to change on a resume).
 
+The MARS loss's own settings (``refine``, ``crf_params``, ``ema``:
+:data:`~mars_plugin.commands.recipe_uses.LOSS_DEFAULTS`) are the paper's unless given, the
+same way: left out, the field (and the flag) holds a
+:class:`~mars_plugin.commands.recipe_uses.PaperDefault`, resolved here; one given is named in
+``overrides`` too, so that a value given where the run would not read it (``loss="ce"``: plain
+CE has no teacher) is refused (:func:`~mars_plugin.commands.recipe_uses.check_used`) instead of
+dropped.
+
 The record holds every key ``mars train`` wrote before recipes (same names, same values for
 the same run: ``weights`` as the file's base name, ``refine``/``crf_params``/``ema`` None for
-``loss="ce"``) plus ``recipe``, ``overrides`` and the recipe's resolved fields; a checkpoint
+``loss="ce"``) plus ``recipe``, ``overrides`` (the recipe's fields given: a run records the
+same whether the paper's 0.999 was typed or left out) and the recipe's resolved fields; a checkpoint
 written before recipes has no ``recipe`` and is refused on a resume as another run (``recipe:
 None -> 'dhr'``; ``--restart`` or another ``--out``).
 """
@@ -33,6 +42,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from mars_plugin._checks import check_int_param, check_num_classes, check_real_param, check_seed
 from mars_plugin.commands import cli_types as T
 from mars_plugin.commands.cli_flags import crf_params_argument
+from mars_plugin.commands.recipe_uses import LOSS_DEFAULTS, PaperDefault
 from mars_plugin.networks.recipes import (DEFAULT_RECIPE, RECIPE_NAMES, Recipe, get_recipe, iterations_for_epochs,
                                           recipe_to_dict)
 from mars_plugin.runs.output_aside import STALE_DIR
@@ -65,7 +75,8 @@ class TrainSettings:
     :data:`RECIPE_FIELDS` left None are the recipe's (after construction they hold the resolved
     values, and ``overrides`` names those that were given). ``output_stride``/``bn`` given as
     None stay the recipe's; ``refine="none"`` is None; with ``loss="ce"`` ``refine``,
-    ``crf_params`` and ``ema`` are None (the baseline has no teacher). Of ``epochs`` and
+    ``crf_params`` and ``ema`` are None (the baseline has no teacher): a value given for one of
+    them is refused (None is no value), as ``crf_params`` with ``refine`` None. Of ``epochs`` and
     ``iterations`` one is set.
 
     The fields: ``arch, backbone, output_stride``: see :func:`mars_plugin.networks.deeplab.build_model`;
@@ -96,9 +107,9 @@ class TrainSettings:
     weights: Optional[str] = None
     bn: Optional[str] = None
     loss: str = "mars"
-    refine: Optional[str] = "crf"
-    crf_params: Union[str, Mapping[str, Any], None] = "mars"
-    ema: Optional[float] = 0.999
+    refine: Optional[str] = LOSS_DEFAULTS["refine"]  # type: ignore[assignment]
+    crf_params: Union[str, Mapping[str, Any], None] = LOSS_DEFAULTS["crf_params"]  # type: ignore[assignment]
+    ema: Optional[float] = LOSS_DEFAULTS["ema"]  # type: ignore[assignment]
     epochs: Optional[int] = None
     iterations: Optional[int] = None
     batch_size: Optional[int] = None
@@ -122,13 +133,18 @@ class TrainSettings:
     save_every: int = field(default=1000, metadata=_RUN)
     log_every: int = field(default=10, metadata=_RUN)
     max_bytes: Union[None, str, int] = field(default="auto", metadata=_RUN)
-    #: the recipe fields given (in :data:`RECIPE_FIELDS` order): set by the checks
+    #: the fields given of those with a default of their own: the recipe's (in
+    #: :data:`RECIPE_FIELDS` order; recorded), then the loss's (``LOSS_DEFAULTS``): set by the checks
     overrides: Tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 -- frozen: normalised once here
         rec = self.spec
-        put("overrides", tuple(k for k in RECIPE_FIELDS if getattr(self, k) is not None))
+        put("overrides", tuple(k for k in RECIPE_FIELDS if getattr(self, k) is not None)
+            + tuple(k for k in LOSS_DEFAULTS if not isinstance(getattr(self, k), PaperDefault)))
+        for k in LOSS_DEFAULTS:
+            if isinstance(getattr(self, k), PaperDefault):
+                put(k, getattr(self, k).value)
         if self.epochs is not None and self.iterations is not None:
             raise ValueError(f"epochs and iterations: give one, got epochs={self.epochs}, iterations={self.iterations}")
         aug = dict(rec.augmentation_params)
@@ -138,9 +154,15 @@ class TrainSettings:
                     else getattr(rec, k))
         self._check(put)
         T.check_fields(self, add_arguments, FLAG_KEYWORDS)  # then every flag's bounds, choices, switches (cli_types)
-        from mars_plugin.commands.recipe_uses import check_used
+        from mars_plugin.commands.recipe_uses import check_used  # looked up here: tests lift it
 
-        check_used(self)  # an override the recipe's run would not read is refused, naming it
+        check_used(self)  # an override the recipe's run (or its loss) would not read is refused, naming it
+        # what the run does not use is None, as the record has always said (a value given for it
+        # was refused just above)
+        mars = self.loss == "mars"
+        put("refine", None if not mars or self.refine == "none" else self.refine)
+        put("crf_params", self.crf_params if mars and self.refine else None)
+        put("ema", self.ema if mars else None)
 
     @property
     def overrides_schedule(self) -> bool:
@@ -190,11 +212,6 @@ class TrainSettings:
         if self.weights is not None:
             put("weights", os.fspath(self.weights))
         # amp: a bool, checked (not coerced: "no" is truthy) by T.check_fields as --no-amp's switch
-        # what the baseline does not use is None, as the record has always said
-        mars = self.loss == "mars"
-        put("refine", None if not mars or self.refine == "none" else self.refine)
-        put("crf_params", self.crf_params if mars and self.refine else None)
-        put("ema", self.ema if mars else None)
 
     @property
     def spec(self) -> Recipe:
@@ -242,7 +259,7 @@ class TrainSettings:
     def given(self) -> Dict[str, Any]:
         """The arguments that make this record: the overrides and every field of neither kind."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.init and (f.name not in RECIPE_FIELDS or f.name in self.overrides)}
+                if f.init and (f.name not in (*RECIPE_FIELDS, *LOSS_DEFAULTS) or f.name in self.overrides)}
 
     def replace(self, **changes: Any) -> "TrainSettings":
         """A copy with ``changes`` (recipe fields among them become overrides), checked again."""
@@ -256,11 +273,12 @@ class TrainSettings:
         ``labels``, ``world_size``) that are said, not compared."""
         spec = recipe_to_dict(self.spec)
         spec.pop("name")
-        spec["sources"] = {**spec["sources"], **{k: "override" for k in self.overrides}}
+        recipe_given = [k for k in self.overrides if k in RECIPE_FIELDS]  # the loss's are not the recipe's
+        spec["sources"] = {**spec["sources"], **{k: "override" for k in recipe_given}}
         spec["augmentation_params"] = [[k, self.min_size if k == "min_image" else self.max_size if k == "max_image"
                                         else v] for k, v in spec["augmentation_params"]]
         rec = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("run")}
-        rec.update(weights=os.path.basename(self.weights) if self.weights else None, overrides=list(self.overrides),
+        rec.update(weights=os.path.basename(self.weights) if self.weights else None, overrides=recipe_given,
                    lr_mults=list(self.lr_mults), decay=list(self.decay))
         if amp is not None:
             rec["amp"] = bool(amp)
@@ -271,10 +289,15 @@ class TrainSettings:
     @classmethod
     def from_record(cls, record: Mapping[str, Any], **run: Any) -> "TrainSettings":
         """The settings a :meth:`record` holds (its recipe, its overrides, its other fields; the
-        facts and the recipe's resolved fields are left), with ``run``'s run fields; checked again."""
+        facts and the recipe's resolved fields are left), with ``run``'s run fields; checked again.
+        A loss setting recorded at the value that leaving it out gives is left out (the record
+        does not say whether the paper's value was typed; the run is the same)."""
         overrides = set(record.get("overrides") or ())
         keep = {f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("run")}
-        args = {k: v for k, v in record.items() if k in keep and (k not in RECIPE_FIELDS or k in overrides)}
+        paper = {k: d.value if record.get("loss", "mars") == "mars" else None for k, d in LOSS_DEFAULTS.items()}
+        left_out = {**paper, "crf_params": paper["crf_params"] if record.get("refine") is not None else None}
+        args = {k: v for k, v in record.items() if k in keep and (k not in RECIPE_FIELDS or k in overrides)
+                and not (k in left_out and v == left_out[k])}
         for k in ("lr_mults", "decay"):
             if k in args:
                 args[k] = tuple(args[k])
@@ -283,7 +306,7 @@ class TrainSettings:
     @classmethod
     def from_args(cls, args: Any, num_classes: int) -> "TrainSettings":
         """``mars train``'s parsed arguments (argparse's namespace) -> the record (a flag left
-        out, None, is the recipe's)."""
+        out, None, is the recipe's; a loss flag left out, its ``PaperDefault``, the paper's)."""
         return cls(
             num_classes=num_classes, recipe=args.recipe, weights=args.weights, loss=args.loss, refine=args.refine,
             crf_params=args.crf_params, ema=args.ema, seed=args.seed, amp=not args.no_amp,
@@ -330,7 +353,8 @@ def missing_piece(s: TrainSettings) -> Optional[str]:
 
 
 #: The defaults of ``mars train`` that are not the recipe's (those are :data:`RECIPE_FIELDS`).
-TRAIN_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainSettings)
+TRAIN_DEFAULTS: Dict[str, Any] = {f.name: f.default.value if isinstance(f.default, PaperDefault) else f.default
+                                  for f in dataclasses.fields(TrainSettings)
                                   if f.init and f.name not in RECIPE_FIELDS and not f.metadata.get("run")}
 
 
@@ -401,9 +425,10 @@ def _add_network_flags(p: argparse.ArgumentParser) -> None:
                         "weights-only; default: random initialisation")
     p.add_argument("--loss", choices=("mars", "ce"), default="mars",
                    help="mars: EMA teacher + complement + WCE on debiased labels; ce: plain CE (the baseline)")
-    p.add_argument("--refine", choices=("crf", "none"), default="crf",
+    p.add_argument("--refine", choices=("crf", "none"), default=LOSS_DEFAULTS["refine"],
                    help="the teacher's refinement (the paper: the dense CRF, on the batch, on the device)")
-    p.add_argument("--crf-params", type=crf_params_argument, default="mars", help="dense-CRF preset or JSON dict (see debias)")
+    p.add_argument("--crf-params", type=crf_params_argument, default=LOSS_DEFAULTS["crf_params"],
+                   help="dense-CRF preset or JSON dict (see debias)")
 
 
 def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
@@ -438,7 +463,7 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """The teacher's momentum, the seed, and how the run goes."""
-    p.add_argument("--ema", type=T.ema, default=0.999, help="teacher EMA momentum (the paper: 0.999)")
+    p.add_argument("--ema", type=T.ema, default=LOSS_DEFAULTS["ema"], help="teacher EMA momentum (the paper: 0.999)")
     p.add_argument("--seed", type=T.seed, default=0, help="seed of the initialisation, the data order and the "
                                                           "augmentation")
     p.add_argument("--no-amp", action="store_true", help="float32 on CUDA (AMP is on by default there)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -9,7 +10,18 @@ import torch.nn as nn
 
 from mars_plugin._checks import check_fraction, describe
 
-__all__ = ["EMATeacher"]
+__all__ = ["EMATeacher", "frozen_teacher_warning"]
+
+
+def frozen_teacher_warning(momentum: float, stacklevel: int = 3) -> None:
+    """Warn (``UserWarning``, once per call) where ``momentum`` is 1: such a teacher never moves
+    from the weights it was copied from (at the start of training: a random initialisation), so
+    it teaches what the student was, not what it learns. Not an error: a frozen teacher is a
+    legitimate tool (a fixed reference network, tests), but never the paper's 0.999."""
+    if momentum == 1.0:
+        warnings.warn("EMA momentum 1: the teacher never moves from the weights it was copied from (at the start of "
+                      "training, a random initialisation); the paper's momentum is 0.999", UserWarning,
+                      stacklevel=stacklevel)
 
 
 class EMATeacher(nn.Module):
@@ -23,7 +35,9 @@ class EMATeacher(nn.Module):
 
     Args:
         model: the student network (deep-copied).
-        momentum: EMA momentum m in [0, 1]; 0.999 by default.
+        momentum: EMA momentum m in [0, 1]; 0.999 by default. 1 keeps the teacher at the
+            student's weights of now for ever: allowed (a frozen reference), with a
+            ``UserWarning`` (:func:`frozen_teacher_warning`).
     """
 
     def __init__(self, model: nn.Module, momentum: float = 0.999) -> None:
@@ -31,6 +45,7 @@ class EMATeacher(nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {describe(model)}")
         self.momentum = check_fraction(momentum, "momentum", low_open=False)
+        frozen_teacher_warning(self.momentum)  # pointing at the caller's line
         self.module = copy.deepcopy(model)
         for p in self.module.parameters():
             p.requires_grad_(False)
