@@ -137,7 +137,8 @@ def main():
                                  "--output-stride", args.output_stride, "--iterations", str(args.iterations),
                                  "--batch-size", str(args.batch_size), "--crop", str(s), "--min-size", str(s - 8),
                                  "--max-size", str(s + 16), "--optimizer", args.optimizer, "--lr", args.lr,
-                                 "--weight-decay", args.weight_decay, "--ema", args.ema, "--seed", seed,
+                                 "--weight-decay", args.weight_decay, "--seed", seed,
+                                 *(["--ema", args.ema] if loss == "mars" else []),  # CE has no teacher
                                  "--workers", "0", "--no-progress", "--threads", args.threads,
                                  "--device", args.device, "--save-every", str(args.iterations)]) == 0
                 t_train = time.perf_counter() - t0

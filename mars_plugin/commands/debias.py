@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -438,16 +439,54 @@ def _debias_in_processes(config: Dict[str, Any], batches: List[List[str]], worke
     # "broken" and every pending result raises, where a Pool replaces the worker and waits
     # forever for the result the dead one held.
     pool = process_pool(workers, _debias_init, (config,))
+    futures = [pool.submit(_debias_batch, b) for b in batches]
+    handed = [0]  # results given to consume, in order
+
+    def results(skip: int = 0, finished_only: bool = False) -> Iterator[_Result]:
+        for f in futures:
+            if finished_only and not (f.done() and not f.cancelled() and f.exception() is None):
+                return
+            for r in f.result():
+                if skip:
+                    skip -= 1
+                    continue
+                handed[0] += 1
+                yield r
+
+    started = time.time()
+
+    def settle_finished() -> None:
+        # After a Ctrl-C the workers stop (shutdown: their grace, then killed); what they finished
+        # is written whole: recorded too (as IOPipeline.settled does for threads), so the line
+        # counts it and a rerun keeps it. A file a worker wrote whose result never came back
+        # (stopped in between) is whole too (atomic writes): counted, not recorded.
+        pool.shutdown(wait=True, cancel_futures=True)
+        consume(results(skip=handed[0], finished_only=True))
+        rest = [stem for batch in batches for stem in batch][handed[0]:]
+        _interrupt.wrote(sum(1 for stem in rest if _written_since(_out_path(config, stem), started)))
+
     try:
-        consume(r for batch in pool.map(_debias_batch, batches) for r in batch)
+        consume(results())
+    except KeyboardInterrupt:
+        settle_finished()
+        raise
     except BrokenProcessPool:
         if _interrupt.requested():  # a worker killed after a Ctrl-C: the interrupt, not a crash
+            settle_finished()
             raise KeyboardInterrupt from None
         raise JobError(f"a --workers process died (killed, out of memory, or crashed); "
                        f"{summary.done} images were written and a new run resumes after them") from None
     finally:
         # Do not wait for batches nobody will read (an error stops the run).
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _written_since(path: Path, started: float) -> bool:
+    """Whether ``path`` was written (renamed into place) at or after ``started`` (time.time())."""
+    try:
+        return path.stat().st_mtime >= started
+    except OSError:
+        return False
 
 
 def run_debias_command(args: argparse.Namespace) -> JobSummary:

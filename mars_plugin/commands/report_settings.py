@@ -93,3 +93,8 @@ API = "mars_plugin.commands.report:report_job"
 #: flag dest -> Python keyword, where the names differ (--class-names: the file, read into the names)
 FLAG_KEYWORDS = {"labels": "labels_dir", "debiased": "debiased_dir", "images": "images_dir", "out": "out_dir",
                  "no_progress": "progress", "gt": "gt_dir"}
+#: keywords no flag sets
+PYTHON_ONLY = {
+    "html": "report.html's extras as one HtmlExtras record: the command line fills its gt_dir and centroids from "
+            "--gt and --centroids; its scores and title are what mars demo and mars reproduce pass",
+}
